@@ -1,0 +1,237 @@
+"""Trainer config schema (SFT today; the RL trainer extends it). Pydantic only: no torch here, so the
+launcher validates a whole run, and `sft --dry-run` resolves one, without importing the trainer.
+
+Names follow the user docs (scaling.md): `model.dp_replicate`, `model.reshard_after_forward`,
+`model.offload`, `model.fused_lm_head_token_chunk_size`, `data.type = "fake"`, `optim.type = "sign_sgd"`,
+`max_steps`. Checks that need the world size or the model's files (divisibility of the batch, the model
+directory, the tokenizer) run at trainer start-up, before any heavy work.
+"""
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from prime_rl.common.config.base import BaseConfig
+
+
+class CompileConfig(BaseConfig):
+    """torch.compile applied to each transformer block (regional compile: fast to build, same speed)."""
+
+    fullgraph: bool = True
+    """Compile each block as one graph (fails loudly on a graph break instead of silently slowing down)."""
+
+
+class ModelConfig(BaseConfig):
+    """The model and how it is laid out across GPUs."""
+
+    name: str
+    """Local Hugging Face model directory (config.json, *.safetensors, tokenizer files)."""
+
+    attn: str = "auto"
+    """Attention implementation passed to the model builder ("auto" picks the fastest available)."""
+
+    dp_replicate: int = Field(1, ge=1)
+    """Data-parallel replicas (HSDP): the world is a (dp_replicate, dp_shard) mesh; FSDP shards within a replica."""
+
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (re-gathered in backward); false keeps them: faster, more memory."""
+
+    offload: Literal["none", "optimizer", "full"] = "none"
+    """CPU offload: "optimizer" keeps optimizer state on CPU between steps; "full" is not implemented yet."""
+
+    fused_lm_head_token_chunk_size: int | Literal["disabled"] = 8192
+    """Tokens per chunk of the fused LM head + log-softmax kernel; "disabled" materializes the full logits."""
+
+    compile: CompileConfig | None = None
+    """torch.compile each transformer block (`--model.compile` to enable with defaults)."""
+
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradient reduce-scatter / all-reduce (parameters compute in bf16, masters stay fp32)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.offload == "full":
+            raise ValueError(
+                'model.offload="full" (CPU optimizer during backward) is not implemented yet; '
+                'use "optimizer" (state on CPU between steps) or "none"'
+            )
+        if isinstance(self.fused_lm_head_token_chunk_size, int) and self.fused_lm_head_token_chunk_size < 1:
+            raise ValueError(
+                f"model.fused_lm_head_token_chunk_size={self.fused_lm_head_token_chunk_size} must be >= 1 "
+                'or "disabled"'
+            )
+        return self
+
+
+class _DataBase(BaseConfig):
+    seq_len: int = Field(2048, ge=2)
+    """Tokens per packed row; samples are packed into rows of exactly this length (padding is masked)."""
+
+    batch_size: int = Field(8, ge=1)
+    """Packed rows per optimizer step, over all data-parallel ranks."""
+
+    micro_batch_size: int = Field(1, ge=1)
+    """Packed rows per forward pass on one rank; the rest of a step is gradient accumulation."""
+
+    seed: int = 0
+    """Seed for shuffling (SFT) or random tokens (fake)."""
+
+
+class SFTDataConfig(_DataBase):
+    """Chat conversations from a local file; loss on assistant tokens only."""
+
+    type: Literal["sft"] = "sft"
+
+    path: Path
+    """A .jsonl or .parquet file with a `messages` column of [{"role": ..., "content": ...}, ...]."""
+
+    shuffle: bool = True
+    """Shuffle samples each epoch (with `seed + epoch`) before packing."""
+
+
+class FakeDataConfig(_DataBase):
+    """Random tokens for benchmarking: no files, loss on every token."""
+
+    type: Literal["fake"] = "fake"
+
+    min_sample_len: int | None = Field(None, ge=2)
+    """Shortest fake sample; None means every sample fills a whole row (seq_len tokens)."""
+
+    max_sample_len: int | None = Field(None, ge=2)
+    """Longest fake sample (defaults to seq_len); lengths are uniform in [min_sample_len, max_sample_len]."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "FakeDataConfig":
+        lo = self.min_sample_len or self.seq_len
+        hi = self.max_sample_len or self.seq_len
+        if not lo <= hi <= self.seq_len:
+            raise ValueError(
+                f"fake sample lengths need min_sample_len ({lo}) <= max_sample_len ({hi}) <= seq_len "
+                f"({self.seq_len}); lower the sample lengths or raise data.seq_len"
+            )
+        return self
+
+
+DataConfig = Annotated[SFTDataConfig | FakeDataConfig, Field(discriminator="type")]
+
+
+class AdamWConfig(BaseConfig):
+    """AdamW with decoupled weight decay."""
+
+    type: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-5, ge=0)
+    """Peak learning rate (after warmup)."""
+    weight_decay: float = Field(0.01, ge=0)
+    """Decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam (beta1, beta2)."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    max_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; None disables clipping (the norm is still logged)."""
+
+
+class SignSGDConfig(BaseConfig):
+    """SignSGD: p -= lr * sign(g); stateless, so it needs no optimizer memory."""
+
+    type: Literal["sign_sgd"] = "sign_sgd"
+    lr: float = Field(1e-5, ge=0)
+    """Peak learning rate (after warmup)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay."""
+    max_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm before taking the sign; None disables clipping."""
+
+
+OptimizerConfig = Annotated[AdamWConfig | SignSGDConfig, Field(discriminator="type")]
+
+
+class ConstantSchedulerConfig(BaseConfig):
+    """Linear warmup, then a constant learning rate."""
+
+    type: Literal["constant"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup from 0 to the peak learning rate."""
+
+
+class CosineSchedulerConfig(BaseConfig):
+    """Linear warmup, then cosine decay to `min_lr_ratio * lr` at `max_steps`."""
+
+    type: Literal["cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup from 0 to the peak learning rate."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final learning rate as a fraction of the peak."""
+
+
+SchedulerConfig = Annotated[ConstantSchedulerConfig | CosineSchedulerConfig, Field(discriminator="type")]
+
+
+class CheckpointConfig(BaseConfig):
+    """Distributed (DCP) checkpoints of model, optimizer, scheduler and step; Hugging Face export."""
+
+    interval: int | None = Field(None, ge=1)
+    """Save a checkpoint every this many steps (and at the last step); None saves none."""
+
+    keep_last: int | None = Field(None, ge=1)
+    """Keep only the newest this many checkpoints; None keeps all."""
+
+    resume_step: int | Literal["latest"] | None = None
+    """Resume from checkpoints/step_<N>; "latest" picks the newest one (or starts fresh if there is none)."""
+
+    export_hf: bool = True
+    """At the end of training write Hugging Face safetensors + config + tokenizer to <run_dir>/weights/step_<N>."""
+
+
+class SingleNodeDeploymentConfig(BaseConfig):
+    """All trainer ranks on this machine, launched by `sft` through torchrun."""
+
+    type: Literal["single_node"] = "single_node"
+
+    num_gpus: int | None = Field(None, ge=1)
+    """Processes to launch (one per GPU; gloo processes on a CPU machine). None: $WORLD_SIZE or 1."""
+
+
+class SFTConfig(BaseConfig):
+    """Supervised fine-tuning with FSDP2 on packed sequences."""
+
+    model: ModelConfig
+    """The model and its parallel layout."""
+
+    data: DataConfig
+    """Training data: `type = "sft"` (chat file) or `type = "fake"` (random tokens)."""
+
+    optim: OptimizerConfig = AdamWConfig()
+    """Optimizer: `type = "adamw"` or `"sign_sgd"`."""
+
+    scheduler: SchedulerConfig = ConstantSchedulerConfig()
+    """Learning-rate schedule: `type = "constant"` or `"cosine"`."""
+
+    ckpt: CheckpointConfig = CheckpointConfig()
+    """Checkpointing and resume."""
+
+    deployment: SingleNodeDeploymentConfig = SingleNodeDeploymentConfig()
+    """Where the trainer ranks run."""
+
+    max_steps: int = Field(100, ge=1)
+    """Optimizer steps to train for."""
+
+    output_dir: Path = Path("outputs")
+    """Parent of the run directory."""
+
+    run_name: str = "sft"
+    """Run directory name: everything goes to <output_dir>/<run_name>."""
+
+    seed: int = 0
+    """Seed for weight init of fresh parameters and for any randomness in training."""
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Console log level (rank 0)."""
+
+    dry_run: bool = False
+    """Write the resolved config to <run_dir>/configs/trainer.toml and exit."""
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.run_name
