@@ -1,0 +1,330 @@
+"""ZeroMQ transport for wire messages: a msgpack header frame plus one zero-copy frame per array.
+
+A message on the wire is the multipart ``[envelope, array_0, array_1, ...]`` where the envelope is
+``wire.encode_header(message, specs)`` and ``specs[k]`` (name, dtype, shape) describes ``array_k``.
+
+- ``Sender`` / ``Receiver``: PUSH / PULL for batches (orchestrator -> trainer rank). Either side may
+  bind; by default the receiver binds (a trainer rank owns its endpoint) and the sender connects.
+- ``ControlClient`` / ``ControlServer``: REQ / REP for control requests (pause, load weights, ...).
+
+Design decisions:
+- Zero copy both ways: arrays are handed to ZeroMQ with ``copy=False`` (do not mutate an array until
+  the next send returns), and received arrays are ``np.frombuffer`` views over the received frames.
+- Every send and receive has a timeout (``None`` waits forever) and raises ``TimeoutError`` naming the
+  endpoint and the timeout. The sender sets ZMQ_IMMEDIATE so "no receiver connected" is a timeout
+  instead of a message silently parked in a queue.
+- A malformed message or one with another schema version never kills a receiver: ``Receiver`` logs
+  it, counts it in ``num_rejected`` and waits for the next one; ``ControlServer`` answers it with
+  ``ControlReply(ok=False, error=...)``. A handler exception is also turned into an error reply.
+- ``ControlClient`` follows ZeroMQ's "lazy pirate" pattern: after a timeout the REQ socket is
+  stuck mid-exchange, so it is closed and reopened.
+
+Left out: encryption/auth (the processes of one run trust each other on a private network),
+asyncio sockets (run ``ControlServer.serve_forever`` in a thread next to an event loop).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import zmq
+
+from prime_rl.common.wire import (
+    MESSAGE_TYPES,
+    ControlReply,
+    Message,
+    TensorSpec,
+    WireError,
+    decode_header,
+    encode_header,
+)
+
+logger = logging.getLogger(__name__)
+
+_BYTE_FREE_DTYPES = ("O", "V", "U", "S", "M", "m")  # kinds numpy cannot rebuild safely from raw bytes
+
+
+class _Unset(enum.Enum):
+    UNSET = 0
+
+
+_UNSET = _Unset.UNSET  # "use the instance's timeout_s" (None already means "wait forever")
+
+
+class Received(NamedTuple):
+    """A received message and its arrays (read-only views over the received frames)."""
+
+    message: Message
+    arrays: dict[str, np.ndarray]
+
+
+def _ms(timeout_s: float | None) -> int:
+    return -1 if timeout_s is None else max(0, int(timeout_s * 1000))
+
+
+def _as_frame(name: str, array: np.ndarray) -> tuple[TensorSpec, memoryview]:
+    array = np.asarray(array)
+    if array.dtype.kind in _BYTE_FREE_DTYPES:
+        raise TypeError(f"array {name!r} has dtype {array.dtype}; only numeric and bool arrays can be sent as frames")
+    if not array.flags.c_contiguous:
+        array = array.copy(order="C")  # the only copy on the send path; pass contiguous arrays to avoid it
+    return TensorSpec.of(name, array), memoryview(array.reshape(-1).view(np.uint8))  # flat byte view, no copy
+
+
+def encode_frames(message: Message, arrays: Mapping[str, np.ndarray] | None = None) -> list[bytes | memoryview]:
+    """Multipart frames for ``message`` and its named arrays (the arrays are not copied)."""
+    specs: list[TensorSpec] = []
+    buffers: list[memoryview] = []
+    for name, array in (arrays or {}).items():
+        spec, buffer = _as_frame(name, array)
+        specs.append(spec)
+        buffers.append(buffer)
+    return [encode_header(message, specs), *buffers]
+
+
+def decode_frames(frames: Sequence[zmq.Frame | bytes], types: Sequence[type[Message]] = MESSAGE_TYPES) -> Received:
+    """Inverse of ``encode_frames``; raises ``WireError`` (or ``SchemaVersionError``) on any mismatch."""
+    if not frames:
+        raise WireError("empty multipart message")
+    buffers = [f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames]
+    message, specs = decode_header(buffers[0], types)
+    if len(specs) != len(buffers) - 1:
+        raise WireError(
+            f"{type(message).__name__}: header describes {len(specs)} frames but {len(buffers) - 1} arrived"
+        )
+    arrays: dict[str, np.ndarray] = {}
+    for spec, buffer in zip(specs, buffers[1:]):
+        try:
+            dtype = np.dtype(spec.dtype)
+        except TypeError as e:
+            raise WireError(f"frame {spec.name!r}: unknown dtype {spec.dtype!r}") from e
+        if dtype.kind in _BYTE_FREE_DTYPES or any(d < 0 for d in spec.shape):
+            raise WireError(f"frame {spec.name!r}: cannot rebuild dtype {spec.dtype!r} shape {spec.shape}")
+        if spec.num_bytes != buffer.nbytes:
+            raise WireError(
+                f"frame {spec.name!r}: {spec.dtype}{spec.shape} needs {spec.num_bytes} bytes, frame has {buffer.nbytes}"
+            )
+        if spec.name in arrays:
+            raise WireError(f"frame name {spec.name!r} appears twice in one message")
+        array = np.frombuffer(buffer, dtype=dtype).reshape(spec.shape)
+        array.flags.writeable = False  # a view over ZeroMQ's buffer: copy (np.array) before mutating
+        arrays[spec.name] = array
+    return Received(message, arrays)
+
+
+class _Socket:
+    """A ZeroMQ socket with an endpoint, bind-or-connect, and context-manager closing."""
+
+    def __init__(self, kind: int, endpoint: str, bind: bool, context: zmq.Context | None, linger_s: float) -> None:
+        self.endpoint = endpoint
+        self.bind = bind
+        self._kind = kind
+        self._context = context or zmq.Context.instance()
+        self._linger_ms = _ms(linger_s)
+        self._socket = self._open()
+
+    def _configure(self, socket: zmq.Socket) -> None:
+        """Hook for socket options that must be set before bind/connect."""
+
+    def _open(self) -> zmq.Socket:
+        socket = self._context.socket(self._kind)
+        socket.setsockopt(zmq.LINGER, self._linger_ms)
+        self._configure(socket)
+        try:
+            if self.bind:
+                socket.bind(self.endpoint)
+                # With "tcp://host:0" ZeroMQ picks a free port; expose the real one.
+                self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                socket.connect(self.endpoint)
+        except zmq.ZMQError as e:
+            socket.close(linger=0)
+            verb = "bind" if self.bind else "connect"
+            raise OSError(f"cannot {verb} {self.endpoint!r}: {e}; pick a free port / a valid endpoint") from e
+        return socket
+
+    def close(self) -> None:
+        self._socket.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Sender(_Socket):
+    """PUSH side: ``send(message, arrays)``. Connects by default."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        bind: bool = False,
+        timeout_s: float | None = 60.0,
+        context: zmq.Context | None = None,
+        linger_s: float = 5.0,
+    ) -> None:
+        self.timeout_s = timeout_s
+        super().__init__(zmq.PUSH, endpoint, bind, context, linger_s)
+
+    def _configure(self, socket: zmq.Socket) -> None:
+        socket.setsockopt(zmq.IMMEDIATE, 1)  # no peer => block (and time out), don't queue blindly
+
+    def send(
+        self,
+        message: Message,
+        arrays: Mapping[str, np.ndarray] | None = None,
+        timeout_s: float | None | _Unset = _UNSET,
+    ) -> None:
+        """Send ``message`` with ``arrays`` as zero-copy frames; raise ``TimeoutError`` if no peer takes it."""
+        timeout = self.timeout_s if timeout_s is _UNSET else timeout_s
+        frames = encode_frames(message, arrays)
+        if not self._socket.poll(_ms(timeout), zmq.POLLOUT):
+            raise TimeoutError(
+                f"send of {type(message).__name__} to {self.endpoint} timed out after {timeout}s: "
+                "no receiver is connected or its queue is full; start the receiver or raise timeout_s"
+            )
+        # ZeroMQ takes a multipart message atomically once the first frame is accepted.
+        self._socket.send_multipart(frames, copy=False)
+
+
+class Receiver(_Socket):
+    """PULL side: ``recv() -> Received``. Binds by default. Refused messages are logged and skipped."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        bind: bool = True,
+        timeout_s: float | None = None,
+        types: Sequence[type[Message]] = MESSAGE_TYPES,
+        context: zmq.Context | None = None,
+        linger_s: float = 0.0,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.types = tuple(types)
+        self.num_rejected = 0
+        """Messages refused so far (malformed, other schema version)."""
+        self.last_error: str | None = None
+        """Why the last refused message was refused."""
+        super().__init__(zmq.PULL, endpoint, bind, context, linger_s)
+
+    def recv(self, timeout_s: float | None | _Unset = _UNSET) -> Received:
+        """Next well-formed message; raises ``TimeoutError`` when none arrives within the timeout."""
+        timeout = self.timeout_s if timeout_s is _UNSET else timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._socket.poll(_ms(remaining), zmq.POLLIN):
+                raise TimeoutError(
+                    f"no message on {self.endpoint} within {timeout}s; is the sender running and connected here?"
+                )
+            frames = self._socket.recv_multipart(copy=False)
+            try:
+                return decode_frames(frames, self.types)
+            except WireError as e:
+                self.num_rejected += 1
+                self.last_error = str(e)
+                logger.error("refused a message on %s: %s", self.endpoint, e)
+
+
+Handler = Callable[[Message, dict[str, np.ndarray]], Message]
+"""A control handler: (request, arrays) -> reply message."""
+
+
+class ControlServer(_Socket):
+    """REP side of control requests. Every request gets exactly one reply, errors included."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        bind: bool = True,
+        types: Sequence[type[Message]] = MESSAGE_TYPES,
+        context: zmq.Context | None = None,
+        linger_s: float = 1.0,
+    ) -> None:
+        self.types = tuple(types)
+        self.num_rejected = 0
+        """Requests refused (malformed, other schema version) or whose handler raised."""
+        super().__init__(zmq.REP, endpoint, bind, context, linger_s)
+
+    def serve_once(self, handler: Handler, timeout_s: float | None = None) -> bool:
+        """Handle one request if one arrives within ``timeout_s``; return whether one was handled."""
+        if not self._socket.poll(_ms(timeout_s), zmq.POLLIN):
+            return False
+        frames = self._socket.recv_multipart(copy=False)
+        try:
+            request = decode_frames(frames, self.types)
+        except WireError as e:
+            self.num_rejected += 1
+            logger.error("refused a control request on %s: %s", self.endpoint, e)
+            reply: Message = ControlReply(ok=False, error=f"refused request: {e}")
+        else:
+            try:
+                reply = handler(request.message, request.arrays)
+            except Exception as e:  # the server must outlive a failing handler; the client gets the reason
+                self.num_rejected += 1
+                logger.exception("control handler failed on %s for %s", self.endpoint, type(request.message).__name__)
+                reply = ControlReply(
+                    ok=False, error=f"{type(request.message).__name__} failed: {type(e).__name__}: {e}"
+                )
+        self._socket.send_multipart(encode_frames(reply), copy=False)
+        return True
+
+    def serve_forever(self, handler: Handler, stop: threading.Event, poll_s: float = 0.1) -> None:
+        """Serve until ``stop`` is set (checked every ``poll_s``)."""
+        while not stop.is_set():
+            self.serve_once(handler, timeout_s=poll_s)
+
+
+class ControlClient(_Socket):
+    """REQ side: ``request(message) -> reply``. Reopens its socket after a timeout (lazy pirate)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float | None = 60.0,
+        types: Sequence[type[Message]] = MESSAGE_TYPES,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.types = tuple(types)
+        super().__init__(zmq.REQ, endpoint, False, context, linger_s=0.0)
+
+    def request(
+        self,
+        message: Message,
+        arrays: Mapping[str, np.ndarray] | None = None,
+        timeout_s: float | None | _Unset = _UNSET,
+    ) -> Message:
+        """Send a request and wait for its reply; ``TimeoutError`` if the server does not answer in time."""
+        timeout = self.timeout_s if timeout_s is _UNSET else timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        frames = encode_frames(message, arrays)
+        if not self._socket.poll(_ms(timeout), zmq.POLLOUT):
+            self._reopen()
+            raise TimeoutError(
+                f"control request {type(message).__name__} to {self.endpoint} not sent within {timeout}s"
+            )
+        self._socket.send_multipart(frames, copy=False)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._socket.poll(_ms(remaining), zmq.POLLIN):
+            self._reopen()
+            raise TimeoutError(
+                f"no reply to {type(message).__name__} from {self.endpoint} within {timeout}s; "
+                "is the server running there?"
+            )
+        return decode_frames(self._socket.recv_multipart(copy=False), self.types).message
+
+    def _reopen(self) -> None:
+        self._socket.close(linger=0)
+        self._socket = self._open()

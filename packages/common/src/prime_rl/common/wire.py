@@ -1,0 +1,368 @@
+"""Every message that crosses a process boundary in prime-rl.
+
+Design decisions:
+- One module, msgspec Structs in the vLLM v1 style: ``array_like=True`` (positional, compact),
+  ``omit_defaults=True``, ``gc=False`` (no cycles, cheaper to allocate) and ``tag=True`` (the class
+  name travels first, so one decoder takes the ``Message`` union). New fields are appended LAST and
+  get a default, so an older peer's positional encoding still decodes.
+- The schema version is NOT a struct field: with ``omit_defaults`` a field equal to its default is
+  dropped by the sender and refilled by the receiver, which would hide a mismatch. Instead every
+  encoded message is the envelope ``[SCHEMA_VERSION, message, frame_specs]`` (see ``encode_header``);
+  the receiver reads the version first, before it tries to decode a body it may not understand, and
+  refuses another version with a ``SchemaVersionError`` that names both versions.
+- Tensors never go inside the msgpack body. A message refers to them by ``TensorSpec`` (name, dtype,
+  shape); the arrays travel as separate zero-copy ZeroMQ frames, frame k described by
+  ``frame_specs[k]`` in the envelope (see ``prime_rl.common.transport``). ``TensorSpec.name`` is the
+  key under which the receiver finds the array.
+- Bump ``SCHEMA_VERSION`` whenever a change is not append-only (a field removed, reordered or
+  retyped, a message renamed).
+
+Left out: compression (loopback / RDMA-class links are faster than any codec here) and pickle (never).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION: int = 1
+"""Version of every message in this module; peers with another version are refused."""
+
+
+class WireError(ValueError):
+    """A message could not be decoded: malformed bytes, unknown tag, wrong frames."""
+
+
+class SchemaVersionError(WireError):
+    """The peer speaks another ``SCHEMA_VERSION``."""
+
+
+class _Struct(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Base options for every wire struct (not itself a message)."""
+
+
+class Message(_Struct, tag=True):
+    """Base of every top-level message; the tag (class name) is what a union decoder dispatches on."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------------------------
+
+
+class TensorSpec(_Struct):
+    """Describes one array that travels as its own zero-copy frame (or over a weight transport)."""
+
+    name: str
+    """Key of the array; unique within one message."""
+    dtype: str
+    """numpy dtype string, e.g. "int32", "float32", "bool"; "bfloat16" only for weight specs."""
+    shape: list[int]
+    """Array shape."""
+
+    @classmethod
+    def of(cls, name: str, array: np.ndarray) -> TensorSpec:
+        return cls(name=name, dtype=array.dtype.name, shape=list(array.shape))
+
+    @property
+    def num_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+# ---------------------------------------------------------------------------------------------
+# Orchestrator -> trainer
+# ---------------------------------------------------------------------------------------------
+
+MICRO_BATCH_DTYPES: dict[str, np.dtype] = {
+    "input_ids": np.dtype(np.int32),
+    "position_ids": np.dtype(np.int32),
+    "loss_mask": np.dtype(np.bool_),
+    "advantages": np.dtype(np.float32),
+    "inference_logprobs": np.dtype(np.float32),
+}
+"""Required dtype of each micro-batch array; all five share one shape, ``[seq_len]`` or ``[B, seq_len]``."""
+
+
+class MicroBatch(_Struct):
+    """Header of one packed micro-batch; the arrays are frames named by the specs."""
+
+    input_ids: TensorSpec
+    """int32 token ids, samples packed back to back."""
+    position_ids: TensorSpec
+    """int32 positions, reset to 0 at every sample start (document masking derives from this)."""
+    loss_mask: TensorSpec
+    """bool: True where the token is a completion token that contributes to the loss."""
+    advantages: TensorSpec
+    """float32 per-token advantage."""
+    inference_logprobs: TensorSpec
+    """float32 logprob of each token under the inference policy that sampled it (0 for prompt tokens)."""
+    temperature: float
+    """Sampling temperature the rollouts used; the trainer divides logits by it."""
+
+    def specs(self) -> list[TensorSpec]:
+        return [getattr(self, field) for field in MICRO_BATCH_DTYPES]
+
+
+class TrainingBatch(Message):
+    """One optimizer step's worth of micro-batches for one trainer data-parallel rank."""
+
+    step: int
+    """Trainer step this batch is for."""
+    policy_version: int
+    """Newest policy version that produced any rollout in the batch."""
+    micro_batches: list[MicroBatch]
+    """Micro-batches to accumulate gradients over, in order."""
+    metrics: dict[str, float] = {}
+    """Orchestrator-side metrics for this step (reward/*, seq_len/*, ...), logged by the trainer."""
+
+
+def build_micro_batch(
+    prefix: str,
+    *,
+    input_ids: np.ndarray,
+    position_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    advantages: np.ndarray,
+    inference_logprobs: np.ndarray,
+    temperature: float,
+) -> tuple[MicroBatch, dict[str, np.ndarray]]:
+    """Validate five arrays and return the header plus ``{frame name: array}`` to send with it.
+
+    ``prefix`` makes frame names unique inside a ``TrainingBatch`` (e.g. ``"mb3"`` -> ``"mb3/input_ids"``).
+    Arrays are cast to the wire dtype only when they differ (a cast is a copy).
+    """
+    given = {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "loss_mask": loss_mask,
+        "advantages": advantages,
+        "inference_logprobs": inference_logprobs,
+    }
+    shape = np.shape(input_ids)
+    arrays: dict[str, np.ndarray] = {}
+    specs: dict[str, TensorSpec] = {}
+    for field, dtype in MICRO_BATCH_DTYPES.items():
+        array = np.ascontiguousarray(given[field], dtype=dtype)
+        if array.shape != shape:
+            raise WireError(
+                f"micro-batch {prefix!r}: {field} has shape {array.shape} but input_ids has {shape}; "
+                "all five arrays must share one shape ([seq_len] or [B, seq_len])"
+            )
+        name = f"{prefix}/{field}"
+        arrays[name] = array
+        specs[field] = TensorSpec.of(name, array)
+    return MicroBatch(**specs, temperature=float(temperature)), arrays
+
+
+def build_training_batch(
+    step: int,
+    policy_version: int,
+    micro_batches: Sequence[Mapping[str, np.ndarray]],
+    temperature: float,
+    metrics: Mapping[str, float] | None = None,
+) -> tuple[TrainingBatch, dict[str, np.ndarray]]:
+    """A ``TrainingBatch`` plus its frames from micro-batches given as ``{field: array}`` dicts.
+
+    Each dict holds the five ``MICRO_BATCH_DTYPES`` fields; frame names are ``mb<i>/<field>``.
+    """
+    headers: list[MicroBatch] = []
+    arrays: dict[str, np.ndarray] = {}
+    for i, fields in enumerate(micro_batches):
+        missing = set(MICRO_BATCH_DTYPES) - set(fields)
+        if missing:
+            raise WireError(f"micro-batch {i} lacks {sorted(missing)}; each needs {list(MICRO_BATCH_DTYPES)}")
+        header, frames = build_micro_batch(
+            f"mb{i}", **{field: fields[field] for field in MICRO_BATCH_DTYPES}, temperature=temperature
+        )
+        headers.append(header)
+        arrays.update(frames)
+    batch = TrainingBatch(
+        step=step,
+        policy_version=policy_version,
+        micro_batches=headers,
+        metrics={k: float(v) for k, v in (metrics or {}).items()},
+    )
+    return batch, arrays
+
+
+def micro_batch_arrays(micro_batch: MicroBatch, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The five arrays of a received micro-batch, keyed by field name, checked against its specs."""
+    out: dict[str, np.ndarray] = {}
+    for field, dtype in MICRO_BATCH_DTYPES.items():
+        spec: TensorSpec = getattr(micro_batch, field)
+        if spec.name not in arrays:
+            raise WireError(f"micro-batch field {field}: frame {spec.name!r} missing; got {sorted(arrays)[:8]}")
+        array = arrays[spec.name]
+        if array.dtype != dtype or list(array.shape) != spec.shape:
+            raise WireError(
+                f"micro-batch field {field}: frame {spec.name!r} is {array.dtype}{list(array.shape)}, "
+                f"expected {dtype}{spec.shape}"
+            )
+        out[field] = array
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Inference control plane (orchestrator / trainer -> inference server)
+# ---------------------------------------------------------------------------------------------
+
+
+class PauseRequest(Message):
+    """Stop scheduling new generation (e.g. before a weight update)."""
+
+    mode: str = "wait"
+    """What happens to in-flight requests: "abort", "wait" (let them finish) or "keep" (freeze them)."""
+
+
+class ResumeRequest(Message):
+    """Resume generation after a pause."""
+
+
+class LoadWeightsRequest(Message):
+    """Load weights from a directory (filesystem transport: broadcasts/step_<n>/)."""
+
+    path: str
+    """Directory holding the safetensors files (and the atomic-completion marker)."""
+    version: int
+    """Policy version these weights are; reported back in ControlReply.weight_version."""
+
+
+class InitBroadcastRequest(Message):
+    """Join a collective group with the trainer for broadcast weight transfer (nccl / gloo)."""
+
+    host: str
+    """Rendezvous host (the trainer's rank 0)."""
+    port: int
+    """Rendezvous port."""
+    world_size: int
+    """Total group size: 1 trainer sender + all inference workers."""
+    rank_offset: int
+    """Rank of this server's first worker in the group (the worker adds its local rank)."""
+    backend: str = "nccl"
+    """torch.distributed backend: "nccl" on GPU, "gloo" on CPU."""
+
+
+class BroadcastWeightsRequest(Message):
+    """Receive one weight update over the initialized broadcast group."""
+
+    version: int
+    """Policy version of the weights being broadcast."""
+    specs: list[TensorSpec]
+    """Every tensor, in broadcast order, with its HF parameter name, dtype and shape."""
+
+
+class HealthRequest(Message):
+    """Is the server alive, and which weights does it serve?"""
+
+
+class ControlReply(Message):
+    """Answer to any control request."""
+
+    ok: bool
+    """True when the request was carried out."""
+    error: str | None = None
+    """What went wrong (value, rule, fix) when ok is False."""
+    weight_version: int = 0
+    """Policy version the server holds after handling the request."""
+
+
+class HealthReply(Message):
+    """Answer to a HealthRequest."""
+
+    ok: bool
+    """True when the engine is up and can generate."""
+    weight_version: int = 0
+    """Policy version currently served."""
+    paused: bool = False
+    """True while generation is paused."""
+    num_running: int = 0
+    """Requests currently being generated."""
+    num_waiting: int = 0
+    """Requests queued."""
+    model: str = ""
+    """Served model name."""
+
+
+# Append new messages above this line and add them here; the union decoder needs the closed set.
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    TrainingBatch,
+    PauseRequest,
+    ResumeRequest,
+    LoadWeightsRequest,
+    InitBroadcastRequest,
+    BroadcastWeightsRequest,
+    HealthRequest,
+    ControlReply,
+    HealthReply,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Envelope: [SCHEMA_VERSION, message, frame_specs]
+# ---------------------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_raw_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_int_decoder = msgspec.msgpack.Decoder(int)
+_specs_decoder = msgspec.msgpack.Decoder(list[TensorSpec])
+_message_decoders: dict[tuple[type[Message], ...], msgspec.msgpack.Decoder] = {}
+
+
+def _message_decoder(types: tuple[type[Message], ...]) -> msgspec.msgpack.Decoder:
+    decoder = _message_decoders.get(types)
+    if decoder is None:
+        union: Any = types[0]
+        for t in types[1:]:
+            union = union | t
+        decoder = _message_decoders[types] = msgspec.msgpack.Decoder(union)
+    return decoder
+
+
+def encode_header(message: Message, frame_specs: Sequence[TensorSpec] = ()) -> bytes:
+    """Encode the envelope frame: schema version, the message, and a spec per following frame."""
+    if not isinstance(message, Message):
+        raise TypeError(f"can only send prime_rl.common.wire.Message subclasses, got {type(message).__name__}")
+    return _encoder.encode((SCHEMA_VERSION, message, list(frame_specs)))
+
+
+def decode_header(
+    data: bytes | memoryview, types: Sequence[type[Message]] = MESSAGE_TYPES
+) -> tuple[Message, list[TensorSpec]]:
+    """Decode an envelope; check the version before the body. Raises WireError / SchemaVersionError."""
+    try:
+        parts = _raw_list_decoder.decode(data)
+    except msgspec.DecodeError as e:
+        raise WireError(f"malformed header ({len(data)} bytes): {e}; expected a msgpack envelope") from e
+    if len(parts) < 3:
+        raise WireError(f"malformed header: envelope has {len(parts)} parts, expected 3 (version, message, frames)")
+    try:
+        version = _int_decoder.decode(parts[0])
+    except msgspec.DecodeError as e:
+        raise WireError(f"malformed header: schema version is not an int ({e})") from e
+    if version != SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"peer speaks wire schema version {version}, this process speaks {SCHEMA_VERSION}; "
+            "run the same prime-rl-common version on both sides"
+        )
+    try:
+        message = _message_decoder(tuple(types)).decode(parts[1])
+        specs = _specs_decoder.decode(parts[2])
+    except msgspec.DecodeError as e:  # ValidationError is a DecodeError
+        raise WireError(f"malformed message: {e}") from e
+    return message, specs
+
+
+def encode(message: Message) -> bytes:
+    """Encode a message with no frames (e.g. to write it to a file)."""
+    return encode_header(message)
+
+
+def decode(data: bytes | memoryview, types: Sequence[type[Message]] = MESSAGE_TYPES) -> Message:
+    """Inverse of ``encode``; refuses frames, since a lone buffer cannot carry them."""
+    message, specs = decode_header(data, types)
+    if specs:
+        raise WireError(f"message {type(message).__name__} expects {len(specs)} frames; use the transport")
+    return message
