@@ -1,0 +1,153 @@
+"""Derive a run's state (running / finished / failed / stale) from files it leaves behind.
+
+The rule, first match wins:
+
+1. A status file written by the launcher: `logs/latest/STATUS` (or `logs/latest/status.json`,
+   `STATUS`, `status.json` in the run dir) holding JSON `{"state": "running|finished|failed"}` or
+   just the word. The launcher knows best, so this overrides everything below.
+2. failed   - a log (`logs/latest/*.log`, `logs/latest/trainer/torchrun/*.log`) contains a Python
+   traceback, the word ERROR standing alone (a log level: ` ERROR `, `[ERROR]`, `ERROR:`), or a
+   non-zero exit marker (`exit code 3`, `exited with code 1`, `exitcode: 1`, `returncode=1`,
+   torchrun's `ChildFailedError`).
+3. finished - a log says the run finished (`finished training`, `training finished`,
+   `run finished`, `run completed`, ...).
+4. running  - the metrics file, a log, or (before either exists) the run folder changed within
+   the last `stale_after_s` seconds.
+5. stale    - nothing written for longer than that and no end marker: the processes most likely
+   died without a word (killed, node lost) - or the run is simply very slow between steps.
+
+Logs are scanned incrementally (byte offset per file), so a long log is read once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STATES = ("running", "finished", "failed", "stale")
+STATUS_FILES = ("logs/latest/STATUS", "logs/latest/status.json", "STATUS", "status.json")
+
+FAILED_RE = re.compile(
+    rb"Traceback \(most recent call last\)"
+    rb"|(?:^|[\s\[|])ERROR(?:[\]\s:|]|$)"
+    rb"|exit(?:ed)?(?: with)?\s+(?:code|status)\s*[:=]?\s*-?[1-9]"
+    rb"|(?:exit|return)\s?code\s*[:=]\s*-?[1-9]"
+    rb"|ChildFailedError",
+    re.MULTILINE,
+)
+FINISHED_RE = re.compile(
+    rb"(?i)\b(?:finished|completed|done)\s+(?:training|the run|run)\b"
+    rb"|\b(?:training|run|rl run|sft run)\s+(?:has\s+)?(?:finished|completed|complete|done)\b",
+)
+MAX_SCAN_BYTES = 4 * 1024 * 1024
+
+
+def read_status_file(run_dir: Path) -> str | None:
+    """State from the launcher's status file, or None if there is none (or it is unreadable)."""
+    for rel in STATUS_FILES:
+        path = run_dir / rel
+        try:
+            text = path.read_text().strip()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, UnicodeDecodeError):
+            continue
+        try:
+            obj = json.loads(text)
+            state = obj.get("state") if isinstance(obj, dict) else obj
+        except ValueError:
+            state = text
+        if isinstance(state, str) and state.strip().lower() in STATES:
+            return state.strip().lower()
+    return None
+
+
+def log_files(run_dir: Path) -> list[Path]:
+    """The logs the status rule reads (the latest attempt only)."""
+    latest = run_dir / "logs" / "latest"
+    return sorted(latest.glob("*.log")) + sorted((latest / "trainer" / "torchrun").glob("*.log"))
+
+
+@dataclass
+class _LogScan:
+    offset: int = 0
+    failed: bool = False
+    finished: bool = False
+    first_error: str | None = None
+
+
+@dataclass
+class StatusTracker:
+    """Keeps per-log scan offsets for one run so each `state()` call reads only new log bytes."""
+
+    run_dir: Path
+    stale_after_s: float = 300.0
+    _scans: dict[Path, _LogScan] = field(default_factory=dict)
+    reason: str = ""
+
+    def state(self, metrics_mtime: float | None, now: float | None = None) -> str:
+        now = time.time() if now is None else now
+        explicit = read_status_file(self.run_dir)
+        if explicit is not None:
+            self.reason = "status file"
+            return explicit
+        # A run with nothing written yet counts from when its folder last changed.
+        last_write = metrics_mtime or file_mtime(self.run_dir) or 0.0
+        failed: _LogScan | None = None
+        finished = False
+        for path in log_files(self.run_dir):
+            scan = self._scan(path)
+            try:
+                last_write = max(last_write, path.stat().st_mtime)
+            except FileNotFoundError:
+                continue
+            if scan.failed and failed is None:
+                failed = scan
+                self.reason = f"{path.relative_to(self.run_dir)}: {scan.first_error}"
+            finished = finished or scan.finished
+        if failed is not None:
+            return "failed"
+        if finished:
+            self.reason = "log says finished"
+            return "finished"
+        if last_write and now - last_write <= self.stale_after_s:
+            self.reason = "recent writes"
+            return "running"
+        self.reason = f"no writes for over {self.stale_after_s:.0f}s"
+        return "stale"
+
+    def _scan(self, path: Path) -> _LogScan:
+        scan = self._scans.setdefault(path, _LogScan())
+        try:
+            size = path.stat().st_size
+            if size < scan.offset:  # truncated or replaced: start over
+                scan = self._scans[path] = _LogScan()
+            if size == scan.offset:
+                return scan
+            with open(path, "rb") as f:
+                f.seek(scan.offset)
+                chunk = f.read(min(size - scan.offset, MAX_SCAN_BYTES))
+        except (FileNotFoundError, IsADirectoryError):
+            return scan
+        end = chunk.rfind(b"\n")
+        if end < 0 and len(chunk) < MAX_SCAN_BYTES:
+            return scan  # only an unfinished line so far
+        text = chunk[: end + 1] if end >= 0 else chunk
+        scan.offset += len(text)
+        if not scan.failed and (m := FAILED_RE.search(text)):
+            scan.failed = True
+            line_start = text.rfind(b"\n", 0, m.start()) + 1
+            line_end = text.find(b"\n", m.start())
+            line = text[line_start : line_end if line_end >= 0 else None]
+            scan.first_error = line.decode(errors="replace").strip()[:200]
+        scan.finished = scan.finished or FINISHED_RE.search(text) is not None
+        return scan
+
+
+def file_mtime(path: Path) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:
+        return None
