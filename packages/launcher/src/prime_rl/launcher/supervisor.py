@@ -1,0 +1,178 @@
+"""Run a set of local processes as one job: start them, echo one of them, stop all when one fails.
+
+Design:
+- Each component runs in its own session (process group), so stopping it reaches everything it
+  spawned (torchrun's ranks, vLLM's engine processes) with one ``killpg``.
+- Each child also gets PR_SET_PDEATHSIG: if the launcher itself is killed with SIGKILL, the direct
+  children get SIGTERM and take their own children down, so no orphans are left behind.
+- A component that exits non-zero fails the job: the message names it and its log file. A
+  component marked ``finishes_run`` that exits 0 ends the job successfully; the others are stopped.
+- Ctrl-C (SIGINT) or SIGTERM to the launcher stops every component and exits 130 / 143.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("prime_rl.launcher")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: fall back to the launcher's own cleanup
+
+
+@dataclass
+class Component:
+    name: str
+    cmd: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    finishes_run: bool = False
+    """Exit code 0 of this component means the whole job is done."""
+    echo: bool = False
+    """Copy this component's output to the launcher's console."""
+
+
+@dataclass
+class _Running:
+    component: Component
+    proc: subprocess.Popen
+    log_file: object
+    echo_pos: int = 0
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(self, components: list[Component], poll_s: float = 0.2, stop_timeout_s: float = 15.0):
+        self.components = components
+        self.poll_s = poll_s
+        self.stop_timeout_s = stop_timeout_s
+        self.running: list[_Running] = []
+        self._signal: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        for comp in self.components:
+            comp.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_file = open(comp.log_path, "ab", buffering=0)
+            env = {**os.environ, **comp.env, "PYTHONUNBUFFERED": "1"}
+            proc = subprocess.Popen(
+                comp.cmd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+            log.info("started %s (pid %d), log: %s", comp.name, proc.pid, comp.log_path)
+            self.running.append(_Running(comp, proc, log_file))
+
+    def run(self) -> int:
+        """Start everything, wait for the job to end, stop what is left; return the exit code."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            return self._wait()
+        finally:
+            self.stop()
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self._signal = signum
+
+    def _wait(self) -> int:
+        while True:
+            self._echo()
+            if self._signal is not None:
+                name = signal.Signals(self._signal).name
+                log.warning("received %s: stopping all processes", name)
+                return 128 + self._signal
+            for r in self.running:
+                rc = r.proc.poll()
+                if rc is None:
+                    continue
+                if rc != 0:
+                    self._echo()
+                    log.error(
+                        "process '%s' exited with code %d; stopping all. See its log: %s",
+                        r.component.name,
+                        rc,
+                        r.component.log_path,
+                    )
+                    self._print_tail(r.component.log_path)
+                    return 1
+                if r.component.finishes_run:
+                    self._echo()
+                    log.info("process '%s' finished; stopping the others", r.component.name)
+                    return 0
+            time.sleep(self.poll_s)
+
+    def stop(self) -> None:
+        """SIGTERM every process group still alive, then SIGKILL what outlives the timeout."""
+        alive = [r for r in self.running if r.proc.poll() is None]
+        for r in alive:
+            _killpg(r.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
+        for r in alive:
+            try:
+                r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("process '%s' ignored SIGTERM; killing it", r.component.name)
+        # The leader may be gone while its group lives on (e.g. vLLM's engine core): kill the groups.
+        for r in self.running:
+            _killpg(r.proc.pid, signal.SIGKILL)
+            try:
+                r.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("process '%s' (pid %d) could not be killed", r.component.name, r.proc.pid)
+            r.log_file.close()
+
+    # ------------------------------------------------------------------ console
+    def _echo(self) -> None:
+        for r in self.running:
+            if not r.component.echo:
+                continue
+            try:
+                with open(r.component.log_path, "rb") as f:
+                    f.seek(r.echo_pos)
+                    chunk = f.read()
+            except FileNotFoundError:
+                continue
+            end = chunk.rfind(b"\n") + 1  # whole lines only
+            if end:
+                sys.stdout.write(chunk[:end].decode(errors="replace"))
+                sys.stdout.flush()
+                r.echo_pos += end
+
+    @staticmethod
+    def _print_tail(path: Path, lines: int = 20) -> None:
+        try:
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+        except FileNotFoundError:
+            return
+        sys.stderr.write(f"--- last {len(tail)} lines of {path} ---\n" + "\n".join(tail) + "\n")
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,141 @@
+"""The local job supervisor: a failing process stops all and is named; no process is left behind."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from prime_rl.launcher.supervisor import Component, Supervisor
+
+# A process that starts a grandchild (like torchrun's ranks or vLLM's engine) and records both pids.
+SPAWNER = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(sys.argv[1], "w").write(f"{child.pid}\\n")
+    print("spawner ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _wait_for(path: Path, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text().endswith("\n")):
+        assert time.monotonic() < deadline, f"{path} never written"
+        time.sleep(0.05)
+
+
+def test_failing_process_stops_all_and_is_named(tmp_path, caplog):
+    pidfile = tmp_path / "grandchild.pid"
+    crash = "import time, os; time.sleep(1.0); print('boom'); os._exit(3)"
+    comps = [
+        Component("inference", [sys.executable, "-c", SPAWNER, str(pidfile)], tmp_path / "logs" / "inference.log"),
+        Component("trainer", [sys.executable, "-c", crash], tmp_path / "logs" / "trainer.log"),
+    ]
+    sup = Supervisor(comps, stop_timeout_s=5)
+    with caplog.at_level(logging.ERROR, logger="prime_rl.launcher"):
+        rc = sup.run()
+    assert rc == 1
+    assert "process 'trainer' exited with code 3" in caplog.text
+    assert str(tmp_path / "logs" / "trainer.log") in caplog.text
+    _wait_for(pidfile)
+    grandchild = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild), "the inference process's child outlived the job"
+    assert all(r.proc.poll() is not None for r in sup.running)
+    assert "boom" in (tmp_path / "logs" / "trainer.log").read_text()
+
+
+def test_finishing_process_ends_job_successfully(tmp_path, capsys):
+    comps = [
+        Component("inference", [sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "inf.log"),
+        Component(
+            "trainer",
+            [sys.executable, "-c", "print('step 1 | loss 1.0'); print('done')"],
+            tmp_path / "trainer.log",
+            finishes_run=True,
+            echo=True,
+        ),
+    ]
+    sup = Supervisor(comps, stop_timeout_s=5)
+    assert sup.run() == 0
+    assert "step 1 | loss 1.0" in capsys.readouterr().out  # rank-0 progress shown on the console
+    assert all(r.proc.poll() is not None for r in sup.running)
+
+
+def test_ctrl_c_stops_everything(tmp_path):
+    """SIGINT to a launcher process: it exits 130 and its components (and their children) are gone."""
+    pidfile = tmp_path / "grandchild.pid"
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from pathlib import Path
+        from prime_rl.launcher.supervisor import Component, Supervisor
+        comps = [Component("inference", [sys.executable, "-c", {SPAWNER!r}, {str(pidfile)!r}],
+                           Path({str(tmp_path)!r}) / "inf.log")]
+        sys.exit(Supervisor(comps, stop_timeout_s=5).run())
+        """
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script])
+    _wait_for(pidfile)
+    grandchild = int(pidfile.read_text())
+    launcher.send_signal(signal.SIGINT)
+    assert launcher.wait(timeout=30) == 130
+    deadline = time.monotonic() + 5
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def test_killed_launcher_leaves_no_orphans(tmp_path):
+    """Even SIGKILL on the launcher takes its children down (parent-death signal)."""
+    pidfile = tmp_path / "grandchild.pid"
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from pathlib import Path
+        from prime_rl.launcher.supervisor import Component, Supervisor
+        comps = [Component("inference", [sys.executable, "-c", {SPAWNER!r}, {str(pidfile)!r}],
+                           Path({str(tmp_path)!r}) / "inf.log")]
+        sys.exit(Supervisor(comps).run())
+        """
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script])
+    _wait_for(pidfile)
+    launcher.kill()
+    launcher.wait(timeout=10)
+    # the direct child got SIGTERM from the kernel; its own child is reparented but the spawner's
+    # default SIGTERM handling ends only the spawner: check the component process itself is gone.
+    log_text = (tmp_path / "inf.log").read_text()
+    assert "spawner ready" in log_text
+    deadline = time.monotonic() + 5
+    spawner_gone = False
+    while time.monotonic() < deadline:
+        out = subprocess.run(["pgrep", "-f", str(pidfile)], capture_output=True, text=True).stdout.split()
+        if not out:
+            spawner_gone = True
+            break
+        time.sleep(0.1)
+    assert spawner_gone
+    grandchild = int(pidfile.read_text())
+    if _alive(grandchild):  # a plain script does not forward SIGTERM to its child; torchrun and vLLM do
+        os.kill(grandchild, signal.SIGKILL)
