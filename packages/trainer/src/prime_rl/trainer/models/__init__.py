@@ -1,0 +1,40 @@
+"""Models the trainer trains: Qwen3, Qwen3-MoE and Llama in plain PyTorch over packed sequences.
+
+model = build_model(model_dir, attn="auto", dtype=torch.bfloat16, device="meta")
+hidden = model(input_ids, position_ids)  # (1, T) -> (1, T, H), final-normed, no LM head
+logits = model.lm_head(hidden)
+"""
+
+from prime_rl.trainer.models.attention import ATTN_CHOICES, resolve_attn
+from prime_rl.trainer.models.build import build_model
+from prime_rl.trainer.models.config import ModelConfig, load_model_config
+from prime_rl.trainer.models.flops import model_flops_per_token, num_active_params
+from prime_rl.trainer.models.moe import MoE
+from prime_rl.trainer.models.packing import PackedSeqs
+from prime_rl.trainer.models.transformer import Transformer, TransformerBlock
+from prime_rl.trainer.models.weights import (
+    hf_state_dict_to_model,
+    load_hf_weights,
+    model_state_dict_to_hf,
+    read_hf_state_dict,
+    save_hf_weights,
+)
+
+__all__ = [
+    "ATTN_CHOICES",
+    "ModelConfig",
+    "MoE",
+    "PackedSeqs",
+    "Transformer",
+    "TransformerBlock",
+    "build_model",
+    "hf_state_dict_to_model",
+    "load_hf_weights",
+    "load_model_config",
+    "model_flops_per_token",
+    "model_state_dict_to_hf",
+    "num_active_params",
+    "read_hf_state_dict",
+    "resolve_attn",
+    "save_hf_weights",
+]

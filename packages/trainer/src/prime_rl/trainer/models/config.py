@@ -1,0 +1,140 @@
+"""Model architecture config read from a Hugging Face `config.json`.
+
+One flat dataclass covers the supported families (Qwen3, Qwen3-MoE, Llama): they differ only in
+QK-norm, attention bias, RoPE scaling and whether some MLPs are mixtures of experts. The raw
+`config.json` dict is kept so a saved checkpoint carries the exact config it was loaded with.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = True
+    initializer_range: float = 0.02
+    # MoE fields (num_experts == 0 means dense everywhere)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    # The config.json this was parsed from (written back by save_hf_weights).
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Directory the config came from, if any (tokenizer files are copied from here on save).
+    source_dir: str | None = None
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Same rule as HF Qwen3-MoE: sparse every `decoder_sparse_step` layers, except `mlp_only_layers`."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], source_dir: str | None = None) -> ModelConfig:
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported; only 'silu' is implemented")
+        if d.get("use_sliding_window", False):
+            raise ValueError("use_sliding_window=true is not supported; set it to false in config.json")
+        if d.get("mlp_bias", False):
+            raise ValueError("mlp_bias=true is not supported (no Qwen3/Llama checkpoint uses it)")
+        rope_theta, rope_scaling = _parse_rope(d)
+        num_heads = d["num_attention_heads"]
+        is_moe_type = model_type == "qwen3_moe"
+        return cls(
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            initializer_range=d.get("initializer_range", 0.02),
+            # transformers>=5 writes num_local_experts, older versions num_experts.
+            num_experts=(d.get("num_experts") or d.get("num_local_experts") or 0) if is_moe_type else 0,
+            num_experts_per_tok=d.get("num_experts_per_tok", 0) if is_moe_type else 0,
+            moe_intermediate_size=d.get("moe_intermediate_size", 0) if is_moe_type else 0,
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=list(d.get("mlp_only_layers") or []),
+            hf_config=dict(d),
+            source_dir=source_dir,
+        )
+
+
+def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """RoPE base and scaling from either the transformers>=5 `rope_parameters` or the older keys."""
+    params = d.get("rope_parameters")
+    if params is not None:
+        theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = params if params.get("rope_type", "default") != "default" else None
+    else:
+        theta = d.get("rope_theta", 10000.0)
+        scaling = d.get("rope_scaling")
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if rope_type == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def load_model_config(source: Any) -> ModelConfig:
+    """Accepts a model dir / config.json path, a dict, a transformers PretrainedConfig or a ModelConfig."""
+    if isinstance(source, ModelConfig):
+        return source
+    if isinstance(source, dict):
+        return ModelConfig.from_hf_dict(source)
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        config_path = path / "config.json" if path.is_dir() else path
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no config.json at {config_path}; pass a Hugging Face model directory")
+        return ModelConfig.from_hf_dict(json.loads(config_path.read_text()), source_dir=str(config_path.parent))
+    if hasattr(source, "to_dict"):  # transformers.PretrainedConfig, without importing transformers here
+        return ModelConfig.from_hf_dict(source.to_dict())
+    raise TypeError(
+        f"cannot build a model config from {type(source).__name__}; pass a model dir, a dict or a PretrainedConfig"
+    )

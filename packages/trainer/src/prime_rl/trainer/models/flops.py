@@ -1,0 +1,39 @@
+"""Parameter and FLOP counts for MFU (torchtitan's formula, the same as benchmarks' HF anchor).
+
+FLOPs per token = 6 * N + 12 * layers * heads * head_dim * seq_len, where N counts the parameters a
+token actually multiplies: every weight except the input embedding (a lookup, not a matmul), the LM
+head always (even when tied), and for MoE layers the router plus only the `num_experts_per_tok` active
+experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prime_rl.trainer.models.config import ModelConfig, load_model_config
+
+
+def num_active_params(config: ModelConfig) -> int:
+    """Parameters touched per token, excluding the input embedding."""
+    c = config
+    hidden, q_dim, kv_dim = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attn = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
+    if c.attention_bias:
+        attn += q_dim + 2 * kv_dim + hidden
+    if c.qk_norm:
+        attn += 2 * c.head_dim
+    total = 0
+    for layer in range(c.num_hidden_layers):
+        if c.is_moe_layer(layer):
+            mlp = hidden * c.num_experts + c.num_experts_per_tok * 3 * hidden * c.moe_intermediate_size
+        else:
+            mlp = 3 * hidden * c.intermediate_size
+        total += attn + mlp + 2 * hidden  # + the two RMSNorms
+    return total + hidden + c.vocab_size * hidden  # final norm + LM head
+
+
+def model_flops_per_token(config: Any, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token at sequence length `seq_len`."""
+    c = load_model_config(config)
+    attention = 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+    return float(6 * num_active_params(c) + attention)

@@ -1,0 +1,103 @@
+"""Mixture-of-experts MLP: softmax top-k router and experts stored as stacked `[E, ...]` weights.
+
+Design:
+- Expert weights are three parameters `gate_proj (E, I, H)`, `up_proj (E, I, H)`, `down_proj (E, H, I)`,
+  so expert parallelism shards dim 0 and a grouped GEMM consumes them as is. Hugging Face stores
+  `experts.{e}.gate_proj.weight`; `weights.py` stacks / unstacks on load / save.
+- The forward is route -> permute (group token copies by expert) -> experts -> unpermute. Expert
+  parallelism replaces the permute/unpermute pair with an all-to-all dispatch/combine; a grouped
+  GEMM replaces `Experts.forward` (same inputs: tokens sorted by expert and per-expert counts).
+- Routing matches HF Qwen3-MoE: softmax in fp32 over all experts, top-k, optional renormalization
+  (`norm_topk_prob`), weights cast back to the activation dtype. No load-balancing loss (aux-free);
+  the last forward's tokens-per-expert count is kept for logging.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prime_rl.trainer.models.config import ModelConfig
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, H) -> topk_weights (N, k) in x.dtype, topk_idx (N, k) int64."""
+        logits = F.linear(x, self.weight)  # (N, E)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        topk_weights, topk_idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return topk_weights.to(x.dtype), topk_idx
+
+
+class Experts(nn.Module):
+    """SwiGLU experts over tokens already grouped by expert. Plain torch: one matmul triple per expert."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        num_experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, inter, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x (M, H) sorted by expert, tokens_per_expert (E_local,) -> (M, H)."""
+        outputs = []
+        for e, chunk in enumerate(torch.split(x, tokens_per_expert.tolist(), dim=0)):
+            if chunk.numel() == 0:
+                continue
+            hidden = F.silu(chunk @ self.gate_proj[e].t()) * (chunk @ self.up_proj[e].t())  # (m, I)
+            outputs.append(hidden @ self.down_proj[e].t())  # (m, H)
+        # Each stacked weight gets a gradient as soon as any expert saw a token, so FSDP sees the same
+        # set of gradients on every rank.
+        return torch.cat(outputs, dim=0) if outputs else x.new_zeros(x.shape)
+
+
+def permute_tokens(
+    x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copy each token once per chosen expert, grouped by expert.
+
+    x (N, H), topk_idx (N, k) -> x_sorted (N*k, H), order (N*k,) into the flat (N*k,) routing slots,
+    tokens_per_expert (E,).
+    """
+    flat_idx = topk_idx.reshape(-1)
+    order = torch.argsort(flat_idx, stable=True)
+    tokens_per_expert = torch.bincount(flat_idx, minlength=num_experts)
+    return x[order // topk_idx.shape[1]], order, tokens_per_expert
+
+
+def unpermute_tokens(
+    y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Weight each expert output by its routing weight and sum the k copies back per token -> (N, H)."""
+    top_k = topk_weights.shape[1]
+    weighted = y_sorted * topk_weights.reshape(-1)[order].unsqueeze(-1)
+    out = y_sorted.new_zeros(num_tokens, y_sorted.shape[-1])
+    return out.index_add_(0, order // top_k, weighted)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.router = Router(config)
+        self.experts = Experts(config)
+        self.last_tokens_per_expert: torch.Tensor | None = None  # router stats of the last forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, H) -> (N, H)."""
+        topk_weights, topk_idx = self.router(x)
+        x_sorted, order, tokens_per_expert = permute_tokens(x, topk_idx, self.num_experts)
+        y_sorted = self.experts(x_sorted, tokens_per_expert)
+        self.last_tokens_per_expert = tokens_per_expert.detach()
+        return unpermute_tokens(y_sorted, order, topk_weights, x.shape[0])

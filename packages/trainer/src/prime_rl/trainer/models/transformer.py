@@ -1,0 +1,163 @@
+"""Decoder-only transformer for Qwen3, Qwen3-MoE and Llama, over packed sequences.
+
+Module names follow Hugging Face (`layers.{i}.self_attn.q_proj`, `input_layernorm`, ...) so weight
+conversion is a prefix change plus the MoE router/expert stacking. The forward returns the final
+normed hidden states, not logits: the trainer applies `lm_head` itself (fused / chunked logprobs).
+
+Swappable pieces, by attribute:
+- `layers[i].self_attn.core_attention`: the attention kernel over packed documents (CP replaces it).
+- `layers[i].mlp`: `MLP` or `MoE`; `mlp.experts` is the expert computation (grouped GEMM / EP).
+
+Left out: KV cache and generation (inference is vLLM), dropout, sliding-window attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prime_rl.trainer.models.attention import build_core_attention
+from prime_rl.trainer.models.config import ModelConfig
+from prime_rl.trainer.models.moe import MoE
+from prime_rl.trainer.models.packing import PackedSeqs
+from prime_rl.trainer.models.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32, cast back, then scale: the exact HF order, so bf16 outputs agree.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, attn: str, sdpa_fallback: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.core_attention = build_core_attention(attn, sdpa_fallback)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: PackedSeqs) -> torch.Tensor:
+        """x (T, H) -> (T, H)."""
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core_attention(q, k, v, seqs)  # (T, Hq, D)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, attn: str, sdpa_fallback: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, attn, sdpa_fallback)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_moe_layer(layer_idx):
+            self.mlp: nn.Module = MoE(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: PackedSeqs) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, seqs)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, attn: str, sdpa_fallback: bool = False):
+        super().__init__()
+        self.config = config
+        self.attn = attn
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            TransformerBlock(config, i, attn, sdpa_fallback) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (call again after to_empty)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids, position_ids (B, T) -> final-normed hidden states (B, T, H).
+
+        Rows are concatenated into one packed sequence; documents start where position_ids == 0 and
+        at each row start, and attention never crosses a document boundary.
+        """
+        if input_ids.shape != position_ids.shape or input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} "
+                "must both be (B, T); pass packed rows as (1, T)"
+            )
+        batch, seq_len = input_ids.shape
+        seqs = PackedSeqs.from_position_ids(position_ids)
+        x = self.embed_tokens(input_ids.reshape(-1))  # (T, H)
+        cos, sin = self.rotary(seqs.position_ids, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, seqs)
+        return self.norm(x).view(batch, seq_len, -1)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Fill every parameter (e.g. after `to_empty()` from meta) as HF does: N(0, initializer_range)
+        for matrices, zeros for biases, ones for norms. Deterministic given the torch seed."""
+        self.tie_weights()
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, nn.Linear):
+                if module is self.lm_head and self.config.tie_word_embeddings:
+                    continue
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, MoE):
+                nn.init.normal_(module.router.weight, mean=0.0, std=std)
+                for weight in (module.experts.gate_proj, module.experts.up_proj, module.experts.down_proj):
+                    nn.init.normal_(weight, mean=0.0, std=std)
+
+    def router_stats(self) -> dict[int, torch.Tensor]:
+        """Tokens routed to each expert in the last forward, per MoE layer index."""
+        return {
+            layer.layer_idx: layer.mlp.last_tokens_per_expert
+            for layer in self.layers
+            if isinstance(layer.mlp, MoE) and layer.mlp.last_tokens_per_expert is not None
+        }

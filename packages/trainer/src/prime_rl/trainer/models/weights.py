@@ -1,0 +1,204 @@
+"""Hugging Face safetensors <-> model state dict: pure name/shape converters plus file IO.
+
+Model names are HF names without the `model.` prefix, except for MoE layers:
+    HF  model.layers.{i}.mlp.gate.weight                    (E, H)
+    HF  model.layers.{i}.mlp.experts.{e}.gate_proj.weight   (I, H)   x E
+    us  layers.{i}.mlp.router.weight                        (E, H)
+    us  layers.{i}.mlp.experts.gate_proj                    (E, I, H)  (same for up_proj, down_proj)
+Stacking and unstacking copy values unchanged, so load -> save reproduces a checkpoint bit for bit
+(same names, dtypes and values) when the model is built in the checkpoint's dtype.
+
+`load_hf_weights` reads every tensor on every rank and copies the local shard into DTensor
+parameters (after `fully_shard`) without communication; for very large models the training loop may
+prefer rank-0 loading with `set_model_state_dict(..., broadcast_from_rank0=True)` over the converters.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from prime_rl.trainer.models.config import ModelConfig, load_model_config
+
+_EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_ROUTER_HF_RE = re.compile(r"^layers\.(\d+)\.mlp\.gate\.weight$")
+_ROUTER_RE = re.compile(r"^layers\.(\d+)\.mlp\.router\.weight$")
+_STACKED_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+# Files copied next to saved weights so the directory is a complete HF model (tokenizer, templates).
+_SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+_WEIGHT_INDEX = "model.safetensors.index.json"
+
+
+def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names/shapes -> model names/shapes. Tied models get `lm_head.weight` = the embedding."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for hf_name, tensor in sd.items():
+        if hf_name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved the RoPE buffer
+            continue
+        name = hf_name.removeprefix("model.")
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # some tied checkpoints still store the head; the embedding is the source of truth
+        if m := _EXPERT_RE.match(name):
+            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = tensor
+        elif m := _ROUTER_HF_RE.match(name):
+            out[f"layers.{m[1]}.mlp.router.weight"] = tensor
+        else:
+            out[name] = tensor
+    for (layer, proj), by_expert in experts.items():
+        if sorted(by_expert) != list(range(config.num_experts)):
+            missing = sorted(set(range(config.num_experts)) - set(by_expert))
+            raise ValueError(
+                f"layer {layer} {proj}: checkpoint has experts {sorted(by_expert)[:8]}..., missing {missing[:8]}; "
+                f"config.num_experts={config.num_experts} must match the checkpoint"
+            )
+        out[f"layers.{layer}.mlp.experts.{proj}"] = torch.stack([by_expert[e] for e in range(config.num_experts)])
+    if config.tie_word_embeddings and "embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def model_state_dict_to_hf(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Model names/shapes -> HF names/shapes (tied models drop `lm_head.weight`, as HF saves them)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in sd.items():
+        if name == "lm_head.weight":
+            if not config.tie_word_embeddings:
+                out[name] = tensor
+        elif m := _STACKED_RE.match(name):
+            for e, expert_weight in enumerate(tensor.unbind(0)):
+                out[f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}.weight"] = expert_weight
+        elif m := _ROUTER_RE.match(name):
+            out[f"model.layers.{m[1]}.mlp.gate.weight"] = tensor
+        else:
+            out[f"model.{name}"] = tensor
+    return out
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / _WEIGHT_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}; pass a Hugging Face model directory")
+    return files
+
+
+def read_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint, on CPU, in its stored dtype."""
+    sd: dict[str, torch.Tensor] = {}
+    for path in _safetensors_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                sd[key] = f.get_tensor(key)
+    return sd
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Copy an HF checkpoint into `model` (plain or DTensor parameters), casting to each parameter's dtype."""
+    config: ModelConfig = model.config
+    sd = hf_state_dict_to_model(read_hf_state_dict(model_dir), config)
+    targets = model.state_dict()
+    missing, unexpected = sorted(set(targets) - set(sd)), sorted(set(sd) - set(targets))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {model_dir} does not match the model: missing {missing[:5]} ({len(missing)}), "
+            f"unexpected {unexpected[:5]} ({len(unexpected)}); check that config.json belongs to these weights"
+        )
+    for name, target in targets.items():
+        _copy_into(target, sd[name], name)
+
+
+def _copy_into(target: torch.Tensor, full: torch.Tensor, name: str) -> None:
+    if target.is_meta:
+        raise RuntimeError(f"{name} is on the meta device; call model.to_empty(device=...) before loading weights")
+    if tuple(target.shape) != tuple(full.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(target.shape)}")
+    if hasattr(target, "device_mesh"):  # DTensor after fully_shard: keep only this rank's shard
+        from torch.distributed.tensor import distribute_tensor
+
+        local_device = target.to_local().device
+        shard = distribute_tensor(
+            full.to(device=local_device, dtype=target.dtype), target.device_mesh, target.placements, src_data_rank=None
+        )
+        target.to_local().copy_(shard.to_local())
+    else:
+        target.copy_(full)
+
+
+def _to_full_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    if hasattr(tensor, "full_tensor"):  # DTensor: gather (collective; every rank must call save)
+        tensor = tensor.full_tensor()
+    tensor = tensor.detach().cpu()
+    # safetensors refuses tensors sharing storage (unstacked experts are views of one tensor).
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
+def save_hf_weights(
+    state_dict_or_model: dict[str, torch.Tensor] | nn.Module,
+    out_dir: str | Path,
+    config: ModelConfig | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write HF-named safetensors (sharded with an index above `max_shard_bytes`) plus config.json and
+    the tokenizer files of the directory the config came from."""
+    if isinstance(state_dict_or_model, nn.Module):
+        config = config or state_dict_or_model.config
+        state_dict = state_dict_or_model.state_dict()
+    else:
+        state_dict = state_dict_or_model
+    if config is None:
+        raise ValueError("save_hf_weights needs `config` when given a state dict (ModelConfig, dir or dict)")
+    config = load_model_config(config)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_sd = {k: _to_full_cpu(v) for k, v in model_state_dict_to_hf(state_dict, config).items()}
+    # A previous save with another sharding would leave files that loaders pick up next to ours.
+    for stale in [*out_dir.glob("*.safetensors"), out_dir / _WEIGHT_INDEX]:
+        stale.unlink(missing_ok=True)
+    _write_shards(hf_sd, out_dir, max_shard_bytes)
+    _write_side_files(config, out_dir)
+
+
+def _write_shards(hf_sd: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in hf_sd.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file_name))
+    total = sum(t.numel() * t.element_size() for t in hf_sd.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / _WEIGHT_INDEX).write_text(json.dumps(index, indent=2))
+
+
+def _write_side_files(config: ModelConfig, out_dir: Path) -> None:
+    if config.source_dir and Path(config.source_dir).resolve() != out_dir.resolve():
+        for path in Path(config.source_dir).iterdir():
+            if path.is_file() and path.suffix in _SIDE_FILE_SUFFIXES and path.name != _WEIGHT_INDEX:
+                shutil.copy2(path, out_dir / path.name)
+    if config.hf_config:
+        (out_dir / "config.json").write_text(json.dumps(config.hf_config, indent=2) + "\n")
