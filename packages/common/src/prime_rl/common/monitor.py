@@ -1,0 +1,167 @@
+"""Step metrics as JSON lines: ``monitors/file/metrics.jsonl``, one object per line, ``step`` first.
+
+Design decisions:
+- One ``os.write`` per line on an ``O_APPEND`` descriptor: a reader (the dashboard, a test, ``tail -f``)
+  sees whole lines or nothing of a line, never a line interleaved with another writer's, and every
+  line is on disk (in the page cache) as soon as ``log`` returns.
+- Values are what ``json`` can write; numpy / torch scalars are unwrapped with ``.item()``. NaN and
+  inf are written as ``NaN`` / ``Infinity`` (what Python's json reads back): a NaN loss must show.
+- ``read_metrics`` tolerates a file being written: an unterminated last line is an in-progress write
+  and is skipped quietly; any other unreadable line is skipped and reported (logged, and returned by
+  ``scan_metrics``) instead of failing the whole read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prime_rl.common.rundir import RunDir
+
+logger = logging.getLogger(__name__)
+
+
+def _default(value: Any) -> Any:
+    item = getattr(value, "item", None)  # numpy / torch scalars
+    if callable(item):
+        return item()
+    raise TypeError(f"metric value {value!r} of type {type(value).__name__} is not JSON-serializable; log a number")
+
+
+def _metrics_path(target: RunDir | str | os.PathLike[str]) -> Path:
+    if isinstance(target, RunDir):
+        return target.metrics_path
+    path = Path(target)
+    return path if path.suffix == ".jsonl" else RunDir(path.parent, path.name).metrics_path
+
+
+class FileMonitor:
+    """Appends ``{"step": n, **metrics}`` lines to a metrics.jsonl.
+
+    ``target``: a ``RunDir``, a path ending in ``.jsonl`` (the file itself), or a run directory root.
+    """
+
+    def __init__(self, target: RunDir | str | os.PathLike[str]) -> None:
+        self.path = _metrics_path(target)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Append one line for ``step``."""
+        if self._fd is None:
+            raise ValueError(f"FileMonitor({self.path}) is closed")
+        if "step" in metrics:
+            raise ValueError(f"metrics must not contain 'step' (got {metrics['step']!r}); pass it as the step argument")
+        line = json.dumps({"step": int(step), **metrics}, default=_default, separators=(",", ":")) + "\n"
+        data = line.encode("utf-8")
+        written = os.write(self._fd, data)
+        while written < len(data):  # only on a full disk or a signal; keep the line whole if we can
+            written += os.write(self._fd, data[written:])
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> FileMonitor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+@dataclass
+class SkippedLine:
+    """A line of metrics.jsonl that was not a metrics record."""
+
+    line_number: int
+    """1-based."""
+    reason: str
+    text: str
+
+
+@dataclass
+class MetricsScan:
+    """Everything ``scan_metrics`` found."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[SkippedLine] = field(default_factory=list)
+    partial_tail: str = ""
+    """Bytes after the last newline (a line still being written), decoded; empty when none."""
+
+
+def _parse_line(text: str) -> dict[str, Any] | str:
+    """The record, or why the line is not one."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"not JSON ({e.msg} at column {e.colno})"
+    if not isinstance(record, dict):
+        return f"not a JSON object but {type(record).__name__}"
+    if isinstance(record.get("step"), bool) or not isinstance(record.get("step"), int):
+        return f"no integer 'step' (got {record.get('step')!r})"
+    return record
+
+
+def parse_metrics(data: bytes, first_line: int = 1) -> MetricsScan:
+    """Parse metrics.jsonl content (complete lines; anything after the last newline is the tail)."""
+    scan = MetricsScan()
+    *lines, tail = data.split(b"\n")
+    scan.partial_tail = tail.decode("utf-8", errors="replace")
+    for number, raw in enumerate(lines, start=first_line):
+        text = raw.decode("utf-8", errors="replace").strip()
+        if not text:
+            continue
+        parsed = _parse_line(text)
+        if isinstance(parsed, dict):
+            scan.records.append(parsed)
+        else:
+            scan.skipped.append(SkippedLine(number, parsed, text[:200]))
+    return scan
+
+
+def scan_metrics(path: str | os.PathLike[str]) -> MetricsScan:
+    """Read a metrics.jsonl; records plus what was skipped and why."""
+    return parse_metrics(Path(path).read_bytes())
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl in file order; malformed lines are logged as warnings and skipped."""
+    scan = scan_metrics(path)
+    for skipped in scan.skipped:
+        logger.warning("%s:%d skipped: %s: %r", path, skipped.line_number, skipped.reason, skipped.text)
+    if scan.partial_tail:
+        logger.debug("%s: ignoring an unterminated last line (still being written)", path)
+    return scan.records
+
+
+class MetricsTail:
+    """Incremental reader (``tail -f``): ``poll()`` returns the records appended since the last poll."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._offset = 0
+        self._line = 1
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1  # consume whole lines only; the tail is re-read next time
+        scan = parse_metrics(data[:end], first_line=self._line)
+        for skipped in scan.skipped:
+            logger.warning("%s:%d skipped: %s: %r", self.path, skipped.line_number, skipped.reason, skipped.text)
+        self._offset += end
+        self._line += data[:end].count(b"\n")
+        return scan.records

@@ -1,0 +1,171 @@
+"""The run-directory layout every process agrees on (DESIGN.md "Run directory").
+
+    <output_dir>/<run_name>/
+      configs/                          resolved configs, one per process
+      logs/attempt_<n>/ + logs/latest -> attempt_<n>
+          inference.log  orchestrator.log  trainer/torchrun/<rank>.log
+      monitors/file/metrics.jsonl
+      checkpoints/step_<n>/{trainer,orchestrator}/
+      broadcasts/step_<n>/
+      launcher/
+
+Design decisions:
+- Paths are pure functions of (output_dir, run_name, step); nothing is created until a process asks
+  (``ensure=True`` or ``start_attempt``), so the launcher's ``--dry-run`` can print paths for free.
+- Each launch is a new log attempt: ``start_attempt()`` creates ``logs/attempt_<n+1>`` and re-points
+  ``logs/latest`` atomically (symlink to a temp name, then ``os.replace``), so a reader never sees
+  a missing ``latest``. Processes started by the launcher log under ``attempt_dir`` (which follows
+  ``latest``), so they need no attempt number passed down.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+_ATTEMPT = re.compile(r"^attempt_(\d+)$")
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def _steps(parent: Path, pattern: re.Pattern[str]) -> list[int]:
+    if not parent.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in parent.iterdir() if (m := pattern.match(p.name)) and p.is_dir())
+
+
+class RunDir:
+    """Paths of one run: ``RunDir(output_dir, run_name)``."""
+
+    def __init__(self, output_dir: str | os.PathLike[str], run_name: str) -> None:
+        if not run_name or "/" in run_name or run_name in (".", ".."):
+            raise ValueError(f"run_name={run_name!r} must be one non-empty path component (no '/'); e.g. 'rl-qwen3'")
+        self.output_dir = Path(output_dir)
+        self.run_name = run_name
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.output_dir)!r}, {self.run_name!r})"
+
+    @property
+    def root(self) -> Path:
+        return self.output_dir / self.run_name
+
+    @property
+    def configs_dir(self) -> Path:
+        return self.root / "configs"
+
+    def config_path(self, component: str) -> Path:
+        """Resolved config of one process, e.g. ``configs/trainer.toml``."""
+        return self.configs_dir / f"{component}.toml"
+
+    # -- logs --------------------------------------------------------------------------------
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def latest_logs(self) -> Path:
+        """The ``logs/latest`` symlink."""
+        return self.logs_dir / "latest"
+
+    def attempts(self) -> list[int]:
+        """Attempt numbers present, ascending."""
+        return _steps(self.logs_dir, _ATTEMPT)
+
+    @property
+    def attempt(self) -> int:
+        """The attempt ``logs/latest`` points at; raises if no attempt was started."""
+        target = os.readlink(self.latest_logs) if self.latest_logs.is_symlink() else None
+        match = _ATTEMPT.match(Path(target).name) if target else None
+        if match is None:
+            raise FileNotFoundError(
+                f"{self.latest_logs} is not a link to attempt_<n>; the launcher calls RunDir.start_attempt() first"
+            )
+        return int(match.group(1))
+
+    def attempt_logs_dir(self, attempt: int | None = None) -> Path:
+        """``logs/attempt_<n>`` (the latest attempt when ``attempt`` is None)."""
+        return self.logs_dir / f"attempt_{self.attempt if attempt is None else attempt}"
+
+    def start_attempt(self) -> int:
+        """Create the next ``logs/attempt_<n>`` (1-based) and point ``logs/latest`` at it."""
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        attempt = max(self.attempts(), default=0) + 1
+        while True:  # another launcher may race us for the same number
+            try:
+                (self.logs_dir / f"attempt_{attempt}").mkdir()
+                break
+            except FileExistsError:
+                attempt += 1
+        tmp = self.logs_dir / f".latest.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(f"attempt_{attempt}", tmp)  # relative: the run dir stays movable
+        os.replace(tmp, self.latest_logs)
+        return attempt
+
+    def log_path(self, component: str, attempt: int | None = None) -> Path:
+        """``logs/attempt_<n>/<component>.log`` (inference, orchestrator, ...)."""
+        return self.attempt_logs_dir(attempt) / f"{component}.log"
+
+    def trainer_log_dir(self, attempt: int | None = None) -> Path:
+        """``logs/attempt_<n>/trainer/torchrun`` (torchrun writes ``<rank>.log`` files here)."""
+        return self.attempt_logs_dir(attempt) / "trainer" / "torchrun"
+
+    def trainer_log_path(self, rank: int, attempt: int | None = None) -> Path:
+        return self.trainer_log_dir(attempt) / f"{rank}.log"
+
+    # -- monitors ----------------------------------------------------------------------------
+
+    @property
+    def metrics_path(self) -> Path:
+        """``monitors/file/metrics.jsonl``."""
+        return self.root / "monitors" / "file" / "metrics.jsonl"
+
+    # -- checkpoints and weight broadcasts ---------------------------------------------------
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        """``checkpoints/step_<n>``."""
+        return self.checkpoints_dir / f"step_{_check_step(step)}"
+
+    def trainer_checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoint_dir(step) / "trainer"
+
+    def orchestrator_checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoint_dir(step) / "orchestrator"
+
+    def checkpoint_steps(self) -> list[int]:
+        """Steps with a ``checkpoints/step_<n>`` directory, ascending."""
+        return _steps(self.checkpoints_dir, _STEP)
+
+    @property
+    def broadcasts_dir(self) -> Path:
+        return self.root / "broadcasts"
+
+    def broadcast_dir(self, step: int) -> Path:
+        """``broadcasts/step_<n>`` (filesystem weight transport)."""
+        return self.broadcasts_dir / f"step_{_check_step(step)}"
+
+    def broadcast_steps(self) -> list[int]:
+        return _steps(self.broadcasts_dir, _STEP)
+
+    @property
+    def launcher_dir(self) -> Path:
+        """``launcher/`` (SLURM: rl.sbatch and logs/)."""
+        return self.root / "launcher"
+
+    def ensure(self) -> RunDir:
+        """Create the fixed directories (not attempts, checkpoints or broadcasts)."""
+        for d in (self.configs_dir, self.logs_dir, self.metrics_path.parent, self.checkpoints_dir, self.broadcasts_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r} must be an int >= 0")
+    return step
