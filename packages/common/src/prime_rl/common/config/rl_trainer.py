@@ -1,0 +1,125 @@
+"""RL trainer config: `trainer @ train.toml` (or `[trainer]` inside an `rl` config).
+
+It shares the model, optimizer, scheduler and checkpoint sections with SFT; what differs is where the
+data comes from (the orchestrator over ZeroMQ, or fake rows for benchmarks), the loss, and how new
+weights are published to inference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from prime_rl.common.config.base import BaseConfig
+from prime_rl.common.config.trainer import (
+    AdamWConfig,
+    CheckpointConfig,
+    ConstantSchedulerConfig,
+    ModelConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+)
+
+
+class FakeRLDataConfig(BaseConfig):
+    """Random rows instead of the orchestrator: benchmark the trainer alone."""
+
+    batch_size: int = Field(8, ge=1)
+    """Packed rows per step over all ranks."""
+    generate_samples: bool = False
+    """Pack random-length samples into each row (positions restart per sample) instead of one row-long sample."""
+    doc_len: int | None = Field(None, ge=1)
+    """With generate_samples: every sample has this many tokens (the last one cut to fill the row)."""
+    seed: int = 0
+    """Seed of the random tokens."""
+
+
+class RLDataConfig(BaseConfig):
+    """Where training batches come from."""
+
+    seq_len: int = Field(2048, ge=2)
+    """Tokens per packed row (fake data; orchestrator rows carry their own length)."""
+    host: str = "127.0.0.1"
+    """Host of the orchestrator's ZeroMQ batch socket."""
+    port: int = Field(29600, ge=1, le=65535)
+    """Port of the orchestrator's ZeroMQ batch socket (rank r connects to port + r)."""
+    timeout: float = Field(3600.0, gt=0)
+    """Seconds to wait for the next batch before failing."""
+    fake: FakeRLDataConfig | None = None
+    """Fake data for benchmarks (`--data.fake`); None reads batches from the orchestrator."""
+
+
+class LossConfig(BaseConfig):
+    """Importance-ratio policy gradient with token masking."""
+
+    token_mask_low: float = Field(0.125, gt=0)
+    """Mask loss tokens whose trainer/inference probability ratio is below this."""
+    token_mask_high: float = Field(8.0, gt=1)
+    """Mask loss tokens whose trainer/inference probability ratio is above this."""
+
+
+class FilesystemBroadcastConfig(BaseConfig):
+    """Publish weights as safetensors under <run_dir>/broadcasts/step_<n>/ with an atomic marker."""
+
+    type: Literal["filesystem"] = "filesystem"
+    keep_last: int = Field(2, ge=1)
+    """Older published steps are deleted, keeping this many."""
+
+
+class NCCLBroadcastConfig(BaseConfig):
+    """Broadcast weights from trainer rank 0 into the inference workers (NCCL on GPU, gloo on CPU)."""
+
+    type: Literal["nccl"] = "nccl"
+    host: str = "127.0.0.1"
+    """Rendezvous host of the broadcast group (trainer rank 0)."""
+    port: int = Field(29700, ge=1, le=65535)
+    """Rendezvous port of the broadcast group."""
+    timeout: float = Field(600.0, gt=0)
+    """Seconds to wait for inference to join."""
+
+
+WeightBroadcastConfig = Annotated[FilesystemBroadcastConfig | NCCLBroadcastConfig, Field(discriminator="type")]
+
+
+class RLTrainerConfig(BaseConfig):
+    """The RL trainer: receives packed rollouts, steps the policy, publishes weights."""
+
+    model: ModelConfig
+    """The policy model and its parallel layout."""
+    data: RLDataConfig = RLDataConfig()
+    """Batches from the orchestrator, or fake data."""
+    loss: LossConfig = LossConfig()
+    """The policy-gradient loss."""
+    optim: OptimizerConfig = AdamWConfig()
+    """Optimizer: `type = "adamw"` or `"sign_sgd"`."""
+    scheduler: SchedulerConfig = ConstantSchedulerConfig()
+    """Learning-rate schedule."""
+    ckpt: CheckpointConfig = CheckpointConfig(export_hf=False)
+    """Checkpointing and resume."""
+    weight_broadcast: WeightBroadcastConfig = FilesystemBroadcastConfig()
+    """How new weights reach inference."""
+    max_steps: int = Field(100, ge=1)
+    """Optimizer steps to train for."""
+    output_dir: Path = Path("outputs")
+    """Parent of the run directory."""
+    run_name: str = "rl"
+    """Run directory name: <output_dir>/<run_name>."""
+    seed: int = 0
+    """Seed for any randomness in training."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Console log level (rank 0)."""
+    dry_run: bool = False
+    """Write the resolved config to <run_dir>/configs/trainer.toml and exit."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RLTrainerConfig:
+        fake = self.data.fake
+        if fake is not None and fake.doc_len is not None and not fake.generate_samples:
+            raise ValueError("data.fake.doc_len needs data.fake.generate_samples = true (it sets each sample's length)")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.run_name
