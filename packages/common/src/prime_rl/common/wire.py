@@ -252,6 +252,24 @@ class BroadcastWeightsRequest(Message):
     """Policy version of the weights being broadcast."""
     specs: list[TensorSpec]
     """Every tensor, in broadcast order, with its HF parameter name, dtype and shape."""
+    buckets: list[int] = []
+    """Bucket index of each tensor (parallel to ``specs``); buckets are broadcast in order 0, 1, ... as
+    flat uint8 tensors and tensors are listed in bucket order."""
+    offsets: list[int] = []
+    """Byte offset of each tensor inside its bucket (a multiple of 256 so every dtype view is aligned)."""
+    bucket_sizes: list[int] = []
+    """Size in bytes of each bucket."""
+
+
+class AwaitWeightsRequest(Message):
+    """Wait until the update started by a BroadcastWeightsRequest has been received and applied.
+
+    BroadcastWeightsRequest is answered as soon as the server has validated the specs and its workers
+    wait for the data, so the trainer knows it may start broadcasting; this request then returns
+    ControlReply(ok, error, weight_version) once the workers have loaded the weights (or failed)."""
+
+    version: int
+    """Policy version of the broadcast being awaited."""
 
 
 class HealthRequest(Message):
@@ -297,6 +315,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     HealthRequest,
     ControlReply,
     HealthReply,
+    AwaitWeightsRequest,
 )
 
 

@@ -1,0 +1,131 @@
+"""The ``inference`` config: one vLLM server (or several replicas behind a router) with live weight updates.
+
+``inference @ infer.toml --server.port 8001 --vllm.data-parallel-size 2``. In an ``rl`` config the same
+schema sits under ``[inference]`` (``--inference.vllm.data-parallel-size 6``).
+
+Design decisions:
+- ``[vllm]`` is handed to vLLM verbatim: every key becomes the engine flag of the same name
+  (``max_num_seqs = 64`` -> ``--max-num-seqs 64``), so any vLLM option works without a schema change.
+  The options almost every deployment sets are typed fields of that same table (validated and shown in
+  ``--help``); the rest are extra keys (TOML only: the command line knows typed fields alone).
+- The HTTP API is vLLM's own OpenAI-compatible server; the control plane (pause / resume / load weights /
+  broadcast / health) is a separate ZeroMQ endpoint speaking ``prime_rl.common.wire`` messages.
+- ``[router]`` with ``replicas > 1`` starts that many independent servers on this node behind one
+  ``vllm-router`` endpoint (``server.port``); replica ``i`` serves HTTP on ``server.port + 1 + i`` and
+  control on ``control_port + i``. Weight updates must be sent to every replica's control endpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from prime_rl.common.config.base import BaseConfig
+
+
+class InferenceModelConfig(BaseConfig):
+    """The model to serve."""
+
+    name: str = "Qwen/Qwen3-0.6B"
+    """Hugging Face id or local directory of the model (config, tokenizer, safetensors)."""
+    served_name: str | None = None
+    """Model name clients send in requests; None uses ``name``."""
+
+
+class ServerConfig(BaseConfig):
+    """Where the HTTP API and the control plane listen."""
+
+    host: str = "0.0.0.0"
+    """Interface of the OpenAI-compatible HTTP API (and of the router, with replicas)."""
+    port: int = Field(8000, ge=1, le=65535)
+    """Port of the OpenAI-compatible HTTP API (and of the router, with replicas)."""
+    control_host: str = "0.0.0.0"
+    """Interface the ZeroMQ control endpoint binds on."""
+    control_port: int | None = Field(None, ge=1, le=65535)
+    """Port of the ZeroMQ control endpoint; None means ``port + 100``."""
+
+    @property
+    def resolved_control_port(self) -> int:
+        return self.control_port if self.control_port is not None else self.port + 100
+
+
+class VLLMConfig(BaseConfig):
+    """Engine options passed to vLLM verbatim (key ``max_num_seqs`` -> flag ``--max-num-seqs``)."""
+
+    # Extra keys are the point of this table: anything vLLM's engine accepts.
+    model_config = ConfigDict(extra="allow", use_attribute_docstrings=True, validate_default=True)
+
+    data_parallel_size: int = Field(1, ge=1)
+    """Data-parallel engines inside this server (vLLM balances requests across them)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs each engine shards the model over."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt + completion in tokens; None uses the model's own limit."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of each GPU's memory vLLM may take (weights + KV cache)."""
+    dtype: str = "auto"
+    """Weight / activation dtype ("auto" keeps the checkpoint's; "bfloat16", "float32" ...)."""
+    enforce_eager: bool = False
+    """Skip CUDA-graph capture / compilation (faster start, slower decode; needed on CPU tests)."""
+
+    def engine_args(self) -> dict[str, Any]:
+        """Every option, typed and extra, as ``{snake_case_name: value}``."""
+        return {**{name: getattr(self, name) for name in type(self).model_fields}, **(self.model_extra or {})}
+
+
+class WeightUpdateConfig(BaseConfig):
+    """How the server applies weight updates sent to its control endpoint."""
+
+    pause_mode: Literal["keep", "wait", "abort"] = "keep"
+    """In-flight requests during an update the client did not pause for: frozen and resumed on the new
+    weights ("keep"), finished first ("wait"), or aborted ("abort")."""
+    marker: str = "STABLE"
+    """File a checkpoint directory must contain before it is loaded (written last by the trainer)."""
+    broadcast_timeout: float = Field(600.0, gt=0)
+    """Seconds a worker waits for the trainer while joining the broadcast group or receiving a bucket."""
+
+
+class RouterConfig(BaseConfig):
+    """Independent replicas of the server on this node behind one vllm-router endpoint."""
+
+    replicas: int = Field(1, ge=1)
+    """Number of independent servers; 1 serves directly on ``server.port`` with no router."""
+    policy: Literal["consistent_hash", "sticky_least_loaded", "round_robin", "power_of_two", "random"] = (
+        "consistent_hash"
+    )
+    """vllm-router load-balancing policy; the first two keep one session on one replica."""
+    session_header: str = "x-session-id"
+    """Request header naming a multi-turn session: requests with the same value go to the same replica."""
+
+
+class InferenceConfig(BaseConfig):
+    """A vLLM server with live weight updates; ``inference @ infer.toml``."""
+
+    model: InferenceModelConfig = InferenceModelConfig()
+    """The served model."""
+    server: ServerConfig = ServerConfig()
+    """HTTP and control endpoints."""
+    vllm: VLLMConfig = VLLMConfig()
+    """vLLM engine options, passed verbatim."""
+    weights: WeightUpdateConfig = WeightUpdateConfig()
+    """Weight-update behaviour."""
+    router: RouterConfig = RouterConfig()
+    """Replicas and the router in front of them."""
+    env_vars: dict[str, str] = {}
+    """Environment variables set before vLLM starts (e.g. VLLM_CPU_KVCACHE_SPACE)."""
+
+    @model_validator(mode="after")
+    def _ports_do_not_collide(self) -> InferenceConfig:
+        control = self.server.resolved_control_port
+        replicas = self.router.replicas
+        http_ports = {self.server.port} | (
+            {self.server.port + 1 + i for i in range(replicas)} if replicas > 1 else set()
+        )
+        control_ports = {control + i for i in range(replicas)}
+        if http_ports & control_ports:
+            raise ValueError(
+                f"server.control_port={control} collides with the HTTP port(s) {sorted(http_ports)}; "
+                f"set server.control_port outside {min(http_ports)}..{max(http_ports)}"
+            )
+        return self
