@@ -1,0 +1,104 @@
+"""Checkpoints: torch DCP (each rank writes its own shards, resharding on load) and Hugging Face export.
+
+Layout: <run_dir>/checkpoints/step_<n>/trainer/ holds model + optimizer + scheduler state; `step`
+is the number of optimizer steps done. Data needs no state (the loader is a function of the step).
+A checkpoint is complete once rank 0 has written its `.done` marker after everyone finished, so a
+crash mid-save never leaves a "latest" checkpoint that cannot be loaded.
+"""
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from prime_rl.common.rundir import RunDir
+from prime_rl.trainer.models import save_hf_weights
+
+DONE = ".done"
+
+
+def list_checkpoints(run_dir: RunDir) -> list[int]:
+    """Steps with a complete trainer checkpoint, oldest first."""
+    return [s for s in run_dir.checkpoint_steps() if (run_dir.trainer_checkpoint_dir(s) / DONE).is_file()]
+
+
+def resolve_resume_step(run_dir: RunDir, resume_step: int | str | None) -> int | None:
+    """The step to resume from: an explicit one (must exist), the newest ("latest"), or None."""
+    if resume_step is None:
+        return None
+    available = list_checkpoints(run_dir)
+    if resume_step == "latest":
+        return available[-1] if available else None
+    if resume_step not in available:
+        raise FileNotFoundError(
+            f"ckpt.resume_step={resume_step}: no complete checkpoint at {run_dir.trainer_checkpoint_dir(resume_step)}; "
+            f"available steps: {available or 'none'}"
+        )
+    return int(resume_step)
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: RunDir, keep_last: int | None, is_main: bool):
+        self.run_dir = run_dir
+        self.keep_last = keep_last
+        self.is_main = is_main
+
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ) -> Path:
+        path = self.run_dir.trainer_checkpoint_dir(step)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": step}
+        dcp.save(state, checkpoint_id=str(path))
+        dist.barrier()
+        if self.is_main:
+            (path / DONE).touch()
+            self._prune()
+        dist.barrier()
+        return path
+
+    def load(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ) -> int:
+        path = self.run_dir.trainer_checkpoint_dir(step)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": 0}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        scheduler.load_state_dict(state["scheduler"])
+        return int(state["step"])
+
+    def _prune(self) -> None:
+        if self.keep_last is None:
+            return
+        for step in list_checkpoints(self.run_dir)[: -self.keep_last]:
+            shutil.rmtree(self.run_dir.checkpoint_dir(step), ignore_errors=True)
+
+
+def export_hf(model: torch.nn.Module, inner: torch.nn.Module, out_dir: Path, is_main: bool) -> None:
+    """Gather the full state dict on rank 0 (CPU) and write HF safetensors + config + tokenizer there.
+
+    `model` is the FSDP root; `inner` its transformer (whose names the HF converter expects).
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = get_model_state_dict(model, options=options)  # collective: every rank calls it
+    if is_main:
+        sd = {k.removeprefix("model."): v.to(torch.bfloat16) for k, v in sd.items()}
+        save_hf_weights(sd, out_dir, inner.config)
+    dist.barrier()

@@ -1,0 +1,56 @@
+"""The trainable module: a model plus its LM head turned into per-token logprobs.
+
+`CausalLM.forward` runs the whole micro-batch (transformer + LM head + log-softmax) so that FSDP's
+root unit, which owns the embedding and the (possibly tied) LM head, holds them gathered for the
+entire forward: the fused kernel reads the unsharded bf16 weight and its gradient flows back into
+FSDP's reduce-scatter like any other.
+
+`build_training_model` does the heavy work in a fixed order: build on meta -> parallelize (compile,
+FSDP) -> allocate the local shards -> load the Hugging Face weights (each rank reads the safetensors
+and keeps its own shard).
+"""
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from prime_rl.common.config.trainer import ModelConfig
+from prime_rl.kernels import fused_logprobs_entropy, vanilla_logprobs_entropy
+from prime_rl.trainer.models import build_model, load_hf_weights
+from prime_rl.trainer.parallel import ParallelDims, parallelize_model
+
+
+class CausalLM(nn.Module):
+    def __init__(self, model: nn.Module, chunk_size: int | None):
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size
+        """Tokens per fused LM-head chunk; None materializes the full [T, V] logits."""
+
+    @property
+    def config(self):  # noqa: ANN201 - the models package's ModelConfig
+        return self.model.config
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, T) ids, positions, targets -> (logprobs, entropy), each (T,) fp32; targets < 0 give logprob 0."""
+        hidden = self.model(input_ids, position_ids).flatten(0, 1)  # (T, H)
+        weight = self.model.lm_head.weight  # (V, H), gathered by the root FSDP unit
+        targets = targets.flatten()  # (T,)
+        if self.chunk_size is None:
+            return vanilla_logprobs_entropy(hidden, weight, targets, temperature)
+        return fused_logprobs_entropy(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size)
+
+
+def build_training_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device) -> CausalLM:
+    model = build_model(cfg.name, attn=cfg.attn, dtype=torch.float32, device="meta")  # fp32 masters
+    chunk = None if cfg.fused_lm_head_token_chunk_size == "disabled" else cfg.fused_lm_head_token_chunk_size
+    root = CausalLM(model, chunk)
+    parallelize_model(root, model.layers, dims, mesh, cfg)
+    root.to_empty(device=device)
+    model.tie_weights()
+    load_hf_weights(model, Path(cfg.name))
+    return root

@@ -1,0 +1,54 @@
+"""Optimizer construction. Parameters may be FSDP2 DTensors: every update here is elementwise, so it
+runs on each rank's local shard with no communication (the gradient norm is the one global quantity).
+"""
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from prime_rl.common.config.trainer import AdamWConfig, SignSGDConfig
+
+
+class SignSGD(torch.optim.Optimizer):
+    """p <- p * (1 - lr * weight_decay) - lr * sign(grad). Stateless: no optimizer memory."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch's signature
+        assert closure is None, "SignSGD does not support closures"
+        for group in self.param_groups:
+            params = [_local(p) for p in group["params"] if p.grad is not None]
+            grads = [_local(p.grad) for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if group["weight_decay"]:
+                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            signs = torch._foreach_sign(grads)
+            torch._foreach_add_(params, signs, alpha=-group["lr"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def build_optimizer(cfg: AdamWConfig | SignSGDConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if isinstance(cfg, SignSGDConfig):
+        return SignSGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # foreach (multi-tensor) works on CPU and GPU, with DTensors; fused would need all params on CUDA
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True
+    )
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Global L2 norm of all gradients (over every rank's shard); clip in place when max_norm is set."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):  # partial norms of shards -> one global value
+        norm = norm.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm

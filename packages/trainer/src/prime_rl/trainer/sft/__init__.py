@@ -1,0 +1,1 @@
+"""Supervised fine-tuning: `sft` (entrypoint: config + torchrun launch) and the per-rank loop (train)."""

@@ -1,0 +1,77 @@
+"""`sft @ sft.toml [--key value ...]`: validate the config, then launch the ranks with torchrun.
+
+Bad configs exit 2 here, before any process starts. `--dry-run` writes the resolved config to
+<run_dir>/configs/trainer.toml and exits. Otherwise it starts a new log attempt, writes the resolved
+config there, and runs `python -m torch.distributed.run --standalone --nproc-per-node N -m
+prime_rl.trainer.sft.train @ <run_dir>/configs/trainer.toml` with N = deployment.num_gpus (or
+$WORLD_SIZE, or 1): one process per GPU, or N gloo processes on a machine without GPUs. When `sft`
+itself already runs inside a torchrun/SLURM rank (RANK and LOCAL_RANK set), it trains in-process.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prime_rl.common.config import parse_config, write_toml
+from prime_rl.common.config.trainer import SFTConfig
+from prime_rl.common.rundir import RunDir
+
+PROG = "sft"
+
+
+def _fail(msg: str) -> None:
+    sys.stderr.write(f"{PROG}: error: {msg}\n")
+    raise SystemExit(2)
+
+
+def num_processes(cfg: SFTConfig) -> int:
+    if cfg.deployment.num_gpus is not None:
+        return cfg.deployment.num_gpus
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def torchrun_command(config_path: Path, nproc: int) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", "--nproc-per-node", str(nproc),
+        "--local-ranks-filter", "0",  # console: rank 0 only (each rank also writes its own file)
+        "-m", "prime_rl.trainer.sft.train", "@", str(config_path),
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(SFTConfig, argv, prog=PROG)
+    run_dir = RunDir(cfg.output_dir, cfg.run_name)
+    if cfg.dry_run:
+        path = write_toml(cfg.model_copy(update={"dry_run": False}), run_dir.config_path("trainer"))
+        print(f"wrote {path}")
+        return
+    if not (Path(cfg.model.name) / "config.json").is_file():
+        _fail(
+            f"model.name={cfg.model.name!r} is not a Hugging Face model directory (no config.json); "
+            "pass a local directory with config.json, *.safetensors and tokenizer files"
+        )
+    if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # already a rank of some launcher
+        from prime_rl.trainer.sft.train import train
+
+        train(cfg)
+        return
+    nproc = num_processes(cfg)
+    import torch
+
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        _fail(
+            f"deployment.num_gpus={nproc} > {torch.cuda.device_count()} visible GPUs; lower it or set "
+            "CUDA_VISIBLE_DEVICES"
+        )
+    attempt = run_dir.start_attempt()
+    config_path = write_toml(cfg, run_dir.config_path("trainer"))
+    env = {**os.environ, "PRIME_RL_TRAINER_LOG_DIR": str(run_dir.trainer_log_dir(attempt))}
+    env.pop("WORLD_SIZE", None)  # torchrun sets it per rank
+    proc = subprocess.run(torchrun_command(config_path, nproc), env=env)
+    raise SystemExit(proc.returncode)
+
+
+if __name__ == "__main__":
+    main()

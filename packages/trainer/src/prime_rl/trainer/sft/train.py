@@ -1,0 +1,193 @@
+"""The SFT loop, one process per rank (launched by `sft` or by hand with torchrun):
+
+    torchrun --nproc-per-node 8 --local-ranks-filter 0 -m prime_rl.trainer.sft.train @ sft.toml
+
+Per step: 1) this rank's micro-batches (a pure function of the step), 2) forward + backward per
+micro-batch with the loss normalized by the step's global count of loss tokens, 3) clip, optimizer
+step, 4) log Throughput / MFU / Peak Mem. and write metrics.jsonl, 5) checkpoint every N steps.
+
+Loss: mean over all assistant (loss) tokens of the step, across micro-batches and ranks, so N ranks
+compute the same gradient as one process on the same rows. FSDP averages gradients over the dp
+ranks, so each rank's loss is scaled by dp / global_loss_tokens.
+
+Cheap checks (model dir, tokenizer vs vocab, data, batch divisibility, parallel layout) all run
+before the model is built; on a bad input every rank exits with code 2 and rank 0 prints one line.
+"""
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from prime_rl.common.config import parse_config
+from prime_rl.common.config.trainer import SFTConfig, SFTDataConfig
+from prime_rl.common.logging import setup_logger
+from prime_rl.common.monitor import FileMonitor
+from prime_rl.common.rundir import RunDir
+from prime_rl.trainer.ckpt import CheckpointManager, export_hf, resolve_resume_step
+from prime_rl.trainer.data import DataLoader, build_data_loader
+from prime_rl.trainer.logs import redirect_rank_output
+from prime_rl.trainer.model import CausalLM, build_training_model
+from prime_rl.trainer.models import load_model_config, model_flops_per_token
+from prime_rl.trainer.optim import OptimizerOffload, build_optimizer, build_scheduler, clip_grad_norm
+from prime_rl.trainer.parallel import ParallelDims
+from prime_rl.trainer.perf import StepTimer, perf_metrics
+from prime_rl.trainer.world import World, close_world, init_world
+
+LOG_DIR_ENV = "PRIME_RL_TRAINER_LOG_DIR"
+"""Set by `sft`: where rank files go. Without it (manual torchrun) rank 0 starts a new log attempt."""
+
+
+def check_model_dir(name: str) -> Path:
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.name={name!r} is not a Hugging Face model directory (no config.json there); "
+            "pass a local directory with config.json, *.safetensors and tokenizer files"
+        )
+    return path
+
+
+def load_tokenizer(model_dir: Path, vocab_size: int):  # noqa: ANN201 - a transformers tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"the tokenizer in {model_dir} has {len(tokenizer)} tokens > the model's vocab_size={vocab_size}: "
+            "tokenizer and model do not match; use the tokenizer that ships with the model"
+        )
+    return tokenizer
+
+
+def _setup_output(run_dir: RunDir, world: World) -> None:
+    log_dir = os.environ.get(LOG_DIR_ENV)
+    if log_dir is None:  # manual torchrun: rank 0 opens a new attempt, the others follow logs/latest
+        if world.is_main:
+            run_dir.start_attempt()
+        dist.barrier()
+        log_dir = run_dir.trainer_log_dir()
+    redirect_rank_output(Path(log_dir) / f"{world.rank}.log", console=world.is_main)
+
+
+def setup(cfg: SFTConfig, world: World) -> tuple[ParallelDims, DataLoader, object]:
+    """Every check that needs no model weights; raises ValueError/FileNotFoundError on bad input."""
+    model_dir = check_model_dir(cfg.model.name)
+    model_config = load_model_config(str(model_dir))
+    dims = ParallelDims.from_world(world.world_size, cfg.model.dp_replicate)
+    tokenizer = load_tokenizer(model_dir, model_config.vocab_size) if isinstance(cfg.data, SFTDataConfig) else None
+    rank_in_dp = world.rank  # every rank is a data-parallel rank until CP/EP split the world
+    loader = build_data_loader(cfg.data, tokenizer, model_config.vocab_size, rank_in_dp, dims.dp)
+    return dims, loader, model_config
+
+
+def train(cfg: SFTConfig) -> None:
+    run_dir = RunDir(cfg.output_dir, cfg.run_name)
+    world = init_world()
+    _setup_output(run_dir, world)
+    logger = setup_logger("trainer", rank=world.rank, console_ranks=range(world.world_size), level=cfg.log_level)
+    try:
+        dims, loader, model_config = setup(cfg, world)
+    except (ValueError, FileNotFoundError) as e:
+        if world.is_main:
+            logger.error(str(e))
+        close_world()
+        sys.exit(2)
+    logger.info(
+        f"world {world.world_size} ({dims}), device {world.device}, {loader.num_micro_batches} "
+        f"micro-batches/step of {cfg.data.micro_batch_size} x {cfg.data.seq_len} tokens"
+    )
+
+    torch.manual_seed(cfg.seed)
+    mesh = dims.build_mesh(world.device.type)
+    model = build_training_model(cfg.model, dims, mesh, world.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg.optim, params)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.max_steps)
+    offload = OptimizerOffload(optimizer, world.device, enabled=cfg.model.offload == "optimizer")
+    ckpt = CheckpointManager(run_dir, cfg.ckpt.keep_last, world.is_main)
+
+    start = resolve_resume_step(run_dir, cfg.ckpt.resume_step) or 0
+    if start:
+        ckpt.load(start, model, optimizer, scheduler)
+        offload.offload()
+        logger.info(f"resumed from {run_dir.trainer_checkpoint_dir(start)}")
+
+    flops_per_token = model_flops_per_token(model_config, cfg.data.seq_len)
+    monitor = FileMonitor(run_dir) if world.is_main else None
+    timer = StepTimer(world.device)
+    for step in range(start, cfg.max_steps):
+        timer.start()
+        stats = train_step(model, loader, step, dims, world)
+        grad_norm = clip_grad_norm(params, cfg.optim.max_norm)
+        lr = scheduler.get_last_lr()[0]
+        offload.load()
+        optimizer.step()
+        offload.offload()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        metrics = {
+            "loss/mean": stats["loss"],
+            "loss/tokens": stats["loss_tokens"],
+            "optim/grad_norm": grad_norm.item(),
+            "optim/lr": lr,
+            **perf_metrics(stats["tokens"], timer.stop(), world.world_size, flops_per_token, world.device),
+        }
+        done = step + 1
+        if monitor is not None:
+            monitor.log(done, metrics)
+        logger.info(
+            f"Step {done} | Loss {metrics['loss/mean']:.4f} | Grad norm {metrics['optim/grad_norm']:.3f} | "
+            f"LR {lr:.2e} | Throughput {metrics['perf/throughput']:,.0f} tokens/s | MFU {metrics['perf/mfu']:.1%} | "
+            f"Peak Mem. {metrics['perf/peak_memory']:.2f} GiB | Step time {metrics['time/step']:.2f}s"
+        )
+        if cfg.ckpt.interval and (done % cfg.ckpt.interval == 0 or done == cfg.max_steps):
+            offload.load()  # DCP reads the state where the parameters live
+            path = ckpt.save(done, model, optimizer, scheduler)
+            offload.offload()
+            logger.info(f"saved checkpoint {path}")
+
+    if cfg.ckpt.export_hf:
+        out = run_dir.root / "weights" / f"step_{cfg.max_steps}"
+        export_hf(model, model.model, out, world.is_main)
+        logger.info(f"exported Hugging Face weights to {out}")
+    if monitor is not None:
+        monitor.close()
+    close_world()
+
+
+def train_step(model: CausalLM, loader: DataLoader, step: int, dims: ParallelDims, world: World) -> dict:
+    """Forward + backward over this rank's micro-batches; returns the step's global loss statistics."""
+    micro_batches = loader.micro_batches(step)
+    counts = torch.tensor([sum(mb.num_loss_tokens for mb in micro_batches)], dtype=torch.float64, device=world.device)
+    dist.all_reduce(counts)
+    loss_tokens = counts.item()
+    # FSDP averages gradients over dp ranks; dp / global tokens makes the result the global token mean
+    scale = dims.dp / max(loss_tokens, 1.0)
+    nll_sum = torch.zeros((), dtype=torch.float64, device=world.device)
+    tokens = 0
+    for mb in micro_batches:
+        mb = mb.to(world.device)
+        logprobs, _ = model(mb.input_ids, mb.position_ids, mb.targets)  # (T,)
+        nll = -logprobs.sum()  # ignored targets have logprob 0
+        (nll * scale).backward()
+        nll_sum += nll.detach()
+        tokens += mb.input_ids.numel()
+    dist.all_reduce(nll_sum)
+    return {
+        "loss": nll_sum.item() / max(loss_tokens, 1.0),
+        "loss_tokens": loss_tokens,
+        "tokens": tokens * world.world_size,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.captureWarnings(True)
+    train(parse_config(SFTConfig, argv, prog="sft"))
+
+
+if __name__ == "__main__":
+    main()
