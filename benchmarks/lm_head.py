@@ -1,0 +1,139 @@
+"""Benchmark: fused LM head (logprob + entropy, forward + backward) vs the vanilla head.
+
+Prints one JSON object per line. Measures like ../shared/bench/anchor_hf_train.py `lm_head()`:
+inputs created, base = allocated memory, 2 warm-up steps, peak stats reset, 5 timed steps; "extra peak"
+is peak allocated minus base (so it includes the hidden and weight gradients, 0.64 GiB at T=16384).
+Each step is forward + backward of logprobs.sum() + entropy.sum().
+
+    python benchmarks/lm_head.py [--tokens 16384 65536] [--anchor path/to/anchor_hf_train.py]
+
+With --anchor, the anchor's own lm_head() runs first in the same process, so the ratio printed at
+the end is against the anchor measured on the same machine in the same run.
+"""
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import time
+
+import torch
+
+from prime_rl.kernels import fused_logprobs_entropy, vanilla_logprobs_entropy
+
+
+def bench(fn, tokens: int, hidden: int, vocab: int, chunk_size: int) -> dict:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
+    tgt = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    base = torch.cuda.max_memory_allocated()
+
+    def step():
+        lp, ent = fn(h, w, tgt, chunk_size)
+        (lp.sum() + ent.sum()).backward()
+
+    try:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t) / 5 * 1e3
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        # Forward alone, for the breakdown.
+        with torch.no_grad():
+            fn(h, w, tgt, chunk_size)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(5):
+                lp, ent = fn(h, w, tgt, chunk_size)
+            torch.cuda.synchronize()
+            fwd_ms = (time.perf_counter() - t) / 5 * 1e3
+        return dict(ms=round(ms, 2), fwd_ms=round(fwd_ms, 2), peak_extra_gib=round(peak, 3))
+    except torch.OutOfMemoryError as e:
+        return dict(error="OOM", detail=str(e).splitlines()[0][:200])
+
+
+def vanilla(h, w, tgt, chunk_size):
+    return vanilla_logprobs_entropy(h, w, tgt)
+
+
+def fused(h, w, tgt, chunk_size):
+    return fused_logprobs_entropy(h, w, tgt, chunk_size=chunk_size)
+
+
+def agreement(tokens: int, hidden: int, vocab: int) -> dict:
+    """Max difference between fused (fp32 logits) and vanilla (bf16-rounded logits) outputs."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    tgt = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    with torch.no_grad():
+        lp_f, ent_f = fused_logprobs_entropy(h, w, tgt)
+        ref_lp, ref_ent = vanilla_logprobs_entropy(h.float(), w.float(), tgt)  # fp32 logits: the better reference
+    return dict(
+        max_abs_err_logprob_vs_fp32=float((lp_f - ref_lp).abs().max()),
+        max_abs_err_entropy_vs_fp32=float((ent_f - ref_ent).abs().max()),
+    )
+
+
+def run_anchor(path: str) -> dict | None:
+    spec = importlib.util.spec_from_file_location("anchor_hf_train", path)
+    anchor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(anchor)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        anchor.lm_head()
+    line = buf.getvalue().strip().splitlines()[-1]
+    res = json.loads(line)
+    print(json.dumps(dict(kind="anchor", **res)), flush=True)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--chunk-size", type=int, default=8192)
+    p.add_argument("--anchor", default=None, help="path to anchor_hf_train.py; runs its lm_head() first")
+    args = p.parse_args()
+    print(json.dumps(dict(kind="env", torch=torch.__version__, device=torch.cuda.get_device_name())), flush=True)
+    anchor = run_anchor(args.anchor) if args.anchor else None
+    results = {}
+    for tokens in args.tokens:
+        for name, fn in [("vanilla", vanilla), ("fused", fused)]:
+            res = bench(fn, tokens, args.hidden, args.vocab, args.chunk_size)
+            results[(name, tokens)] = res
+            row = dict(kind=f"{name}_lm_head_logprob_entropy", tokens=tokens, hidden=args.hidden, vocab=args.vocab)
+            print(json.dumps(dict(row, chunk_size=args.chunk_size, **res) if name == "fused" else dict(row, **res)))
+    print(json.dumps(dict(kind="agreement", tokens=4096, **agreement(4096, args.hidden, args.vocab))), flush=True)
+    try:
+        from prime_rl.kernels.lm_head.triton_kernels import lm_head_dlogits_kernel, lm_head_fwd_kernel
+
+        cfgs = dict(forward=str(lm_head_fwd_kernel.best_config), dlogits=str(lm_head_dlogits_kernel.best_config))
+        print(json.dumps(dict(kind="triton_configs", **cfgs)), flush=True)
+    except (ImportError, AttributeError):
+        pass
+    t0 = args.tokens[0]
+    fused0, vanilla0 = results.get(("fused", t0), {}), results.get(("vanilla", t0), {})
+    summary = dict(kind="summary", tokens=t0)
+    if "ms" in fused0 and "ms" in vanilla0:
+        summary.update(speedup_vs_vanilla=round(vanilla0["ms"] / fused0["ms"], 3))
+    if anchor and "ms" in fused0:
+        summary.update(
+            speedup_vs_anchor=round(anchor["ms"] / fused0["ms"], 3),
+            memory_ratio_vs_anchor=round(fused0["peak_extra_gib"] / anchor["peak_extra_gib"], 4),
+        )
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
