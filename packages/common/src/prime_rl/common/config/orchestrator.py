@@ -1,0 +1,216 @@
+"""Orchestrator config: `orchestrator @ orch.toml --model.client.base-url http://host:8000/v1`.
+
+Names follow the user docs (`orchestrator.model.client.base_url`, `batch_size`, `group_size`,
+`seq_len`, `max_off_policy_steps`, ...). Importable without torch: the launcher validates it.
+
+Trainer rank r pulls its batches from `tcp://<trainer.address>:<trainer.port + r>` (the orchestrator
+binds one ZeroMQ PUSH socket per rank), matching the RL trainer's `data.host` / `data.port`.
+
+Steps and versions: batch `step` (0-based) is trained by trainer step `step`, starting from policy
+version `step` (= weights after `step` optimizer updates). After that update the trainer publishes
+version `step + 1` under `<run_dir>/broadcasts/step_<step + 1>/` (marker file STABLE written last).
+A rollout sampled with version `v` is `step - v` steps off-policy in batch `step`; more than `max_off_policy_steps` and it is dropped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from prime_rl.common.config.base import BaseConfig
+
+
+class ClientConfig(BaseConfig):
+    """How to reach the OpenAI-compatible inference API."""
+
+    base_url: str = "http://localhost:8000/v1"
+    """Base URL of the OpenAI-compatible API (a vLLM server or a router in front of several)."""
+    api_key: str = "EMPTY"
+    """Bearer token sent with every request (vLLM ignores it unless started with --api-key)."""
+    timeout: float = Field(default=1800.0, gt=0)
+    """Seconds one generation request may take before it is retried."""
+    max_retries: int = Field(default=6, ge=0)
+    """Retries of a request that failed to connect, timed out or got a 5xx, before the run stops."""
+    retry_backoff: float = Field(default=0.5, gt=0)
+    """Seconds before the first retry; doubled after each failed attempt."""
+    max_backoff: float = Field(default=10.0, gt=0)
+    """Upper bound on the wait between two retries, in seconds."""
+
+
+class ModelConfig(BaseConfig):
+    """The served model and how to talk to it."""
+
+    name: str = "Qwen/Qwen3-0.6B"
+    """Model name sent in each request (vLLM's --served-model-name, usually the HF id or path)."""
+    client: ClientConfig = ClientConfig()
+    """The inference API endpoint."""
+    chat_template: str | None = None
+    """Jinja chat template sent with each request; None uses the model's own template."""
+
+
+class ReverseTextEnvConfig(BaseConfig):
+    """Reverse a short random string; reward 1 - normalized edit distance (dense, learnable)."""
+
+    type: Literal["reverse_text"] = "reverse_text"
+    """Environment kind."""
+    unit: Literal["chars", "words"] = "chars"
+    """Reverse the letters of one word, or the order of several words."""
+    min_len: int = Field(default=3, ge=1)
+    """Fewest letters (chars) or words (words) in a task."""
+    max_len: int = Field(default=8, ge=1)
+    """Most letters (chars) or words (words) in a task."""
+
+
+class ArithmeticEnvConfig(BaseConfig):
+    """Small integer sums; reward 1 for the exact answer, else 0."""
+
+    type: Literal["arithmetic"] = "arithmetic"
+    """Environment kind."""
+    num_terms: int = Field(default=2, ge=2)
+    """Numbers added in each task."""
+    max_value: int = Field(default=99, ge=1)
+    """Largest term (terms are drawn from 0..max_value)."""
+
+
+class ReasoningGymEnvConfig(BaseConfig):
+    """A procedural task from the `reasoning-gym` package (pip install reasoning-gym); no downloads."""
+
+    type: Literal["reasoning_gym"] = "reasoning_gym"
+    """Environment kind."""
+    name: str = "basic_arithmetic"
+    """reasoning-gym dataset name, e.g. basic_arithmetic, leg_counting, spell_backward."""
+    size: int = Field(default=10_000, ge=1)
+    """Number of procedurally generated entries to sample from."""
+    seed: int = 0
+    """Seed of the generator (task sampling uses the orchestrator's seed)."""
+    kwargs: dict[str, int | float | str | bool] = {}
+    """Extra keyword arguments for reasoning_gym.create_dataset."""
+
+
+class VerifiersEnvConfig(BaseConfig):
+    """A single-turn `verifiers` environment (pip install verifiers plus the environment's package)."""
+
+    type: Literal["verifiers"] = "verifiers"
+    """Environment kind."""
+    id: str = ""
+    """Environment id passed to verifiers.load_environment."""
+    args: dict[str, int | float | str | bool] = {}
+    """Keyword arguments for verifiers.load_environment."""
+
+
+EnvConfig = Annotated[
+    ReverseTextEnvConfig | ArithmeticEnvConfig | ReasoningGymEnvConfig | VerifiersEnvConfig,
+    Field(discriminator="type"),
+]
+
+
+class AdvantageConfig(BaseConfig):
+    """Group-relative advantages (GRPO style)."""
+
+    std_normalize: bool = False
+    """Divide (reward - group mean) by the group's reward std (Dr. GRPO leaves this off)."""
+    eps: float = Field(default=1e-6, gt=0)
+    """Added to the std before dividing."""
+
+
+class TrainerEndpointConfig(BaseConfig):
+    """Where the orchestrator sends TrainingBatch messages (it binds one socket per rank; ranks connect)."""
+
+    address: str = "127.0.0.1"
+    """Interface the orchestrator binds its ZeroMQ senders on ("0.0.0.0" when trainers are on other nodes)."""
+    port: int = Field(default=29600, ge=1, le=65535)
+    """Port for trainer rank 0; rank r uses port + r (the trainer's data.port)."""
+    send_timeout: float = Field(default=3600.0, gt=0)
+    """Seconds to wait for a trainer rank to take a batch before failing."""
+
+
+class InferenceControlConfig(BaseConfig):
+    """The inference servers' control endpoints (pause / load weights / resume)."""
+
+    addresses: list[str] = []
+    """ZeroMQ control address of every inference server (tcp://host:port); empty = no weight updates sent."""
+    pause_mode: Literal["abort", "wait", "keep"] = "keep"
+    """What servers do with in-flight requests during a weight update (aborted rollouts are discarded)."""
+    timeout: float = Field(default=600.0, gt=0)
+    """Seconds to wait for a server to answer one control request."""
+
+
+class CheckpointConfig(BaseConfig):
+    """Orchestrator state (step, task-sampling rng) under checkpoints/step_<n>/orchestrator/."""
+
+    interval: int | None = Field(default=None, ge=1)
+    """Save every this many steps; None never saves."""
+    resume_step: int | Literal["latest"] | None = None
+    """Resume from checkpoints/step_<n>/orchestrator ("latest": the newest there is; None starts fresh)."""
+
+
+class OrchestratorConfig(BaseConfig):
+    """The orchestrator: samples rollouts from inference, scores them and ships packed batches to the trainer."""
+
+    output_dir: Path = Path("outputs")
+    """Parent of the run directory."""
+    run_name: str = "rl"
+    """Run directory name: <output_dir>/<run_name> (broadcasts/, checkpoints/, monitors/ live there)."""
+    model: ModelConfig = ModelConfig()
+    """The served model."""
+    env: EnvConfig = ReverseTextEnvConfig()
+    """The environment tasks come from (discriminated on type)."""
+    advantage: AdvantageConfig = AdvantageConfig()
+    """Advantage computation."""
+    trainer: TrainerEndpointConfig = TrainerEndpointConfig()
+    """The ZeroMQ endpoint trainer ranks pull batches from."""
+    inference: InferenceControlConfig = InferenceControlConfig()
+    """Inference control plane for weight updates."""
+    ckpt: CheckpointConfig = CheckpointConfig()
+    """Checkpointing of the orchestrator's own state."""
+
+    batch_size: int = Field(default=128, ge=1)
+    """Samples (completions) per training step; a multiple of group_size."""
+    group_size: int = Field(default=8, ge=1)
+    """Completions sampled per task; advantages are relative to the group."""
+    seq_len: int = Field(default=2048, ge=2)
+    """Tokens per packed micro-batch (samples are packed back to back, positions restart per sample)."""
+    max_tokens: int = Field(default=256, ge=1)
+    """Most completion tokens per sample."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature (sent to the trainer too, which scales its logits by it)."""
+    max_off_policy_steps: int = Field(default=1, ge=0)
+    """Most policy versions a rollout may lag the step it is trained in; older rollouts are dropped."""
+    max_concurrent_groups: int | None = Field(default=None, ge=1)
+    """Groups (requests) in flight at once; None = one step's worth (batch_size // group_size)."""
+    num_train_ranks: int = Field(default=1, ge=1)
+    """Trainer data-parallel ranks; each gets the same number of micro-batches per step."""
+    max_steps: int | None = Field(default=None, ge=1)
+    """Stop after this many steps; None runs until interrupted."""
+    seed: int = 0
+    """Seed of task sampling."""
+    weights_poll_interval: float = Field(default=0.1, gt=0)
+    """Seconds between looks at broadcasts/ for newly published weights."""
+    weights_timeout: float = Field(default=3600.0, gt=0)
+    """Seconds to wait for the trainer to publish the weights a step needs before giving up."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Console and file log level."""
+    dry_run: bool = False
+    """Write the resolved config to <run_dir>/configs/orchestrator.toml and exit."""
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> OrchestratorConfig:
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size={self.batch_size} must be a multiple of group_size={self.group_size}; "
+                f"use {max(1, self.batch_size // self.group_size) * self.group_size}"
+            )
+        if self.max_tokens >= self.seq_len:
+            raise ValueError(
+                f"max_tokens={self.max_tokens} must be below seq_len={self.seq_len} so a prompt fits beside it; "
+                "raise seq_len or lower max_tokens"
+            )
+        if isinstance(self.env, ReverseTextEnvConfig) and self.env.min_len > self.env.max_len:
+            raise ValueError(f"env.min_len={self.env.min_len} must be <= env.max_len={self.env.max_len}")
+        return self
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.batch_size // self.group_size

@@ -1,0 +1,65 @@
+"""What one rollout and one group of rollouts are, once sampled and scored (no I/O here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prime_rl.orchestrator.envs.base import Task
+
+
+@dataclass
+class Completion:
+    """One sampled completion as the inference API returned it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"completion has {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs; "
+                "the inference server must return one logprob per sampled token (request logprobs)"
+            )
+
+
+@dataclass
+class Sample:
+    """One training sample: a prompt and a completion, with its advantage. Arrays are per token."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    advantage: float
+    reward: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class Group:
+    """`group_size` completions of one task, scored, tagged with the policy version that sampled them."""
+
+    task: Task
+    prompt_ids: list[int]
+    completions: list[Completion]
+    rewards: list[float]
+    version: int
+    num_failed: int = 0
+    advantages: list[float] = field(default_factory=list)
+
+    def samples(self) -> list[Sample]:
+        if len(self.advantages) != len(self.completions):
+            raise ValueError("advantages are not computed for this group yet")
+        return [
+            Sample(self.prompt_ids, c.token_ids, c.logprobs, float(a), float(r))
+            for c, a, r in zip(self.completions, self.advantages, self.rewards)
+        ]
+
+    def reward_array(self) -> np.ndarray:
+        return np.asarray(self.rewards, dtype=np.float32)
