@@ -32,6 +32,14 @@ function fmt(v) {
   return v.toPrecision(4);
 }
 
+// Axis ticks: uPlot's default shows 0.0002 as "0" on a small-valued axis; keep 4 significant digits.
+function fmtTick(v) {
+  if (v === 0) return "0";
+  const a = Math.abs(v);
+  if (a >= 1e5 || a < 1e-3) return v.toExponential(1);
+  return String(+v.toPrecision(4));
+}
+
 function el(tag, attrs = {}, ...children) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs)) {
@@ -89,6 +97,10 @@ function notesOf(info) {
 
 function renderTable() {
   const tbody = document.querySelector("#runs tbody");
+  // Rebuild only when a run's row changed, so polls do not churn the DOM under the user's mouse.
+  const sig = JSON.stringify([...state.runs.values()].map((r) => r.info));
+  if (tbody.dataset.sig === sig) return;
+  tbody.dataset.sig = sig;
   tbody.replaceChildren();
   for (const [name, run] of state.runs) {
     const info = run.info;
@@ -153,7 +165,8 @@ function plotWidth(container) {
 function renderPlots() {
   const plots = document.getElementById("plots");
   const names = [...state.runs.keys()].filter((n) => !state.hidden.has(n));
-  const keys = state.keys.filter((k) => state.selected.has(k));
+  // Plots follow selection order: the defaults first (reward, loss, ...), then what the user ticks.
+  const keys = [...state.selected].filter((k) => state.keys.includes(k));
   for (const [key, chart] of state.charts) {
     if (!keys.includes(key)) { chart.plot?.destroy(); chart.el.remove(); state.charts.delete(key); }
   }
@@ -178,9 +191,10 @@ function renderPlots() {
         width: plotWidth(chart.el), height: 230,
         scales: {x: {time: false}},
         cursor: {sync: {key: "steps"}},
-        axes: [{label: "step"}, {size: 64}],
+        axes: [{label: "step"}, {size: 64, values: (u, splits) => splits.map(fmtTick)}],
         series: [{label: "step"}, ...withKey.map((n) => ({
           label: n, stroke: colorOf(n), width: 1.5, spanGaps: true, points: {show: false},
+          value: (u, v) => (v === null || v === undefined ? "--" : fmt(v)),
         }))],
       }, data, chart.el);
     } else {
