@@ -66,6 +66,7 @@ def test_packing_changes_hidden_states_without_document_mask(hf_model_factory, p
     assert not torch.allclose(masked[:, tail], one_doc[:, tail], atol=1e-3)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
 def test_flex_packed_matches_sdpa(hf_model_factory, packed, kind):
     # FlexAttention has no backward on CPU (torch 2.13): forward here, backward in the GPU test.

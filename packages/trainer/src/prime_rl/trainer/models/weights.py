@@ -53,11 +53,12 @@ def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ModelConfig) -> 
         else:
             out[name] = tensor
     for (layer, proj), by_expert in experts.items():
-        if sorted(by_expert) != list(range(config.num_experts)):
-            missing = sorted(set(range(config.num_experts)) - set(by_expert))
+        if sorted(by_expert) != list(range(config.num_experts)) or not config.is_moe_layer(layer):
             raise ValueError(
-                f"layer {layer} {proj}: checkpoint has experts {sorted(by_expert)[:8]}..., missing {missing[:8]}; "
-                f"config.num_experts={config.num_experts} must match the checkpoint"
+                f"layer {layer} {proj}: the checkpoint has {len(by_expert)} experts (ids {min(by_expert)}.."
+                f"{max(by_expert)}) but the config makes this layer "
+                f"{'a MoE with ' + str(config.num_experts) + ' experts' if config.is_moe_layer(layer) else 'dense'}; "
+                "check that config.json belongs to these weights"
             )
         out[f"layers.{layer}.mlp.experts.{proj}"] = torch.stack([by_expert[e] for e in range(config.num_experts)])
     if config.tie_word_embeddings and "embed_tokens.weight" in out:
