@@ -52,6 +52,15 @@ class SlurmConfig(BaseConfig):
     """environment variables exported in the job (override the node-local cache dirs here)"""
     launch_modelexpress: bool = True
     """start a job-scoped weight-transfer metadata service on the trainer head node (nixl transport)"""
+    install_command: str = "uv sync --all-extras --all-packages"
+    """run once on the batch node before anything starts; skipped when the venv exists or PRIME_RL_SKIP_INSTALL=1"""
+    rdzv_port: int = Field(29500, ge=1, le=65535)
+    """torchrun rendezvous port on the head trainer node"""
+    router_port: int = Field(8000, ge=1, le=65535)
+    """port of the global router on the first inference node (the URL clients and the orchestrator use)"""
+    replica_port: int = Field(8100, ge=1, le=65535)
+    """HTTP port of the inference replica on inference node i is replica_port + i (distinct ports keep
+    nodes that share one network, like a test cluster on one machine, apart)"""
 
     @model_validator(mode="after")
     def _template_exists(self) -> SlurmConfig:
