@@ -89,19 +89,8 @@ class ReasoningGymEnvConfig(BaseConfig):
     """Extra keyword arguments for reasoning_gym.create_dataset."""
 
 
-class VerifiersEnvConfig(BaseConfig):
-    """A single-turn `verifiers` environment (pip install verifiers plus the environment's package)."""
-
-    type: Literal["verifiers"] = "verifiers"
-    """Environment kind."""
-    id: str = ""
-    """Environment id passed to verifiers.load_environment."""
-    args: dict[str, int | float | str | bool] = {}
-    """Keyword arguments for verifiers.load_environment."""
-
-
 EnvConfig = Annotated[
-    ReverseTextEnvConfig | ArithmeticEnvConfig | ReasoningGymEnvConfig | VerifiersEnvConfig,
+    ReverseTextEnvConfig | ArithmeticEnvConfig | ReasoningGymEnvConfig,
     Field(discriminator="type"),
 ]
 

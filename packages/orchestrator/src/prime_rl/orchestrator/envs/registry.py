@@ -7,7 +7,6 @@ from prime_rl.common.config.orchestrator import (
     EnvConfig,
     ReasoningGymEnvConfig,
     ReverseTextEnvConfig,
-    VerifiersEnvConfig,
 )
 from prime_rl.orchestrator.envs.arithmetic import ArithmeticEnv
 from prime_rl.orchestrator.envs.base import Environment
@@ -23,8 +22,4 @@ def build_environment(config: EnvConfig) -> Environment:
         from prime_rl.orchestrator.envs.reasoning_gym import ReasoningGymEnv
 
         return ReasoningGymEnv(config.name, config.size, config.seed, **config.kwargs)
-    if isinstance(config, VerifiersEnvConfig):
-        from prime_rl.orchestrator.envs.verifiers_env import VerifiersEnv
-
-        return VerifiersEnv(config.id, **config.args)
     raise ValueError(f"unknown environment config {type(config).__name__}")

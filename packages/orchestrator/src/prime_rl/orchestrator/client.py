@@ -1,0 +1,171 @@
+"""Async client for the OpenAI-compatible chat API that vLLM serves, returning token ids + logprobs.
+
+Why `/v1/chat/completions` (and not `/v1/completions` with a pre-tokenized prompt): the server applies
+the model's own chat template and tokenizes, and with vLLM's `return_token_ids` it returns the exact
+`prompt_token_ids` and each choice's `token_ids`, so the orchestrator needs no tokenizer at all.
+Tokenizing here would mean `transformers` (which imports torch whenever torch is installed, and the
+orchestrator must never import torch) or re-implementing chat templating over `tokenizers` + jinja.
+Chat is also the API multi-turn and `verifiers` environments speak, and any OpenAI-compatible
+deployment (router, load balancer) serves it.
+
+Faults: connection errors, timeouts and 5xx answers are retried with exponential backoff
+(`retry_backoff * 2**attempt`, capped by `max_backoff`); after `max_retries` retries the call raises
+`InferenceUnreachableError` naming the URL. A 4xx is the request's fault and raises at once with
+the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from prime_rl.orchestrator.envs.base import Messages
+from prime_rl.orchestrator.rollout import Completion
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_ID = re.compile(r"^token_id:(\d+)$")
+
+
+class InferenceError(RuntimeError):
+    """The inference server answered, but not with something usable."""
+
+
+class InferenceUnreachableError(InferenceError):
+    """The inference server could not be reached (or kept failing) after all retries."""
+
+
+@dataclass
+class ChatResult:
+    prompt_ids: list[int]
+    completions: list[Completion]
+
+
+@dataclass
+class SamplingArgs:
+    max_tokens: int
+    temperature: float
+    chat_template: str | None = None
+
+
+class InferenceClient:
+    """`await client.sample(messages, n, sampling)` -> prompt token ids + n completions."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str = "EMPTY",
+        timeout: float = 1800.0,
+        max_retries: int = 6,
+        retry_backoff: float = 0.5,
+        max_backoff: float = 10.0,
+        max_connections: int = 1024,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.url = f"{self.base_url}/chat/completions"
+        self.model = model
+        self.max_retries, self.retry_backoff, self.max_backoff = max_retries, retry_backoff, max_backoff
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            headers={"Authorization": f"Bearer {api_key}"},
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def build_request(self, messages: Messages, n: int, sampling: SamplingArgs) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "n": n,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "logprobs": True,
+            "top_logprobs": 0,
+            # vLLM extensions: token ids of prompt and completion, and tokens spelled "token_id:<id>"
+            # (byte-level tokenizers otherwise come back as "" for partial UTF-8).
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if sampling.chat_template is not None:
+            body["chat_template"] = sampling.chat_template
+        return body
+
+    async def sample(self, messages: Messages, n: int, sampling: SamplingArgs) -> ChatResult:
+        data = await self._post(self.build_request(messages, n, sampling))
+        return parse_chat_response(data, n)
+
+    async def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+        start = time.monotonic()
+        last_error = ""
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = await self._http.post(self.url, json=body)
+            except httpx.TransportError as e:  # connect refused, DNS, timeouts, dropped connections
+                last_error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            else:
+                if response.status_code < 400:
+                    return response.json()
+                if response.status_code < 500:
+                    raise InferenceError(
+                        f"{self.url} refused the request with HTTP {response.status_code}: {response.text[:500]}"
+                    )
+                last_error = f"HTTP {response.status_code}: {response.text[:200]}"
+            if attempt == self.max_retries:
+                break
+            delay = min(self.max_backoff, self.retry_backoff * 2**attempt)
+            logger.warning(
+                "inference request to %s failed (%s); retry %d/%d in %.1fs",
+                self.url, last_error, attempt + 1, self.max_retries, delay,
+            )  # fmt: skip
+            await asyncio.sleep(delay)
+        raise InferenceUnreachableError(
+            f"inference server at {self.url} unreachable after {self.max_retries + 1} attempts over "
+            f"{time.monotonic() - start:.1f}s (last error: {last_error}); check that it is running and that "
+            "orchestrator.model.client.base_url points at it"
+        )
+
+
+def _choice_token_ids(choice: dict[str, Any]) -> list[int]:
+    if choice.get("token_ids") is not None:
+        return [int(t) for t in choice["token_ids"]]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    ids = []
+    for entry in content:  # fallback: tokens spelled "token_id:<id>"
+        match = _TOKEN_ID.match(entry.get("token", ""))
+        if match is None:
+            raise InferenceError(
+                "response has no choices[].token_ids and tokens are not 'token_id:<n>'; "
+                "serve with vLLM (return_token_ids / return_tokens_as_token_ids)"
+            )
+        ids.append(int(match.group(1)))
+    return ids
+
+
+def parse_chat_response(data: dict[str, Any], n: int) -> ChatResult:
+    """Turn a chat-completions JSON body (vLLM flavour) into prompt ids and completions."""
+    prompt_ids = data.get("prompt_token_ids")
+    if prompt_ids is None:
+        raise InferenceError("response has no prompt_token_ids; the server must support vLLM's return_token_ids=true")
+    choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+    if len(choices) != n:
+        raise InferenceError(f"asked for n={n} completions, got {len(choices)}")
+    completions = []
+    for choice in choices:
+        token_ids = _choice_token_ids(choice)
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [float(entry["logprob"]) for entry in content]
+        message = choice.get("message") or {}
+        text = message.get("content") or ""
+        completions.append(Completion(token_ids, logprobs, text, choice.get("finish_reason")))
+    return ChatResult([int(t) for t in prompt_ids], completions)

@@ -1,0 +1,81 @@
+"""`orchestrator @ orch.toml [--section.key value ...]`: run the RL orchestrator."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from prime_rl.common.config import parse_config, write_toml
+from prime_rl.common.config.orchestrator import OrchestratorConfig
+from prime_rl.common.logging import setup_logger
+from prime_rl.common.monitor import FileMonitor
+from prime_rl.common.rundir import RunDir
+from prime_rl.orchestrator.batch import BatchSender
+from prime_rl.orchestrator.client import InferenceClient
+from prime_rl.orchestrator.envs import build_environment
+from prime_rl.orchestrator.orchestrator import Orchestrator
+from prime_rl.orchestrator.weights import InferenceControl, NoInferenceControl, ZmqInferenceControl
+
+
+def build_control(config: OrchestratorConfig) -> InferenceControl:
+    if not config.inference.addresses:
+        return NoInferenceControl()
+    return ZmqInferenceControl(config.inference.addresses, timeout=config.inference.timeout)
+
+
+async def run(config: OrchestratorConfig) -> None:
+    run_dir = RunDir(config.output_dir, config.run_name)
+    env = build_environment(config.env)
+    client_cfg = config.model.client
+    client = InferenceClient(
+        client_cfg.base_url,
+        config.model.name,
+        api_key=client_cfg.api_key,
+        timeout=client_cfg.timeout,
+        max_retries=client_cfg.max_retries,
+        retry_backoff=client_cfg.retry_backoff,
+        max_backoff=client_cfg.max_backoff,
+    )
+    control = build_control(config)
+    sender = BatchSender(
+        config.trainer.address, config.trainer.port, config.num_train_ranks, config.trainer.send_timeout
+    )
+    monitor = FileMonitor(run_dir)
+    try:
+        await Orchestrator(config, env, client, control, sender.send, monitor).run()
+    finally:
+        await client.aclose()
+        control.close()
+        sender.close()
+        monitor.close()
+
+
+def _log_file(run_dir: RunDir):
+    try:
+        return run_dir.log_path("orchestrator")  # the launcher started an attempt
+    except FileNotFoundError:
+        return run_dir.logs_dir / "orchestrator.log"
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(OrchestratorConfig, argv, prog="orchestrator")
+    run_dir = RunDir(config.output_dir, config.run_name)
+    if config.dry_run:
+        print(write_toml(config, run_dir.config_path("orchestrator")))
+        return
+    logger = setup_logger("prime_rl", log_file=_log_file(run_dir), level=config.log_level)
+    try:
+        asyncio.run(run(config))
+    except KeyboardInterrupt:
+        logger.info("interrupted")
+        sys.exit(130)
+    except Exception as e:  # one clear line for the operator; the traceback goes to the log file
+        logger.debug("orchestrator failed", exc_info=True)
+        logger.error("orchestrator failed: %s: %s", type(e).__name__, e)
+        logging.shutdown()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

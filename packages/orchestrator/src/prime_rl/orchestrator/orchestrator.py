@@ -1,0 +1,222 @@
+"""The orchestrator loop. Per step:
+
+1. wait until inference serves a policy no more than `max_off_policy_steps` behind this step
+   (loading newer published weights as they appear; a poller does so in the background too);
+2. take finished groups from the rollout scheduler (which keeps requests in flight all along),
+   dropping and counting stale ones, until the step has `batch_size // group_size` groups;
+3. pack the samples into `[seq_len]` micro-batches balanced over trainer ranks and send one
+   `TrainingBatch` per rank (in a thread: rollouts keep flowing while a busy trainer blocks the send);
+4. log metrics to monitors/file/metrics.jsonl and checkpoint the orchestrator state when due.
+
+All components are injected, so tests drive the real loop with a fake control plane, a local
+HTTP server for inference and a ZeroMQ receiver for the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from prime_rl.common.config.orchestrator import OrchestratorConfig
+from prime_rl.common.monitor import FileMonitor
+from prime_rl.common.rundir import RunDir
+from prime_rl.common.wire import TrainingBatch
+from prime_rl.orchestrator.batch import build_training_batch
+from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
+from prime_rl.orchestrator.envs.base import Environment
+from prime_rl.orchestrator.off_policy import OffPolicyFilter
+from prime_rl.orchestrator.packing import pack_batch
+from prime_rl.orchestrator.policy import PolicyState
+from prime_rl.orchestrator.rollout import Group
+from prime_rl.orchestrator.scheduler import RolloutScheduler
+from prime_rl.orchestrator.state import OrchestratorState, load_state, save_state
+from prime_rl.orchestrator.weights import InferenceControl, WeightUpdater
+
+logger = logging.getLogger(__name__)
+
+SendFn = Callable[[list[tuple[TrainingBatch, dict[str, np.ndarray]]]], None]
+"""Delivers one step's per-rank batches (blocking; run in a thread)."""
+
+
+@dataclass
+class StepResult:
+    step: int
+    groups: list[Group]
+    metrics: dict[str, float]
+
+
+def resolve_resume_step(run_dir: RunDir, resume_step: int | str | None) -> int | None:
+    """The checkpoint step to resume from, or None for a fresh start."""
+    if resume_step is None:
+        return None
+    available = [
+        s for s in run_dir.checkpoint_steps() if (run_dir.orchestrator_checkpoint_dir(s) / "state.json").is_file()
+    ]
+    if resume_step == "latest":
+        return available[-1] if available else None
+    if resume_step not in available:
+        raise FileNotFoundError(
+            f"ckpt.resume_step={resume_step} has no orchestrator state under {run_dir.checkpoints_dir}; "
+            f"available: {available or 'none'}; use one of them, 'latest' or None"
+        )
+    return int(resume_step)
+
+
+def batch_metrics(groups: list[Group]) -> dict[str, float]:
+    rewards = np.asarray([r for g in groups for r in g.rewards], dtype=np.float64)
+    advantages = np.asarray([a for g in groups for a in g.advantages], dtype=np.float64)
+    prompt_lens = np.asarray([len(g.prompt_ids) for g in groups for _ in g.completions], dtype=np.float64)
+    completion_lens = np.asarray([len(c.token_ids) for g in groups for c in g.completions], dtype=np.float64)
+    seq_lens = prompt_lens + completion_lens
+    truncated = sum(c.finish_reason == "length" for g in groups for c in g.completions)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "reward/min": float(rewards.min()),
+        "reward/max": float(rewards.max()),
+        "advantage/abs_mean": float(np.abs(advantages).mean()),
+        "seq_len/mean": float(seq_lens.mean()),
+        "seq_len/max": float(seq_lens.max()),
+        "seq_len/min": float(seq_lens.min()),
+        "prompt_len/mean": float(prompt_lens.mean()),
+        "completion_len/mean": float(completion_lens.mean()),
+        "completion_len/max": float(completion_lens.max()),
+        "completion/hit_max_tokens": float(truncated / max(1, len(completion_lens))),
+    }
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        env: Environment,
+        client: InferenceClient,
+        control: InferenceControl,
+        send: SendFn,
+        monitor: FileMonitor | None = None,
+    ) -> None:
+        self.config = config
+        self.run_dir = RunDir(config.output_dir, config.run_name)
+        self.env, self.client, self.control, self.send, self.monitor = env, client, control, send, monitor
+        self.seed = config.seed
+        self.start_step = 0
+        rng = np.random.default_rng(config.seed)
+        tasks_drawn = 0
+        resume = resolve_resume_step(self.run_dir, config.ckpt.resume_step)
+        if resume is not None:
+            state = load_state(self.run_dir.orchestrator_checkpoint_dir(resume))
+            self.start_step, tasks_drawn, rng, self.seed = (
+                state.step,
+                state.tasks_drawn,
+                state.restore_rng(),
+                state.seed,
+            )
+            logger.info("resumed from step %d (%d tasks drawn so far)", self.start_step, tasks_drawn)
+        self.policy = PolicyState(version=0)
+        self.updater = WeightUpdater(
+            self.run_dir.broadcasts_dir,
+            control,
+            self.policy,
+            pause_mode=config.inference.pause_mode,
+            poll_interval=config.weights_poll_interval,
+        )
+        self.off_policy = OffPolicyFilter(config.max_off_policy_steps)
+        self.scheduler = RolloutScheduler(
+            env,
+            client,
+            self.policy,
+            rng,
+            SamplingArgs(config.max_tokens, config.temperature, config.model.chat_template),
+            group_size=config.group_size,
+            groups_per_step=config.groups_per_step,
+            max_off_policy_steps=config.max_off_policy_steps,
+            max_concurrent=config.max_concurrent_groups or config.groups_per_step,
+            start_step=self.start_step,
+            tasks_drawn=tasks_drawn,
+            std_normalize=config.advantage.std_normalize,
+            eps=config.advantage.eps,
+        )
+        self.step = self.start_step
+
+    def state(self) -> OrchestratorState:
+        return OrchestratorState.capture(self.step, self.scheduler.tasks_drawn, self.scheduler.rng, self.seed)
+
+    async def run(self) -> None:
+        """Run until max_steps (forever if None); every background task stops with it."""
+        self.scheduler.start()
+        poller = asyncio.create_task(self.updater.run(), name="weight-poller")
+        try:
+            while self.config.max_steps is None or self.step < self.config.max_steps:
+                await self.run_step()
+                if poller.done():  # a failed weight update stops the run
+                    poller.result()
+        finally:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+            await self.scheduler.stop()
+
+    async def collect(self, step: int) -> list[Group]:
+        groups: list[Group] = []
+        while len(groups) < self.config.groups_per_step:
+            group = await self.scheduler.get()
+            if self.off_policy.accept(group, step):
+                groups.append(group)
+        return groups
+
+    async def run_step(self) -> StepResult:
+        step, cfg = self.step, self.config
+        start = time.perf_counter()
+        await self.updater.wait_for_version(step - cfg.max_off_policy_steps, cfg.weights_timeout)
+        waited = time.perf_counter() - start
+        groups = await self.collect(step)
+        collected = time.perf_counter() - start
+        samples = [s for g in groups for s in g.samples()]
+        per_rank, packing = pack_batch(samples, cfg.seq_len, cfg.num_train_ranks)
+
+        metrics = batch_metrics(groups)
+        metrics.update(self.off_policy.pop_metrics())
+        counters = self.scheduler.pop_counters()
+        for key in ("env/failed", "env/prompt_failed", "rollouts/aborted"):
+            metrics[key] = float(counters.get(key, 0))
+        metrics.update(packing.metrics(cfg.seq_len))
+        rank_tokens = [sum(mb.num_tokens for mb in mbs) for mbs in per_rank]
+        metrics["packing/rank_tokens_max_over_mean"] = max(rank_tokens) / max(1e-9, float(np.mean(rank_tokens)))
+        policy_version = max(g.version for g in groups)
+        metrics["policy/version"] = float(self.policy.version)
+        metrics["policy/batch_version"] = float(policy_version)
+        metrics["weights/updates"] = float(self.updater.num_updates)
+
+        batches = [
+            build_training_batch(step, mbs, temperature=cfg.temperature, policy_version=policy_version, metrics=metrics)
+            for mbs in per_rank
+        ]
+        await asyncio.to_thread(self.send, batches)
+        elapsed = time.perf_counter() - start
+        num_tokens = sum(s.num_tokens for s in samples)
+        metrics.update(
+            {
+                "perf/rollout_throughput": num_tokens / max(elapsed, 1e-9),
+                "time/orchestrator_step": elapsed,
+                "time/wait_for_weights": waited,
+                "time/collect_rollouts": collected - waited,
+                "time/send_batch": elapsed - collected,
+            }
+        )
+        if self.monitor is not None:
+            self.monitor.log(step, metrics)
+        logger.info(
+            "step %d | reward %.3f | seq_len %.0f | dropped %d | failed %d | %.0f tok/s | %.2fs",
+            step, metrics["reward/mean"], metrics["seq_len/mean"], metrics["off_policy/dropped"],
+            metrics["env/failed"], metrics["perf/rollout_throughput"], elapsed,
+        )  # fmt: skip
+        self.step = step + 1
+        interval = cfg.ckpt.interval
+        if interval is not None and self.step % interval == 0:
+            path = save_state(self.state(), self.run_dir.orchestrator_checkpoint_dir(self.step))
+            logger.info("saved orchestrator state to %s", path)
+        return StepResult(step, groups, metrics)

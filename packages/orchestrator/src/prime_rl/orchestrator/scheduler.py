@@ -1,0 +1,132 @@
+"""Rollout scheduling: keep `max_concurrent` groups in flight against inference; finished groups queue up.
+
+Each worker coroutine repeats: draw a task, build its prompt, wait until the policy gate allows
+its request, sample `group_size` completions in one request (`n=group_size`, so vLLM shares the
+prompt's KV cache), score them, compute group advantages, and queue the group tagged with the
+version it was requested under.
+
+Gating: groups are numbered in request order; group t is meant for step `start_step + t //
+groups_per_step`, and may only be requested once inference serves a version no more than
+`max_off_policy_steps` behind that step. Without the gate, synchronous runs
+(`max_off_policy_steps = 0`) would burn a step's worth of rollouts on weights that are about to be
+replaced. The gate is a heuristic; the orchestrator still checks every group's staleness when it
+takes it (`off_policy.py`).
+
+Not an error: an environment that raises while scoring (the rollout scores 0 and counts as failed)
+and an aborted request (pause mode "abort"; the group is discarded and counted). An error: the
+inference server staying unreachable (the exception ends up in the queue and stops the run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+import numpy as np
+
+from prime_rl.orchestrator.advantages import compute_advantages
+from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
+from prime_rl.orchestrator.envs.base import Environment, score_safely
+from prime_rl.orchestrator.policy import PolicyState
+from prime_rl.orchestrator.rollout import Group
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutScheduler:
+    def __init__(
+        self,
+        env: Environment,
+        client: InferenceClient,
+        policy: PolicyState,
+        rng: np.random.Generator,
+        sampling: SamplingArgs,
+        *,
+        group_size: int,
+        groups_per_step: int,
+        max_off_policy_steps: int,
+        max_concurrent: int,
+        start_step: int = 0,
+        tasks_drawn: int = 0,
+        std_normalize: bool = False,
+        eps: float = 1e-6,
+    ) -> None:
+        self.env, self.client, self.policy, self.rng, self.sampling = env, client, policy, rng, sampling
+        self.group_size = group_size
+        self.groups_per_step = groups_per_step
+        self.max_off_policy_steps = max_off_policy_steps
+        self.max_concurrent = max_concurrent
+        self.start_step = start_step
+        self.tasks_drawn = tasks_drawn
+        self.std_normalize, self.eps = std_normalize, eps
+        self.queue: asyncio.Queue[Group | BaseException] = asyncio.Queue()
+        self.counters: Counter[str] = Counter()  # env/failed, env/prompt_failed, rollouts/aborted ...
+        self._tickets = 0
+        self._workers: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._workers = [asyncio.create_task(self._worker(), name=f"rollout-{i}") for i in range(self.max_concurrent)]
+
+    async def stop(self) -> None:
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
+
+    async def get(self) -> Group:
+        """Next finished group; re-raises a worker's fatal error (e.g. inference unreachable)."""
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def pop_counters(self) -> Counter[str]:
+        counters, self.counters = self.counters, Counter()
+        return counters
+
+    async def _worker(self) -> None:
+        try:
+            while True:
+                group = await self.generate_group()
+                if group is not None:
+                    self.queue.put_nowait(group)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # fatal: hand it to the orchestrator loop, which stops the run
+            self.queue.put_nowait(e)
+
+    async def generate_group(self) -> Group | None:
+        """One task's group of rollouts, or None when it was discarded (prompt failure, abort)."""
+        ticket = self._tickets
+        self._tickets += 1
+        target_step = self.start_step + ticket // self.groups_per_step
+        # Draw before waiting so the task order depends only on the rng, not on timing.
+        task = self.env.sample_tasks(1, self.rng)[0]
+        self.tasks_drawn += 1
+        try:
+            messages = self.env.build_prompt(task)
+        except Exception as e:
+            logger.warning("environment %s failed to build a prompt: %s: %s", self.env.name, type(e).__name__, e)
+            self.counters["env/prompt_failed"] += 1
+            return None
+        version = await self.policy.wait_for(target_step - self.max_off_policy_steps)
+        result = await self.client.sample(messages, self.group_size, self.sampling)
+        if any(c.finish_reason == "abort" for c in result.completions):
+            self.counters["rollouts/aborted"] += 1
+            return None
+        # Scoring may be CPU-heavy (code execution, parsing): keep it off the event loop.
+        scores = await asyncio.to_thread(lambda: [score_safely(self.env, task, c.text) for c in result.completions])
+        rewards = [s.reward for s in scores]
+        num_failed = sum(s.failed for s in scores)
+        self.counters["env/failed"] += num_failed
+        advantages = compute_advantages(np.asarray([rewards]), self.std_normalize, self.eps)[0]
+        return Group(
+            task=task,
+            prompt_ids=result.prompt_ids,
+            completions=result.completions,
+            rewards=rewards,
+            version=version,
+            num_failed=num_failed,
+            advantages=[float(a) for a in advantages],
+        )

@@ -1,0 +1,160 @@
+"""Fixtures: a real, deterministic OpenAI-compatible HTTP server (vLLM's chat-completions flavour).
+
+The server "tokenizes" the chat-templated prompt as UTF-8 bytes (token id = byte + 3) and answers
+each of the `n` choices with a deterministic text derived from the last prompt line:
+choice i is that line reversed with its first i characters dropped (so rewards differ within a
+group), and the last choice of a group is the text "BOOM" when `boom_last` is set (tests use it
+to make an environment raise). Token logprobs are -0.01 * (position + 1).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+EOS = 2
+OFFSET = 3
+
+
+def encode(text: str) -> list[int]:
+    return [b + OFFSET for b in text.encode("utf-8")]
+
+
+def chat_template(messages: list[dict]) -> str:
+    return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+
+
+class FakeOpenAIServer:
+    def __init__(self, boom_last: bool = False, slow_requests: dict[int, float] | None = None, fail_first: int = 0):
+        self.boom_last = boom_last
+        self.slow_requests = slow_requests or {}  # request index -> seconds to sleep first
+        self.fail_first = fail_first  # answer the first k requests with HTTP 503
+        self.requests: list[dict] = []
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output quiet
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server._lock:
+                    index = len(server.requests)
+                    server.requests.append(body)
+                if index < server.fail_first:
+                    return self._reply(503, {"error": "warming up"})
+                if self.path != "/v1/chat/completions":
+                    return self._reply(404, {"error": f"no route {self.path}"})
+                time.sleep(server.slow_requests.get(index, 0.0))
+                self._reply(200, server.respond(body))
+
+            def _reply(self, status: int, payload: dict):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def respond(self, body: dict) -> dict:
+        prompt = chat_template(body["messages"])
+        source = body["messages"][-1]["content"].splitlines()[-1]
+        n, max_tokens = body.get("n", 1), body["max_tokens"]
+        choices = []
+        for i in range(n):
+            text = "BOOM" if self.boom_last and i == n - 1 and n > 1 else source[::-1][i:]
+            ids = encode(text)[: max_tokens - 1] + [EOS]
+            finish = "stop" if len(encode(text)) < max_tokens else "length"
+            if finish == "length":
+                ids = ids[:max_tokens]
+            content = [{"token": f"token_id:{t}", "logprob": -0.01 * (j + 1)} for j, t in enumerate(ids)]
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": {"content": content},
+                    "finish_reason": finish,
+                    "token_ids": ids,
+                }
+            )
+        return {"id": "chatcmpl-test", "object": "chat.completion", "model": body["model"],
+                "choices": choices, "prompt_token_ids": encode(prompt)}  # fmt: skip
+
+    def __enter__(self) -> FakeOpenAIServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def openai_server():
+    with FakeOpenAIServer() as server:
+        yield server
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_range(n: int) -> int:
+    """A base port with n consecutive free ports (best effort)."""
+    for _ in range(50):
+        base = closed_port()
+        if base + n > 65535:
+            continue
+        try:
+            sockets = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+@pytest.fixture
+def make_server():
+    """`make_server(boom_last=..., slow_requests=..., fail_first=...)` -> a started FakeOpenAIServer."""
+    servers: list[FakeOpenAIServer] = []
+
+    def make(**kwargs) -> FakeOpenAIServer:
+        server = FakeOpenAIServer(**kwargs).__enter__()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.__exit__()
+
+
+@pytest.fixture
+def ports():
+    """Helpers: ports.closed_port(), ports.free_port_range(n)."""
+
+    class Ports:
+        closed = staticmethod(closed_port)
+        free_range = staticmethod(free_port_range)
+
+    return Ports

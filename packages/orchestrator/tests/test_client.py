@@ -1,0 +1,73 @@
+import asyncio
+import time
+
+import pytest
+
+from prime_rl.orchestrator.client import InferenceClient, InferenceError, InferenceUnreachableError, SamplingArgs
+
+MESSAGES = [{"role": "user", "content": "Reverse this.\nabc"}]
+
+
+def test_sample_returns_token_ids_and_logprobs(openai_server):
+    async def go():
+        client = InferenceClient(openai_server.base_url, "tiny")
+        try:
+            return await client.sample(MESSAGES, 3, SamplingArgs(max_tokens=16, temperature=0.7))
+        finally:
+            await client.aclose()
+
+    result = asyncio.run(go())
+    body = openai_server.requests[0]
+    assert body["return_token_ids"] and body["logprobs"] and body["n"] == 3 and body["temperature"] == 0.7
+    assert result.prompt_ids and all(isinstance(t, int) for t in result.prompt_ids)
+    assert [c.text for c in result.completions] == ["cba", "ba", "a"]
+    for c in result.completions:
+        assert len(c.token_ids) == len(c.logprobs) and c.finish_reason == "stop"
+
+
+def test_unreachable_server_retries_with_backoff_then_names_the_url(ports):
+    url = f"http://127.0.0.1:{ports.closed()}/v1"
+
+    async def go():
+        client = InferenceClient(url, "tiny", max_retries=3, retry_backoff=0.05, max_backoff=0.1)
+        try:
+            await client.sample(MESSAGES, 1, SamplingArgs(max_tokens=4, temperature=1.0))
+        finally:
+            await client.aclose()
+
+    start = time.monotonic()
+    with pytest.raises(InferenceUnreachableError) as info:
+        asyncio.run(go())
+    elapsed = time.monotonic() - start
+    assert url in str(info.value) and "4 attempts" in str(info.value) and "base_url" in str(info.value)
+    assert elapsed >= 0.05 + 0.1 + 0.1 - 0.02  # backoff 0.05, 0.1, then capped at 0.1
+
+
+def test_5xx_is_retried_then_succeeds(make_server):
+    server = make_server(fail_first=2)
+
+    async def go():
+        client = InferenceClient(server.base_url, "tiny", max_retries=3, retry_backoff=0.01)
+        try:
+            return await client.sample(MESSAGES, 1, SamplingArgs(max_tokens=8, temperature=1.0))
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(go()).completions[0].text == "cba"
+    assert len(server.requests) == 3
+
+
+def test_4xx_fails_at_once(make_server):
+    server = make_server()
+
+    async def go():
+        client = InferenceClient(server.base_url.replace("/v1", "/nope"), "tiny", max_retries=5, retry_backoff=1.0)
+        try:
+            await client.sample(MESSAGES, 1, SamplingArgs(max_tokens=8, temperature=1.0))
+        finally:
+            await client.aclose()
+
+    start = time.monotonic()
+    with pytest.raises(InferenceError, match="HTTP 404"):
+        asyncio.run(go())
+    assert time.monotonic() - start < 1.0 and len(server.requests) == 1
