@@ -61,6 +61,7 @@ def test_malformed_lines_are_counted_and_skipped(tmp_path: Path) -> None:
     assert tail.skipped_lines == 6
     # NaN, strings and bools are dropped; nested dicts flatten to slash keys.
     assert tail.rows[1] == {"step": 2, "z/a": 1.0}
+    assert tail.nonfinite == {"x": 2}  # ...but a NaN is remembered, not silently lost
 
 
 def test_truncated_file_is_reread_with_new_epoch(tmp_path: Path) -> None:
@@ -80,3 +81,20 @@ def test_parse_metrics_line_accepts_flat_writer_output() -> None:
         "reward/mean": 0.5,
         "time/step": 1.0,
     }
+
+
+def test_reads_what_the_common_file_monitor_writes(tmp_path: Path) -> None:
+    from prime_rl.common.monitor import FileMonitor
+
+    path = tmp_path / "monitors" / "file" / "metrics.jsonl"
+    tail = MetricsTail(path)
+    with FileMonitor(path) as monitor:
+        monitor.log(1, {"loss/mean": 0.5, "perf/throughput": 1000})
+        assert tail.poll() == 1
+        monitor.log(2, {"loss/mean": float("nan"), "perf/throughput": 1100})
+        assert tail.poll() == 1
+    assert tail.rows == [
+        {"step": 1, "loss/mean": 0.5, "perf/throughput": 1000.0},
+        {"step": 2, "perf/throughput": 1100.0},
+    ]
+    assert tail.nonfinite == {"loss/mean": 2} and tail.skipped_lines == 0

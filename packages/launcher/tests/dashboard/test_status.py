@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_rl.launcher.dashboard.status import StatusTracker, read_status_file
+from prime_rl.launcher.dashboard.status import StatusTracker, read_status_file, write_status
 
 from .helpers import append_metrics, make_run
 
@@ -91,3 +91,17 @@ def test_status_file_wins(tmp_path: Path, rel: str, text: str, want: str | None)
     assert read_status_file(run) == want
     expected = want or "failed"  # without a usable status file the log rule decides
     assert StatusTracker(run).state(metrics_mtime(run)) == expected
+
+
+def test_write_status_round_trip(tmp_path: Path) -> None:
+    run = make_run(tmp_path, "r", steps=1)
+    path = write_status(run, "failed", reason="trainer exited with code 1", exit_code=1)
+    assert path == run / "logs/latest/STATUS"
+    assert json.loads(path.read_text())["exit_code"] == 1
+    tracker = StatusTracker(run)
+    assert tracker.state(metrics_mtime(run)) == "failed"
+    assert tracker.reason == "trainer exited with code 1"
+    write_status(run, "finished")
+    assert tracker.state(metrics_mtime(run)) == "finished"
+    with pytest.raises(ValueError, match="not one of"):
+        write_status(run, "exploded")

@@ -24,25 +24,32 @@ from typing import Any
 MAX_READ_BYTES = 8 * 1024 * 1024
 
 
-def flatten_metrics(obj: dict[str, Any], prefix: str = "") -> dict[str, float]:
+def flatten_metrics(obj: dict[str, Any], prefix: str = "", nonfinite: list[str] | None = None) -> dict[str, float]:
     """Numeric leaves of `obj` keyed by slash-joined path; non-numbers (and NaN/inf) are dropped.
 
     Flat keys such as `loss/mean` pass through; nested dicts become `a/b` so either writer style plots.
+    NaN/inf cannot travel as JSON to the page, so their keys are collected in `nonfinite` instead.
     """
     out: dict[str, float] = {}
     for key, value in obj.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(flatten_metrics(value, prefix=f"{name}/"))
+            out.update(flatten_metrics(value, prefix=f"{name}/", nonfinite=nonfinite))
         elif isinstance(value, bool):  # bool is an int subclass; a flag is not a curve
             continue
-        elif isinstance(value, (int, float)) and math.isfinite(value):
-            out[name] = float(value)
+        elif isinstance(value, (int, float)):
+            if math.isfinite(value):
+                out[name] = float(value)
+            elif nonfinite is not None:
+                nonfinite.append(name)
     return out
 
 
-def parse_metrics_line(raw: bytes) -> dict[str, float] | None:
-    """One complete line -> `{"step": s, key: value, ...}`, or None if it is malformed."""
+def parse_metrics_line(raw: bytes, nonfinite: list[str] | None = None) -> dict[str, float] | None:
+    """One complete line -> `{"step": s, key: value, ...}`, or None if it is malformed.
+
+    Keys whose value is NaN or inf are left out of the row and appended to `nonfinite`.
+    """
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, ValueError):
@@ -52,7 +59,7 @@ def parse_metrics_line(raw: bytes) -> dict[str, float] | None:
     step = obj.get("step")
     if isinstance(step, bool) or not isinstance(step, int):
         return None
-    row = flatten_metrics({k: v for k, v in obj.items() if k != "step"})
+    row = flatten_metrics({k: v for k, v in obj.items() if k != "step"}, nonfinite=nonfinite)
     row["step"] = step
     return row
 
@@ -66,6 +73,8 @@ class MetricsTail:
     keys: set[str] = field(default_factory=set)
     latest: dict[str, float] = field(default_factory=dict)
     """Last value seen for each key (a key missing from later rows keeps its last value)."""
+    nonfinite: dict[str, int] = field(default_factory=dict)
+    """Keys that were NaN/inf -> the last step they were (a diverged loss must be visible)."""
     offset: int = 0
     skipped_lines: int = 0
     partial_line: bool = False
@@ -96,13 +105,16 @@ class MetricsTail:
         for raw in chunk[: end + 1].splitlines():
             if not raw.strip():
                 continue
-            row = parse_metrics_line(raw)
+            bad: list[str] = []
+            row = parse_metrics_line(raw, nonfinite=bad)
             if row is None:
                 self.skipped_lines += 1
                 continue
             self.rows.append(row)
             self.keys.update(k for k in row if k != "step")
             self.latest.update(row)
+            for key in bad:
+                self.nonfinite[key] = int(row["step"])
             added += 1
         self.offset += end + 1
         return added
@@ -111,6 +123,7 @@ class MetricsTail:
         self.rows = []
         self.keys = set()
         self.latest = {}
+        self.nonfinite = {}
         self.offset = 0
         self.skipped_lines = 0
         self.partial_line = False

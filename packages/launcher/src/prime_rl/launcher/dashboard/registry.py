@@ -112,6 +112,7 @@ class RunRegistry:
             "latest_step": int(tail.rows[-1]["step"]) if tail.rows else None,
             "skipped_lines": tail.skipped_lines,
             "partial_line": tail.partial_line,
+            "nonfinite": tail.nonfinite,
             "figures": figures,
             "epoch": tail.epoch,
             "start": start,

@@ -118,7 +118,14 @@ def build_server(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dashboard", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="dashboard",
+        description=__doc__.splitlines()[0],
+        epilog="A run is any folder under PATH holding monitors/ or logs/latest. Status: logs/latest/STATUS "
+        '({"state": ...}) if present; else failed if a log in logs/latest (or its trainer/torchrun/) shows a '
+        "traceback, an ERROR line or a non-zero exit code; finished if a log says training/run finished; "
+        "running if anything was written within --stale-after seconds; else stale.",
+    )
     p.add_argument("path", type=Path, help="folder searched (any depth) for runs: <run>/monitors/file/metrics.jsonl")
     p.add_argument("--port", type=int, default=8050, help="TCP port to serve on (0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes it to the network")

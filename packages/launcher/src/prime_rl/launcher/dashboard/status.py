@@ -2,9 +2,10 @@
 
 The rule, first match wins:
 
-1. A status file written by the launcher: `logs/latest/STATUS` (or `logs/latest/status.json`,
-   `STATUS`, `status.json` in the run dir) holding JSON `{"state": "running|finished|failed"}` or
-   just the word. The launcher knows best, so this overrides everything below.
+1. A status file written by the launcher (`write_status`): `logs/latest/STATUS` (or
+   `logs/latest/status.json`, `STATUS`, `status.json` in the run dir) holding JSON
+   `{"state": "running|finished|failed", "reason": "..."}` or just the word. The launcher knows
+   best (it saw the exit codes), so this overrides everything below.
 2. failed   - a log (`logs/latest/*.log`, `logs/latest/trainer/torchrun/*.log`) contains a Python
    traceback, the word ERROR standing alone (a log level: ` ERROR `, `[ERROR]`, `ERROR:`), or a
    non-zero exit marker (`exit code 3`, `exited with code 1`, `exitcode: 1`, `returncode=1`,
@@ -46,22 +47,47 @@ FINISHED_RE = re.compile(
 MAX_SCAN_BYTES = 4 * 1024 * 1024
 
 
-def read_status_file(run_dir: Path) -> str | None:
-    """State from the launcher's status file, or None if there is none (or it is unreadable)."""
+def read_status(run_dir: Path) -> tuple[str, str] | None:
+    """(state, detail) from the launcher's status file, or None if there is none (or it is unusable)."""
     for rel in STATUS_FILES:
         path = run_dir / rel
         try:
             text = path.read_text().strip()
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError, UnicodeDecodeError):
             continue
+        detail = ""
         try:
             obj = json.loads(text)
-            state = obj.get("state") if isinstance(obj, dict) else obj
         except ValueError:
-            state = text
-        if isinstance(state, str) and state.strip().lower() in STATES:
-            return state.strip().lower()
+            obj = text
+        if isinstance(obj, dict):
+            detail = str(obj.get("reason") or obj.get("message") or "")
+            obj = obj.get("state")
+        if isinstance(obj, str) and obj.strip().lower() in STATES:
+            return obj.strip().lower(), detail or f"{rel} says so"
     return None
+
+
+def read_status_file(run_dir: Path) -> str | None:
+    """Only the state from `read_status` (None without a usable status file)."""
+    found = read_status(run_dir)
+    return None if found is None else found[0]
+
+
+def write_status(run_dir: Path, state: str, reason: str = "", **extra: object) -> Path:
+    """Write `logs/latest/STATUS` for the dashboard, atomically (a reader never sees half a file).
+
+    For the launcher: call with "running" after starting the processes, then "finished" or
+    "failed" (with `reason`, e.g. "trainer exited with code 1") when the job ends.
+    """
+    if state not in STATES:
+        raise ValueError(f"state={state!r} is not one of {STATES}; pick one of those")
+    path = Path(run_dir) / STATUS_FILES[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".STATUS.{os.getpid()}")
+    tmp.write_text(json.dumps({"state": state, "reason": reason, "time": time.time(), **extra}) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def log_files(run_dir: Path) -> list[Path]:
@@ -89,10 +115,10 @@ class StatusTracker:
 
     def state(self, metrics_mtime: float | None, now: float | None = None) -> str:
         now = time.time() if now is None else now
-        explicit = read_status_file(self.run_dir)
+        explicit = read_status(self.run_dir)
         if explicit is not None:
-            self.reason = "status file"
-            return explicit
+            state, self.reason = explicit
+            return state
         # A run with nothing written yet counts from when its folder last changed.
         last_write = metrics_mtime or file_mtime(self.run_dir) or 0.0
         failed: _LogScan | None = None

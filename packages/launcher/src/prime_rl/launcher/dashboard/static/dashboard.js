@@ -91,6 +91,7 @@ function notesOf(info) {
   if (info.num_rows === 0) notes.push(info.has_metrics_file ? "no metrics yet (file empty)" : "no metrics yet");
   if (info.skipped_lines) notes.push(`${info.skipped_lines} malformed line${info.skipped_lines > 1 ? "s" : ""} skipped`);
   if (info.partial_line) notes.push("last line still being written");
+  for (const [key, step] of Object.entries(info.nonfinite || {})) notes.push(`${key} was NaN/inf (last at step ${step})`);
   if (info.state === "failed" || info.state === "stale") notes.push(info.reason);
   return notes.join("; ");
 }
