@@ -93,7 +93,7 @@ def run_anchor(path: str) -> dict | None:
         anchor.lm_head()
     line = buf.getvalue().strip().splitlines()[-1]
     res = json.loads(line)
-    print(json.dumps(dict(kind="anchor", **res)), flush=True)
+    print(json.dumps(dict(res, kind="anchor", anchor_kind=res.get("kind"))), flush=True)
     return res
 
 
