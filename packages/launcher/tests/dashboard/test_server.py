@@ -61,17 +61,22 @@ def test_state_sends_only_missing_rows(served: tuple[str, Path]) -> None:
     assert first["keys"] == ["loss/mean", "reward/mean"]
     a, b = first["runs"]
     assert (a["name"], a["latest_step"], a["skipped_lines"], len(a["rows"])) == ("exp/a", 3, 1, 3)
-    assert a["figures"]["reward"] == {"key": "reward/mean", "value": 0.3}
+    assert a["figures"]["reward"] == {"key": "reward/mean", "value": 0.3, "nonfinite": False}
     assert a["figures"]["throughput"] is None
+
+    append_metrics(run, {}, raw='{"step": 4, "loss/mean": NaN}\n')  # a diverged loss shows as such
+    nan = state(base, {"exp/a": [a["epoch"], 3]})["runs"][0]
+    assert nan["figures"]["loss"] == {"key": "loss/mean", "value": None, "nonfinite": True}
+    assert nan["nonfinite"] == {"loss/mean": 4} and [r["step"] for r in nan["rows"]] == [4]
     assert (b["name"], b["num_rows"], b["has_metrics_file"], b["latest_step"]) == ("exp/b", 0, False, None)
 
-    append_metrics(run, {"step": 4, "reward/mean": 0.4})
-    again = state(base, {"exp/a": [a["epoch"], 3]})
+    append_metrics(run, {"step": 5, "reward/mean": 0.4})
+    again = state(base, {"exp/a": [a["epoch"], 4]})
     a2 = next(r for r in again["runs"] if r["name"] == "exp/a")
-    assert a2["start"] == 3 and [r["step"] for r in a2["rows"]] == [4]
+    assert a2["start"] == 4 and [r["step"] for r in a2["rows"]] == [5]
     # A stale epoch from the client means: send everything again.
     a3 = next(r for r in state(base, {"exp/a": [99, 3]})["runs"] if r["name"] == "exp/a")
-    assert a3["start"] == 0 and len(a3["rows"]) == 4
+    assert a3["start"] == 0 and len(a3["rows"]) == 5
 
 
 def test_large_backlog_is_paged(tmp_path: Path) -> None:

@@ -42,6 +42,14 @@ def test_failure_markers_mean_failed(tmp_path: Path, log_name: str, text: str) -
     assert log_name.split("/")[-1] in tracker.reason
 
 
+def test_failure_reason_names_the_exception(tmp_path: Path) -> None:
+    tb = 'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n    step()\n'
+    run = make_run(tmp_path, "r", steps=1, logs={"trainer/torchrun/0.log": tb + "torch.OutOfMemoryError: CUDA OOM\n"})
+    tracker = StatusTracker(run)
+    assert tracker.state(metrics_mtime(run)) == "failed"
+    assert tracker.reason == "logs/latest/trainer/torchrun/0.log: torch.OutOfMemoryError: CUDA OOM"
+
+
 @pytest.mark.parametrize(
     "text", ["INFO no errors so far, ERRORS=0\n", "exit code 0\n", "exitcode  : 0\n", "loaded error_model.py\n"]
 )

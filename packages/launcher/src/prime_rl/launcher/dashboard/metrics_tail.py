@@ -72,7 +72,7 @@ class MetricsTail:
     rows: list[dict[str, float]] = field(default_factory=list)
     keys: set[str] = field(default_factory=set)
     latest: dict[str, float] = field(default_factory=dict)
-    """Last value seen for each key (a key missing from later rows keeps its last value)."""
+    """Last value seen for each key (a key missing from later rows keeps its last value; may be NaN)."""
     nonfinite: dict[str, int] = field(default_factory=dict)
     """Keys that were NaN/inf -> the last step they were (a diverged loss must be visible)."""
     offset: int = 0
@@ -115,6 +115,7 @@ class MetricsTail:
             self.latest.update(row)
             for key in bad:
                 self.nonfinite[key] = int(row["step"])
+                self.latest[key] = math.nan  # the newest value wins, even when it is NaN
             added += 1
         self.offset += end + 1
         return added

@@ -7,6 +7,7 @@ backlog arrives over a few polls instead of one huge reply.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -101,7 +102,12 @@ class RunRegistry:
         figures = {}
         for label, candidates in KEY_FIGURES.items():
             hit = pick_figure(tail.latest, candidates)
-            figures[label] = None if hit is None else {"key": hit[0], "value": hit[1]}
+            if hit is None:
+                figures[label] = None
+            else:  # NaN/inf is not JSON: send null and say why
+                key, value = hit
+                finite = math.isfinite(value)
+                figures[label] = {"key": key, "value": value if finite else None, "nonfinite": not finite}
         return {
             "name": run.name,
             "path": str(run.run_dir),

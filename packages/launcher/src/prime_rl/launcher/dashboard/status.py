@@ -44,6 +44,7 @@ FINISHED_RE = re.compile(
     rb"(?i)\b(?:finished|completed|done)\s+(?:training|the run|run)\b"
     rb"|\b(?:training|run|rl run|sft run)\s+(?:has\s+)?(?:finished|completed|complete|done)\b",
 )
+EXCEPTION_LINE_RE = re.compile(rb"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*$", re.MULTILINE)
 MAX_SCAN_BYTES = 4 * 1024 * 1024
 
 
@@ -167,6 +168,10 @@ class StatusTracker:
             line_start = text.rfind(b"\n", 0, m.start()) + 1
             line_end = text.find(b"\n", m.start())
             line = text[line_start : line_end if line_end >= 0 else None]
+            if m.group().startswith(b"Traceback") and line_end >= 0:
+                # The exception itself ("RuntimeError: ...") is the first unindented line after the frames.
+                if exc := EXCEPTION_LINE_RE.search(text, line_end + 1):
+                    line = exc.group()
             scan.first_error = line.decode(errors="replace").strip()[:200]
         scan.finished = scan.finished or FINISHED_RE.search(text) is not None
         return scan

@@ -28,7 +28,8 @@ function fmt(v) {
   if (v === null || v === undefined) return "–";
   const a = Math.abs(v);
   if (Number.isInteger(v) && a < 1e6) return String(v);
-  if (a !== 0 && (a >= 1e5 || a < 1e-3)) return v.toExponential(3);
+  if (a !== 0 && (a >= 1e6 || a < 1e-3)) return v.toExponential(3);
+  if (a >= 1000) return Math.round(v).toLocaleString("en-US");
   return v.toPrecision(4);
 }
 
@@ -118,7 +119,8 @@ function renderTable() {
       el("td", {class: "num step", dataset: {run: name}}, info.latest_step === null ? "–" : String(info.latest_step)));
     for (const label of CFG.figures) {
       const fig = info.figures[label];
-      tr.append(el("td", {class: "num", title: fig ? fig.key : ""}, fig ? fmt(fig.value) : "–"));
+      const text = !fig ? "–" : fig.nonfinite ? "NaN" : fmt(fig.value);
+      tr.append(el("td", {class: fig?.nonfinite ? "num error" : "num", title: fig ? fig.key : ""}, text));
     }
     tr.append(el("td", {class: "notes"}, notesOf(info)));
     tbody.append(tr);
