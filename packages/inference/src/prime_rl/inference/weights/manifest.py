@@ -1,0 +1,203 @@
+"""What a weight update must contain, and the checks that refuse a bad one before it reaches the model.
+
+The manifest is read once at start-up from the served model's own safetensors headers: every tensor
+name and shape of the checkpoint. An update (a ``broadcasts/step_<n>/`` directory or a broadcast's
+spec list) must name exactly those tensors with those shapes, in the dtype the engine runs in. All of
+this is pure Python (safetensors headers are JSON), so it runs in the API process in milliseconds and a
+refused update never touches the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+# safetensors dtype codes -> torch dtype names (the names used in wire.TensorSpec.dtype).
+SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16"}
+BUCKET_ALIGNMENT = 256
+"""Every tensor starts at a multiple of this many bytes inside a broadcast bucket."""
+MAX_LISTED = 5
+
+
+class WeightUpdateError(ValueError):
+    """A weight update was refused; the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+def read_safetensors_header(file: Path) -> dict[str, Spec]:
+    """Tensor specs of one safetensors file, from its JSON header (no tensor data is read)."""
+    with open(file, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise WeightUpdateError(f"{file} is not a safetensors file (shorter than 8 bytes)")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WeightUpdateError(f"{file} has a corrupt safetensors header: {e}") from e
+    specs = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        code = info["dtype"]
+        if code not in SAFETENSORS_DTYPES:
+            raise WeightUpdateError(f"{file}: tensor {name} has unsupported dtype {code}")
+        specs[name] = Spec(SAFETENSORS_DTYPES[code], tuple(info["shape"]))
+    return specs
+
+
+def read_safetensors_dir(path: Path) -> dict[str, Spec]:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(f"no *.safetensors files in {path}; the trainer writes model*.safetensors there")
+    specs: dict[str, Spec] = {}
+    for file in files:
+        for name, spec in read_safetensors_header(file).items():
+            if name in specs:
+                raise WeightUpdateError(
+                    f"tensor {name} appears in two files of {path}; each tensor must be written once"
+                )
+            specs[name] = spec
+    return specs
+
+
+def _listed(names: Iterable[str]) -> str:
+    names = sorted(names)
+    more = f" (+{len(names) - MAX_LISTED} more)" if len(names) > MAX_LISTED else ""
+    return ", ".join(names[:MAX_LISTED]) + more
+
+
+@dataclass
+class Manifest:
+    """The tensors every update must carry: name -> (dtype, shape), plus names that may be sent but need not."""
+
+    expected: dict[str, Spec]
+    optional: dict[str, Spec]
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, served_dtype: str, tie_word_embeddings: bool) -> Manifest:
+        """``served_dtype`` is the engine's dtype (a torch dtype name): floating tensors must arrive in it."""
+        checkpoint = read_safetensors_dir(Path(model_dir))
+        expected = {
+            name: Spec(served_dtype if spec.dtype in FLOAT_DTYPES else spec.dtype, spec.shape)
+            for name, spec in checkpoint.items()
+        }
+        optional: dict[str, Spec] = {}
+        embed = expected.get("model.embed_tokens.weight")
+        if tie_word_embeddings and embed is not None and "lm_head.weight" not in expected:
+            # A trainer's state dict of a tied model names the shared tensor twice; vLLM skips the copy.
+            optional["lm_head.weight"] = embed
+        return cls(expected=expected, optional=optional)
+
+    def check(self, update: Mapping[str, Spec], source: str) -> None:
+        """Raise ``WeightUpdateError`` naming every kind of mismatch between ``update`` and the manifest."""
+        problems = []
+        missing = self.expected.keys() - update.keys()
+        if missing:
+            problems.append(f"{len(missing)} tensor(s) missing: {_listed(missing)}")
+        unknown = update.keys() - self.expected.keys() - self.optional.keys()
+        if unknown:
+            problems.append(f"{len(unknown)} tensor(s) the served model does not have: {_listed(unknown)}")
+        wanted = {**self.optional, **self.expected}
+        bad_shape = [
+            f"{n} {list(s.shape)} (expected {list(wanted[n].shape)})"
+            for n, s in update.items()
+            if n in wanted and s.shape != wanted[n].shape
+        ]
+        if bad_shape:
+            problems.append(f"wrong shape: {_listed(bad_shape)}")
+        bad_dtype = [
+            f"{n} {s.dtype} (expected {wanted[n].dtype})"
+            for n, s in update.items()
+            if n in wanted and s.dtype != wanted[n].dtype
+        ]
+        if bad_dtype:
+            problems.append(f"wrong dtype: {_listed(bad_dtype)}")
+        if problems:
+            raise WeightUpdateError(
+                f"refused weight update from {source}: " + "; ".join(problems) + ". "
+                "An update must carry every tensor of the served checkpoint with its shape, in the served dtype; "
+                "the server keeps the previous weights"
+            )
+
+
+def check_checkpoint_dir(path: str | Path, marker: str) -> dict[str, Spec]:
+    """Specs of a complete ``broadcasts/step_<n>/`` directory; refuses one the trainer has not finished."""
+    path = Path(path)
+    if not path.is_dir():
+        raise WeightUpdateError(f"checkpoint directory {path} does not exist; check the run directory and step")
+    if not (path / marker).exists():
+        raise WeightUpdateError(
+            f"checkpoint {path} has no {marker} marker, so the trainer has not finished writing it; "
+            "retry after the marker appears"
+        )
+    return read_safetensors_dir(path)
+
+
+def check_bucket_layout(
+    names: list[str], specs: list[Spec], buckets: list[int], offsets: list[int], bucket_sizes: list[int]
+) -> None:
+    """Refuse a broadcast layout whose tensors do not fit, overlap, or are out of order in their buckets."""
+    n = len(names)
+    if not (len(specs) == len(buckets) == len(offsets) == n):
+        raise WeightUpdateError(
+            f"broadcast layout lists {len(buckets)} bucket ids and {len(offsets)} offsets for {n} tensors; "
+            "send one of each per tensor"
+        )
+    if len(set(names)) != n:
+        raise WeightUpdateError("broadcast names a tensor twice; each tensor must be sent once")
+    end_of = [0] * len(bucket_sizes)
+    last_bucket = 0
+    for name, spec, b, off in zip(names, specs, buckets, offsets):
+        if not 0 <= b < len(bucket_sizes) or b < last_bucket:
+            raise WeightUpdateError(
+                f"tensor {name} is in bucket {b}; buckets must be 0..{len(bucket_sizes) - 1}, in non-decreasing order"
+            )
+        if off % BUCKET_ALIGNMENT or off < end_of[b] or off + spec.num_bytes > bucket_sizes[b]:
+            raise WeightUpdateError(
+                f"tensor {name} at byte {off} of bucket {b} ({spec.num_bytes} bytes, bucket {bucket_sizes[b]} bytes) "
+                f"overlaps the previous tensor, is not {BUCKET_ALIGNMENT}-byte aligned or does not fit"
+            )
+        end_of[b] = off + spec.num_bytes
+        last_bucket = b

@@ -1,0 +1,146 @@
+"""Worker-side weight updates, mixed into every vLLM worker with ``--worker-extension-cls``.
+
+The API process reaches these methods through ``collective_rpc``: they run inside each worker, next
+to the model, so weights are replaced in place without restarting the engine. Both transports end in
+the same place, vLLM's layerwise reload (``initialize_layerwise_reload`` -> ``model.load_weights`` ->
+``finalize_layerwise_reload``): it takes checkpoint-format (Hugging Face) tensors and redoes the
+post-load processing (repacking on CPU, fusing qkv / gate_up), which calling ``model.load_weights``
+alone does not.
+
+Validation (names, shapes, dtypes) happens in the API process before any of this runs, so a bad
+update never reaches the model.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from prime_rl.inference.weights.group import WeightGroup, build_weight_group
+
+
+def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+class PrimeWorkerExtension:
+    """Methods added to vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.rank``)."""
+
+    _prime_group: WeightGroup | None = None
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _prime_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
+
+    def _prime_reload(self, batches: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> int:
+        """Load checkpoint-format tensors, batch by batch, through vLLM's layerwise reload path."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        model = self._prime_model()
+        count = 0
+        with set_current_vllm_config(vllm_config), torch.inference_mode():
+            initialize_layerwise_reload(model)
+            for batch in batches:
+                batch = list(batch)
+                model.load_weights(batch)
+                count += len(batch)
+            finalize_layerwise_reload(model, vllm_config.model_config)
+            self._prime_refresh_tied_lm_head(model)
+        return count
+
+    def _prime_refresh_tied_lm_head(self, model: torch.nn.Module) -> None:
+        # With tied embeddings the LM head shares the embedding's parameter, but on CPU its kernel keeps a
+        # packed copy made at load time; the reload repacks only modules whose weights it loaded, so the
+        # head would keep computing logits with the old weights.
+        lm_head = getattr(model, "lm_head", None)
+        hf_config = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
+        if lm_head is None or not getattr(hf_config, "tie_word_embeddings", False):
+            return
+        quant_method = getattr(lm_head, "quant_method", None)
+        if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+            quant_method.process_weights_after_loading(lm_head)
+
+    def _prime_global_rank(self) -> int:
+        parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        return parallel.data_parallel_index * parallel.world_size + self.rank  # type: ignore[attr-defined]
+
+    # -- filesystem ----------------------------------------------------------------------------
+
+    def prime_load_checkpoint(self, path: str) -> dict:
+        """Reload every tensor of the safetensors files in ``path`` (a validated ``broadcasts/step_<n>``)."""
+        start = time.perf_counter()
+        count = self._prime_reload([_iter_safetensors(path)])
+        return {"tensors": count, "seconds": time.perf_counter() - start}
+
+    # -- broadcast -----------------------------------------------------------------------------
+
+    def prime_init_broadcast(
+        self, host: str, port: int, world_size: int, rank_offset: int, backend: str, timeout_s: float
+    ) -> dict:
+        """Join the trainer's weight-broadcast group as rank ``rank_offset + global worker index``."""
+        if self._prime_group is not None:
+            self._prime_group.close()
+            self._prime_group = None
+        rank = rank_offset + self._prime_global_rank()
+        self._prime_group = build_weight_group(host, port, rank, world_size, backend, timeout_s)
+        return {"rank": rank}
+
+    def prime_close_broadcast(self) -> None:
+        if self._prime_group is not None:
+            self._prime_group.close()
+            self._prime_group = None
+
+    def prime_receive_broadcast(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        buckets: list[int],
+        offsets: list[int],
+        bucket_sizes: list[int],
+    ) -> dict:
+        """Receive ``len(bucket_sizes)`` byte buckets from the trainer and load the tensors they hold.
+
+        Layout (chosen by the sender, validated by the API process): tensor ``i`` occupies bytes
+        ``[offsets[i], offsets[i] + numel * itemsize)`` of bucket ``buckets[i]``; buckets are broadcast
+        in order 0, 1, ... as flat uint8 tensors; tensors are listed in bucket order.
+        """
+        group = self._prime_group
+        if group is None:
+            raise RuntimeError("no weight-broadcast group: send InitBroadcastRequest before BroadcastWeightsRequest")
+        start = time.perf_counter()
+        by_bucket: list[list[int]] = [[] for _ in bucket_sizes]
+        for i, b in enumerate(buckets):
+            by_bucket[b].append(i)
+
+        def batches() -> Iterator[list[tuple[str, torch.Tensor]]]:
+            for b, size in enumerate(bucket_sizes):
+                buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
+                group.broadcast(buffer)
+                batch = []
+                for i in by_bucket[b]:
+                    dtype = getattr(torch, dtypes[i])
+                    numel = 1
+                    for d in shapes[i]:
+                        numel *= d
+                    nbytes = numel * dtype.itemsize
+                    view = buffer[offsets[i] : offsets[i] + nbytes].view(dtype).view(shapes[i])
+                    batch.append((names[i], view))
+                yield batch
+
+        count = self._prime_reload(batches())
+        return {"tensors": count, "seconds": time.perf_counter() - start}

@@ -1,0 +1,285 @@
+"""End to end against one real vLLM (CPU) server: generation, weight updates by file and by broadcast,
+pausing with requests in flight, and refused updates.
+
+Tests share the session server and run in file order; each update test leaves the server on the
+version it checks, and the next one starts from there.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from prime_rl.common.wire import (
+    ControlReply,
+    HealthReply,
+    HealthRequest,
+    LoadWeightsRequest,
+    PauseRequest,
+    ResumeRequest,
+)
+
+pytestmark = pytest.mark.xdist_group("vllm_server")
+
+PROMPT = [5, 17, 42, 99, 120, 7, 300, 64, 11, 250]
+TOL = 1e-4  # fp32 model: vLLM and transformers agree to ~1e-6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_logprobs(server, ids: list[int] = PROMPT) -> list[float]:
+    """logprob of token i+1 given tokens <= i, from vLLM's prompt_logprobs."""
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": str(server.model_dir), "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0},
+        timeout=60,
+    )
+    r.raise_for_status()
+    entries = r.json()["choices"][0]["prompt_logprobs"][1:]
+    return [entry[str(tok)]["logprob"] for entry, tok in zip(entries, ids[1:])]
+
+
+def hf_logprobs(model_dir: Path, state_dict: dict[str, torch.Tensor], ids: list[int] = PROMPT) -> list[float]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    lp = torch.log_softmax(logits.double(), -1)
+    return [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def perturbed(model_dir: Path, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    base = load_file(model_dir / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v + scale * torch.randn(v.shape, generator=g)).contiguous() for k, v in base.items()}
+
+
+def write_step(root: Path, step: int, state_dict: dict[str, torch.Tensor], marker: bool = True) -> Path:
+    out = root / "broadcasts" / f"step_{step}"
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state_dict, out / "model.safetensors", metadata={"format": "pt"})
+    if marker:
+        (out / "STABLE").touch()
+    return out
+
+
+def health(server) -> HealthReply:
+    with server.client() as c:
+        reply = c.request(HealthRequest())
+    assert isinstance(reply, HealthReply)
+    return reply
+
+
+def request(server, message) -> ControlReply:
+    with server.client() as c:
+        reply = c.request(message)
+    assert isinstance(reply, ControlReply)
+    return reply
+
+
+# -------------------------------------------------------------------------------------------------
+
+
+def test_generation_returns_token_ids_logprobs_and_version(server):
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={
+            "model": str(server.model_dir),
+            "prompt": "The quick brown fox",
+            "max_tokens": 8,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+        timeout=60,
+    )
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    assert len(choice["token_ids"]) == 8
+    assert all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"])
+    # Token-in / token-out endpoint: each token range is tagged with the weight version that sampled it.
+    g = httpx.post(
+        f"{server.url}/inference/v1/generate",
+        json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 6, "logprobs": 0, "ignore_eos": True}},
+        timeout=60,
+    )
+    g.raise_for_status()
+    choice = g.json()["choices"][0]
+    assert len(choice["token_ids"]) == 6
+    assert choice["weight_versions"] == [{"version": str(health(server).weight_version), "start": 0, "end": 6}]
+
+
+def test_base_weights_match_transformers(server):
+    base = load_file(server.model_dir / "model.safetensors")
+    assert max_diff(server_logprobs(server), hf_logprobs(server.model_dir, base)) < TOL
+
+
+def test_filesystem_update_matches_transformers(server, tmp_path):
+    new = perturbed(server.model_dir, seed=1)
+    path = write_step(tmp_path, 1, new)
+    before = server_logprobs(server)
+    reply = request(server, LoadWeightsRequest(path=str(path), version=1))
+    assert reply.ok, reply.error
+    assert reply.weight_version == 1 and health(server).weight_version == 1
+    after = server_logprobs(server)
+    assert max_diff(after, before) > 1e-2  # the update changed the model ...
+    assert max_diff(after, hf_logprobs(server.model_dir, new)) < TOL  # ... into exactly the new weights
+    g = httpx.post(
+        f"{server.url}/inference/v1/generate",
+        json={"token_ids": PROMPT, "sampling_params": {"max_tokens": 3, "ignore_eos": True}},
+        timeout=60,
+    ).json()
+    assert g["choices"][0]["weight_versions"][0]["version"] == "1"
+
+
+@pytest.mark.parametrize(
+    "defect",
+    ["no_marker", "missing_tensor", "wrong_shape", "wrong_dtype", "unknown_tensor", "no_directory"],
+)
+def test_bad_filesystem_update_is_refused(server, tmp_path, defect):
+    version_before = health(server).weight_version
+    logprobs_before = server_logprobs(server)
+    sd = perturbed(server.model_dir, seed=7)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    if defect == "missing_tensor":
+        del sd[name]
+    elif defect == "wrong_shape":
+        sd[name] = sd[name][:-1].contiguous()
+    elif defect == "wrong_dtype":
+        sd[name] = sd[name].to(torch.bfloat16)
+    elif defect == "unknown_tensor":
+        sd["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2, 2)
+    path = write_step(tmp_path, 99, sd, marker=defect != "no_marker")
+    if defect == "no_directory":
+        path = tmp_path / "does_not_exist"
+    reply = request(server, LoadWeightsRequest(path=str(path), version=99))
+    assert not reply.ok
+    expected = {
+        "no_marker": "STABLE",
+        "missing_tensor": "missing",
+        "wrong_shape": "wrong shape",
+        "wrong_dtype": "wrong dtype",
+        "unknown_tensor": "does not have",
+        "no_directory": "does not exist",
+    }[defect]
+    assert expected in reply.error and (defect == "no_directory" or str(path) in reply.error)
+    assert reply.weight_version == version_before == health(server).weight_version
+    assert max_diff(server_logprobs(server), logprobs_before) < 1e-6  # still serving the old weights
+
+
+def _trainer_process(control: str, model_dir: str, version: int, seed: int, port: int, corrupt: bool, out) -> None:
+    """A trainer-like process: builds the gloo group with the server and pushes a state dict."""
+    from prime_rl.trainer.weights.broadcast import WeightBroadcaster, WeightBroadcastError
+
+    sd = perturbed(Path(model_dir), seed=seed)
+    if corrupt:
+        sd["model.norm.weight"] = torch.ones(7)
+    b = WeightBroadcaster([control], host="127.0.0.1", port=port, backend="gloo", bucket_bytes=64 * 1024, timeout_s=120)
+    try:
+        b.connect()
+        layout = b.push(version, sd.items())
+        out.put(("ok", len(layout.bucket_sizes)))
+        b.push(version + 1, sd.items())  # a second round over the same group
+        out.put(("ok", version + 1))
+    except WeightBroadcastError as e:
+        out.put(("refused", str(e)))
+    finally:
+        b.close()
+
+
+def _run_trainer(server, version: int, seed: int, corrupt: bool = False) -> list:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(
+        target=_trainer_process,
+        args=(server.control, str(server.model_dir), version, seed, free_port(), corrupt, out),
+    )
+    p.start()
+    p.join(timeout=180)
+    assert p.exitcode == 0, f"trainer process exited with {p.exitcode}:\n{server.log_tail()}"
+    results = []
+    while not out.empty():
+        results.append(out.get())
+    return results
+
+
+def test_broadcast_update_from_trainer_process(server):
+    results = _run_trainer(server, version=2, seed=2)
+    assert results[0][0] == "ok" and results[0][1] > 1, results  # several buckets with 64 KiB buckets
+    assert results[1] == ("ok", 3), results
+    assert health(server).weight_version == 3
+    assert max_diff(server_logprobs(server), hf_logprobs(server.model_dir, perturbed(server.model_dir, 2))) < TOL
+
+
+def test_bad_broadcast_is_refused_before_any_data(server):
+    before = server_logprobs(server)
+    results = _run_trainer(server, version=10, seed=3, corrupt=True)
+    assert results[0][0] == "refused" and "model.norm.weight [7]" in results[0][1], results
+    assert health(server).weight_version == 3
+    assert max_diff(server_logprobs(server), before) < 1e-6
+
+
+def test_pause_with_requests_in_flight_loses_none(server, tmp_path):
+    num_requests, max_tokens = 8, 48
+    started = threading.Event()
+
+    def complete(i: int) -> dict:
+        started.set()
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={
+                "model": str(server.model_dir),
+                "prompt": PROMPT[: 3 + i % 5],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+            timeout=180,
+        )
+        r.raise_for_status()
+        return r.json()["choices"][0]
+
+    new = perturbed(server.model_dir, seed=4)
+    path = write_step(tmp_path, 4, new)
+    with ThreadPoolExecutor(num_requests) as pool:
+        futures = [pool.submit(complete, i) for i in range(num_requests)]
+        started.wait()
+        assert request(server, PauseRequest(mode="keep")).ok
+        assert health(server).paused
+        reply = request(server, LoadWeightsRequest(path=str(path), version=4))
+        assert reply.ok, reply.error
+        assert health(server).paused  # a client-paused server stays paused through an update
+        assert request(server, ResumeRequest()).ok
+        choices = [f.result() for f in futures]
+    assert [len(c["token_ids"]) for c in choices] == [max_tokens] * num_requests
+    assert all(c["finish_reason"] == "length" for c in choices)
+    assert not health(server).paused and health(server).weight_version == 4
+    assert max_diff(server_logprobs(server), hf_logprobs(server.model_dir, new)) < TOL
+
+
+def test_unknown_pause_mode_is_refused(server):
+    reply = request(server, PauseRequest(mode="sleep"))
+    assert not reply.ok and "sleep" in reply.error
+    assert not health(server).paused
+    json.dumps(reply.error)  # the error is plain text, safe to log anywhere

@@ -1,0 +1,307 @@
+"""Trainer side of the broadcast weight transport: push a state dict into running inference servers.
+
+Protocol (the inference side is ``prime_rl.inference.control`` + ``worker/extension.py``):
+
+1. Group. The trainer's sending rank is rank 0 of a fresh process group (gloo on CPU, NCCL on GPU) built
+   from a TCP store it hosts at ``host:port``; inference server ``s`` joins with ``InitBroadcastRequest``
+   and its workers take ranks ``rank_offset_s + 0 .. rank_offset_s + workers_s - 1`` (workers = dp * tp
+   of that server). The group lives outside ``torch.distributed``'s global state, so a torchrun
+   trainer's default group is untouched. Both sides build it with the same code (``build_weight_group``).
+2. Layout. Tensors go in the caller's order, packed into byte buckets of at most ``bucket_bytes``
+   (a larger tensor gets a bucket of its own); each starts at a multiple of 256 bytes. The layout
+   (bucket id, byte offset per tensor, bucket sizes) travels in ``BroadcastWeightsRequest`` with each
+   tensor's HF name, dtype (torch name: "bfloat16", "float32", ...) and shape, so the receiver never
+   re-derives it. Dtypes must equal the served model's dtype and names/shapes its HF checkpoint: the
+   server refuses anything else before any data moves.
+3. Round. ``BroadcastWeightsRequest`` to every server (answered after validation, once the workers
+   wait) -> broadcast bucket 0, 1, ... from rank 0 as flat uint8 tensors -> ``AwaitWeightsRequest`` to
+   every server (answered when the weights are loaded and the version is live).
+
+Packing bucket ``i + 1`` overlaps the broadcast of bucket ``i`` on GPU (NCCL runs on its own stream);
+at most two buckets are in flight, so the extra memory is two buckets.
+
+Depends on torch and ``prime_rl.common`` only: no vLLM, no ``prime_rl.inference``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from prime_rl.common.transport import ControlClient
+from prime_rl.common.wire import (
+    AwaitWeightsRequest,
+    BroadcastWeightsRequest,
+    ControlReply,
+    InitBroadcastRequest,
+    TensorSpec,
+)
+
+STORE_PREFIX = "prime_rl/weight_broadcast"  # must match prime_rl.inference.weights.group
+BUCKET_ALIGNMENT = 256
+DEFAULT_BUCKET_BYTES = 1 << 30
+
+
+class WeightBroadcastError(RuntimeError):
+    """An inference server refused or failed a broadcast step."""
+
+
+# -- the group (identical to prime_rl/inference/weights/group.py) ---------------------------------
+
+
+@dataclass
+class WeightGroup:
+    pg: dist.ProcessGroup
+    store: dist.TCPStore
+    device: torch.device
+    rank: int
+    world_size: int
+
+    def broadcast(self, tensor: torch.Tensor, async_op: bool = False) -> dist.Work | None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        work = self.pg.broadcast([tensor], opts)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def close(self) -> None:
+        self.pg.shutdown()
+
+
+def build_weight_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> WeightGroup:
+    """Join the weight-broadcast group; blocks until all ``world_size`` ranks have joined."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"weight broadcast backend={backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPU)")
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    prefix_store = dist.PrefixStore(STORE_PREFIX, store)
+    pg = dist.ProcessGroup(prefix_store, rank, world_size)
+    if backend == "gloo":
+        backend_obj = dist.ProcessGroupGloo(prefix_store, rank, world_size, timeout)
+        backend_type, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    else:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        backend_obj = dist.ProcessGroupNCCL(prefix_store, rank, world_size, options)
+        backend_type, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda", torch.cuda.current_device())
+    pg._set_default_backend(backend_type)
+    backend_obj._set_sequence_number_for_group()
+    pg._register_backend(device, backend_type, backend_obj)
+    group = WeightGroup(pg=pg, store=store, device=device, rank=rank, world_size=world_size)
+    group.broadcast(torch.ones(1, device=device))  # wait here until the whole group is up
+    return group
+
+
+# -- layout --------------------------------------------------------------------------------------
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class BucketLayout:
+    """Where every tensor sits in the byte buckets; the fields of ``BroadcastWeightsRequest``."""
+
+    specs: list[TensorSpec]
+    buckets: list[int]
+    offsets: list[int]
+    bucket_sizes: list[int]
+
+    def tensors_of(self, bucket: int) -> list[int]:
+        return [i for i, b in enumerate(self.buckets) if b == bucket]
+
+
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> BucketLayout:
+    """Pack tensors in order into buckets of at most ``bucket_bytes`` (a bigger tensor gets its own)."""
+    if bucket_bytes < BUCKET_ALIGNMENT:
+        raise ValueError(f"bucket_bytes={bucket_bytes} is below the {BUCKET_ALIGNMENT}-byte alignment; use >= 1 MiB")
+    buckets: list[int] = []
+    offsets: list[int] = []
+    sizes: list[int] = []
+    end = 0
+    for spec in specs:
+        nbytes = spec_nbytes(spec)
+        start = -(-end // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT
+        if not sizes or (start + nbytes > bucket_bytes and end > 0):
+            sizes.append(0)
+            start = 0
+        buckets.append(len(sizes) - 1)
+        offsets.append(start)
+        end = start + nbytes
+        sizes[-1] = end
+    return BucketLayout(list(specs), buckets, offsets, sizes)
+
+
+def spec_nbytes(spec: TensorSpec) -> int:
+    numel = 1
+    for d in spec.shape:
+        numel *= d
+    return numel * getattr(torch, spec.dtype).itemsize
+
+
+def pack_bucket(
+    layout: BucketLayout, bucket: int, tensors: Sequence[torch.Tensor], device: torch.device
+) -> torch.Tensor:
+    """One flat uint8 bucket holding ``tensors`` (all tensors of the state dict, indexed like ``layout.specs``)."""
+    buffer = torch.empty(layout.bucket_sizes[bucket], dtype=torch.uint8, device=device)
+    for i in layout.tensors_of(bucket):
+        t = tensors[i]
+        nbytes = spec_nbytes(layout.specs[i])
+        buffer[layout.offsets[i] : layout.offsets[i] + nbytes].view(t.dtype).copy_(t.reshape(-1), non_blocking=True)
+    return buffer
+
+
+def unpack_bucket(layout: BucketLayout, bucket: int, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views of the tensors in a received bucket (no copy)."""
+    out = []
+    for i in layout.tensors_of(bucket):
+        spec = layout.specs[i]
+        nbytes = spec_nbytes(spec)
+        view = buffer[layout.offsets[i] : layout.offsets[i] + nbytes].view(getattr(torch, spec.dtype)).view(spec.shape)
+        out.append((spec.name, view))
+    return out
+
+
+def send_buckets(
+    group: WeightGroup, layout: BucketLayout, tensors: Sequence[torch.Tensor], max_in_flight: int = 2
+) -> None:
+    """Broadcast every bucket from rank 0, packing the next while the previous ones are on the wire."""
+    pending: deque[dist.Work] = deque()
+    for b in range(len(layout.bucket_sizes)):
+        if len(pending) >= max_in_flight:
+            pending.popleft().wait()
+        buffer = pack_bucket(layout, b, tensors, group.device)
+        pending.append(group.broadcast(buffer, async_op=True))
+    while pending:
+        pending.popleft().wait()
+
+
+def receive_buckets(group: WeightGroup, layout: BucketLayout) -> dict[str, torch.Tensor]:
+    """The receiving end of ``send_buckets`` for a plain torch process (tests, benchmarks)."""
+    out: dict[str, torch.Tensor] = {}
+    for b, size in enumerate(layout.bucket_sizes):
+        buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
+        group.broadcast(buffer)
+        out.update(unpack_bucket(layout, b, buffer))
+    return out
+
+
+# -- the round trip with inference servers -------------------------------------------------------
+
+
+def _check(reply: object, what: str, address: str) -> ControlReply:
+    if not isinstance(reply, ControlReply) or not reply.ok:
+        error = getattr(reply, "error", None) or repr(reply)
+        raise WeightBroadcastError(f"{what} refused by inference server {address}: {error}")
+    return reply
+
+
+class WeightBroadcaster:
+    """Rank 0 of the trainer: joins the group with every inference server and pushes weights to them.
+
+    ``addresses``: control endpoints (``tcp://host:port``) of the inference servers; ``workers_per_server``:
+    vLLM workers of each (dp * tp; default 1 each).
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        host: str,
+        port: int,
+        backend: str = "nccl",
+        workers_per_server: Sequence[int] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.addresses = list(addresses)
+        self.workers = list(workers_per_server or [1] * len(self.addresses))
+        if len(self.workers) != len(self.addresses):
+            raise ValueError(
+                f"{len(self.workers)} worker counts for {len(self.addresses)} servers; give one per server"
+            )
+        self.host, self.port, self.backend = host, port, backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.clients = [ControlClient(a, timeout_s=timeout_s) for a in self.addresses]
+        self.group: WeightGroup | None = None
+
+    def _on_every_server(self, make_request, what: str) -> list[ControlReply]:
+        """Send one request per server concurrently (each blocks until that server answers)."""
+        replies: list[object] = [None] * len(self.clients)
+
+        def call(i: int) -> None:
+            try:
+                replies[i] = self.clients[i].request(make_request(i))
+            except Exception as e:  # surfaced below with the server's address
+                replies[i] = e
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(self.clients))]
+        for t in threads:
+            t.start()
+        return self._join(threads, replies, what)
+
+    def _join(self, threads: list[threading.Thread], replies: list[object], what: str) -> list[ControlReply]:
+        for t in threads:
+            t.join()
+        return [_check(r, what, a) for r, a in zip(replies, self.addresses)]
+
+    def connect(self) -> None:
+        """Build the group: every server joins (in threads) while this process hosts the rendezvous."""
+        world_size = 1 + sum(self.workers)
+        offsets = [1 + sum(self.workers[:i]) for i in range(len(self.workers))]
+        replies: list[object] = [None] * len(self.clients)
+
+        def call(i: int) -> None:
+            request = InitBroadcastRequest(
+                host=self.host, port=self.port, world_size=world_size, rank_offset=offsets[i], backend=self.backend
+            )
+            try:
+                replies[i] = self.clients[i].request(request)
+            except Exception as e:
+                replies[i] = e
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(self.clients))]
+        for t in threads:
+            t.start()
+        self.group = build_weight_group(self.host, self.port, 0, world_size, self.backend, self.timeout_s)
+        self._join(threads, replies, "InitBroadcastRequest")
+
+    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketLayout:
+        """Send one full update; returns when every server serves ``version``. Raises if any refuses."""
+        if self.group is None:
+            raise WeightBroadcastError("call connect() before push()")
+        names, tensors = [], []
+        for name, t in named_tensors:
+            names.append(name)
+            tensors.append(t.detach().contiguous())
+        specs = [TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in zip(names, tensors)]
+        layout = plan_buckets(specs, self.bucket_bytes)
+        request = BroadcastWeightsRequest(
+            version=version,
+            specs=layout.specs,
+            buckets=layout.buckets,
+            offsets=layout.offsets,
+            bucket_sizes=layout.bucket_sizes,
+        )
+        # Servers validate identically (same checkpoint), so either all accept or all refuse.
+        self._on_every_server(lambda i: request, "BroadcastWeightsRequest")
+        send_buckets(self.group, layout, tensors)
+        self._on_every_server(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
+        return layout
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        for c in self.clients:
+            c.close()
