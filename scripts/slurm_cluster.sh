@@ -4,6 +4,9 @@
 #   scripts/slurm_cluster.sh up   DIR [NUM_NODES=2] [BASE_PORT=16817]   # prints `export SLURM_CONF=...`
 #   scripts/slurm_cluster.sh down DIR
 #
+# Nodes are named ${NODE_PREFIX:-node}1..N; BASE_PORT is slurmctld's, node i listens on BASE_PORT + i.
+# Two clusters at once need distinct prefixes and ports (slurmd's cgroups are named after the node).
+#
 # Needs root and Debian's `slurmctld slurmd slurm-client munge` (installed here if missing).
 # How it stays private to DIR (recipe in DESIGN.md, "Testing on these machines"):
 # - its own munged (fresh key, socket under DIR; slurm finds it through AuthInfo=socket=...);
@@ -50,7 +53,7 @@ fi
 
 mkdir -p "$dir"/{run,log,state,spool,dev}
 nodes=()
-for i in $(seq 1 "$num_nodes"); do nodes+=("node$i"); done
+for i in $(seq 1 "$num_nodes"); do nodes+=("${NODE_PREFIX:-node}$i"); done
 
 # Node names must resolve locally: slurmctld and slurmd look them up.
 for n in "${nodes[@]}"; do

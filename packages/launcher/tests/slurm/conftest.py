@@ -1,0 +1,89 @@
+"""Fixtures for the SLURM tests: a real two-node cluster on this machine (scripts/slurm_cluster.sh)."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[4]
+CLUSTER_SCRIPT = REPO / "scripts" / "slurm_cluster.sh"
+TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
+
+
+def _ports_free(base: int, count: int) -> bool:
+    for port in range(base, base + count):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def free_port_range(count: int) -> int:
+    """The first of ``count`` consecutive free TCP ports."""
+    for _ in range(200):
+        base = random.randint(20000, 45000)
+        if _ports_free(base, count):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+class Cluster:
+    def __init__(self, root: Path, env: dict[str, str], nodes: list[str]) -> None:
+        self.root = root
+        self.env = env
+        self.nodes = nodes
+
+    def job_state(self, job_id: str) -> tuple[str, str]:
+        """(JobState, ExitCode) from ``scontrol show job`` (no slurmdbd here, so no sacct)."""
+        out = subprocess.run(
+            ["scontrol", "show", "job", job_id], capture_output=True, text=True, env=self.env, check=True
+        ).stdout
+        fields = dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
+        return fields["JobState"], fields["ExitCode"]
+
+    def wait(self, job_id: str, timeout: float) -> tuple[str, str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            state, code = self.job_state(job_id)
+            if state in TERMINAL_STATES:
+                return state, code
+            if time.monotonic() > deadline:
+                subprocess.run(["scancel", job_id], env=self.env)
+                raise AssertionError(f"job {job_id} still {state} after {timeout} s")
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM cluster needs root (slurmd, /etc/hosts, UTS namespaces)")
+    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
+        pytest.skip("SLURM is not installed and apt-get is not available to install it")
+    root = tmp_path_factory.mktemp("slurm")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw")
+    prefix = f"pr{worker.removeprefix('gw')}n"  # distinct node names per xdist worker
+    base = free_port_range(3)
+    env = {**os.environ, "NODE_PREFIX": prefix}
+    up = subprocess.run(
+        ["bash", str(CLUSTER_SCRIPT), "up", str(root), "2", str(base)], capture_output=True, text=True, env=env
+    )
+    if up.returncode != 0:
+        subprocess.run(["bash", str(CLUSTER_SCRIPT), "down", str(root)])
+        raise RuntimeError(f"slurm cluster did not start: {up.stderr[-2000:]}")
+    env["SLURM_CONF"] = str(root / "slurm.conf")
+    yield Cluster(root, env, [f"{prefix}1", f"{prefix}2"])
+    subprocess.run(["bash", str(CLUSTER_SCRIPT), "down", str(root)])
+
+
+@pytest.fixture
+def free_port() -> int:
+    return free_port_range(1)

@@ -1,0 +1,127 @@
+"""Jobs on a real SLURM cluster of two nodes on this machine (see conftest.py and scripts/slurm_cluster.sh).
+
+Each job goes through the module CLI (what `sft` / `rl` / `inference` run with [slurm]) and `sbatch`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prime_rl.common.testing import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "qwen3")
+
+
+def sft_toml(path: Path, model: Path, out: Path, run_name: str, max_steps: int, rdzv_port: int) -> Path:
+    path.write_text(
+        f"""
+output_dir = "{out}"
+run_name = "{run_name}"
+max_steps = {max_steps}
+
+[model]
+name = "{model}"
+
+[data]
+type = "fake"
+seq_len = 64
+batch_size = 2
+
+[deployment]
+type = "multi_node"
+num_train_nodes = 2
+gpus_per_node = 1
+
+[slurm]
+job_name = "{run_name}"
+rdzv_port = {rdzv_port}
+"""
+    )
+    return path
+
+
+def submit(cluster, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "prime_rl.launcher.slurm", *args],
+        capture_output=True,
+        text=True,
+        env=cluster.env,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    match = re.search(r"submitted job (\d+)", proc.stdout)
+    assert match, proc.stdout
+    return match.group(1)
+
+
+def leftover_processes(marker: str, timeout: float = 15.0) -> list[str]:
+    """Command lines still mentioning ``marker`` after up to ``timeout`` s (slurm kills asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if "pgrep" not in line]
+        if not lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.5)
+
+
+def test_sft_two_nodes_completes(slurm_cluster, tiny_model: Path, tmp_path: Path, free_port: int) -> None:
+    cfg = sft_toml(tmp_path / "sft.toml", tiny_model, tmp_path / "out", "sft2n", 3, free_port)
+    job_id = submit(slurm_cluster, "sft", "@", str(cfg))
+    state, code = slurm_cluster.wait(job_id, timeout=120)
+    launcher = tmp_path / "out" / "sft2n" / "launcher"
+    job_log = (launcher / "logs" / f"job_{job_id}.log").read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), job_log
+    assert (launcher / f"job_{job_id}.exitcode").read_text().strip() == "0"
+    nodes = " ".join(slurm_cluster.nodes)
+    assert f"trainer={nodes}" in job_log
+    # Both nodes joined one process group: rank 0 reports a world of 2, and trained 3 steps.
+    assert "world 2" in (launcher / "logs" / "trainer-node0.log").read_text()
+    metrics = tmp_path / "out" / "sft2n" / "monitors" / "file" / "metrics.jsonl"
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert (tmp_path / "out" / "sft2n" / "logs" / "latest" / "trainer" / "torchrun").is_dir()
+
+
+CRASH_TEMPLATE = """{% extends "sft.sbatch.j2" %}
+{% block trainer %}{{ super() }}
+# A component that dies while the trainers are training (once the first step is logged).
+start_component crasher main "${TRAIN_NODES[1]}" \
+  bash -c 'until [ -s {{ run_dir }}/monitors/file/metrics.jsonl ]; do sleep 0.2; done; exit 3'
+
+{% endblock %}
+"""
+
+
+def test_crashing_component_fails_job_and_leaves_nothing(
+    slurm_cluster, tiny_model: Path, tmp_path: Path, free_port: int
+) -> None:
+    template = tmp_path / "crash.sbatch.j2"
+    template.write_text(CRASH_TEMPLATE)
+    out = tmp_path / "out"
+    cfg = sft_toml(tmp_path / "sft.toml", tiny_model, out, "crash", 100000, free_port)
+    started = time.monotonic()
+    job_id = submit(slurm_cluster, "sft", "@", str(cfg), "--slurm.template-path", str(template))
+    state, code = slurm_cluster.wait(job_id, timeout=90)
+    elapsed = time.monotonic() - started
+    launcher = out / "crash" / "launcher"
+    job_log = (launcher / "logs" / f"job_{job_id}.log").read_text()
+    assert (state, code) == ("FAILED", "3:0"), job_log
+    assert (launcher / f"job_{job_id}.exitcode").read_text().strip() == "3"
+    assert "crasher failed with exit code 3" in job_log
+    assert elapsed < 80, f"the job took {elapsed:.0f} s to end after the crash"
+    # The trainers were mid-run (a step logged, far from max_steps) when the crash stopped them.
+    assert "Step 1 " in (launcher / "logs" / "trainer-node0.log").read_text()
+    # The trainers (torchrun and its ranks, on both nodes) are gone: every one of them has the run
+    # directory on its command line.
+    assert leftover_processes(str(out / "crash")) == []
