@@ -63,6 +63,15 @@ def test_grad_only_for_weight_and_only_logprobs_used():
     torch.testing.assert_close(w.grad, w_ref.grad)
 
 
+def test_zero_tokens():
+    h = torch.randn(0, 8, requires_grad=True)
+    w = torch.randn(20, 8, requires_grad=True)
+    lp, ent = fused_logprobs_entropy(h, w, torch.zeros(0, dtype=torch.int64))
+    assert lp.shape == ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

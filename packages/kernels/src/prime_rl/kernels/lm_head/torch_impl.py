@@ -59,6 +59,9 @@ def torch_forward_stats(
             hit = local >= 0
             z_target = torch.where(hit, z.gather(1, local.clamp(min=0)[:, None]).squeeze(1), z_target)
         outs.append(finalize_stats(m, s, sz, z_target, tgt))
+    if not outs:  # T == 0
+        empty = torch.zeros(0, dtype=dtype, device=hidden.device)
+        return empty, empty.clone(), empty.clone(), empty.clone()
     return tuple(torch.cat(parts) for parts in zip(*outs))  # type: ignore[return-value]
 
 
