@@ -136,6 +136,8 @@ def load_job(kind: str, argv: list[str]) -> SlurmJob:
     inference = process_configs.get("inference")
     if inference is not None and hasattr(inference, "router"):
         extra["router_policy"] = inference.router.policy
+        # A node serving several local replicas uses ports port..port+replicas: keep nodes apart.
+        extra["replica_port_stride"] = inference.router.replicas + 1 if inference.router.replicas > 1 else 1
     job = SlurmJob(kind, config, config.deployment, config.slurm, _run_dir(config), process_configs, extra)
     if KINDS[kind].places_inference and job.num_infer_nodes == 0:
         raise ConfigError(f"{kind}: deployment.num_infer_nodes=0 leaves inference nowhere to run; set it to >= 1")

@@ -72,6 +72,7 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "replica_port": job.slurm.replica_port,
         "router_command": shlex.quote(str(Path(python).parent / "vllm-router")),
         "router_policy": None,
+        "replica_port_stride": 1,
         **job.extra,
     }
 

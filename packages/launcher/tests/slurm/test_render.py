@@ -1,0 +1,252 @@
+"""Fast tests of the SLURM job scripts: what `--dry-run` writes, and what the rendered script does when run
+with stand-in `srun` / `scontrol` (each call recorded) instead of a cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prime_rl.common.config import load_config
+from prime_rl.common.config.trainer import SFTConfig
+from prime_rl.launcher.slurm import load_job, render_job
+from prime_rl.launcher.slurm.__main__ import main
+
+# Records each call as one JSON line, then behaves as FAKE_FAIL / FAKE_HANG say for that step name.
+FAKE_SRUN = r"""#!/usr/bin/env python3
+import json, os, sys, time
+name = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--job-name="))
+with open(os.environ["FAKE_LOG"], "a") as f:
+    env = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE",
+                                          "MY_VAR", "PRIME_RL_TRAINER_LOG_DIR")}
+    f.write(json.dumps({"name": name, "pid": os.getpid(), "argv": sys.argv[1:], "env": env}) + "\n")
+if any(name.startswith(p) for p in os.environ.get("FAKE_FAIL", "").split(",") if p):
+    time.sleep(0.5)
+    sys.exit(3)
+if any(name.startswith(p) for p in os.environ.get("FAKE_HANG", "").split(",") if p):
+    time.sleep(60)
+"""
+FAKE_SCONTROL = """#!/bin/sh
+[ "$1 $2" = "show hostnames" ] && printf '%s\\n' $FAKE_NODES
+"""
+
+
+def write_config(tmp_path: Path, kind: str = "sft", extra: str = "", deployment: str = "") -> Path:
+    body = {
+        "sft": '[model]\nname = "/models/tiny"\n[data]\ntype = "fake"\nseq_len = 64\n',
+        "inference": '[model]\nname = "/models/tiny"\n',
+    }[kind]
+    path = tmp_path / f"{kind}.toml"
+    path.write_text(
+        f'output_dir = "{tmp_path / "out"}"\nrun_name = "r"\n{body}'
+        f'[deployment]\ntype = "multi_node"\n{deployment}\n[slurm]\njob_name = "t"\n{extra}'
+    )
+    return path
+
+
+def run_script(script: Path, tmp_path: Path, nodes: list[str], **fake: str) -> tuple[subprocess.CompletedProcess, list]:
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_LOG": str(log),
+        "FAKE_NODES": " ".join(nodes),
+        "SLURM_JOB_NODELIST": "whatever[1-9]",
+        "SLURM_JOB_ID": "77",
+        **fake,
+    }
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60)
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc, calls
+
+
+def dry_run(cfg: Path, *flags: str) -> Path:
+    assert main(["sft" if cfg.stem == "sft" else cfg.stem, "@", str(cfg), *flags, "--dry-run"]) == 0
+    return cfg.parent / "out" / "r" / "launcher"
+
+
+def arg_after(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_dry_run_writes_script_and_per_process_configs(tmp_path: Path) -> None:
+    launcher = dry_run(write_config(tmp_path, deployment="num_train_nodes = 2\ngpus_per_node = 4"))
+    script = launcher / "sft.sbatch"
+    assert script.is_file() and (launcher / "logs").is_dir()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    assert "#SBATCH --nodes=2\n" in text and "#SBATCH --gres=gpu:4\n" in text
+    assert f"#SBATCH --output={launcher}/logs/job_%j.log" in text
+    assert "--partition" not in text  # unset: left to the cluster default
+    # Each rank's config: the component's own schema, no [slurm], a single-node deployment.
+    trainer = tmp_path / "out" / "r" / "configs" / "trainer.toml"
+    cfg = load_config(SFTConfig, ["@", str(trainer)])
+    assert cfg.deployment.type == "single_node" and not cfg.dry_run
+    assert "[slurm]" not in trainer.read_text()
+    # The submitted config is kept whole: loading it again gives the same script.
+    again = load_job("sft", ["@", str(launcher / "sft.toml")])
+    assert render_job(again) == text
+
+
+def test_sbatch_header_from_slurm_table(tmp_path: Path) -> None:
+    extra = 'partition = "gpu"\naccount = "proj"\ntime = "01:00:00"\n'
+    text = (dry_run(write_config(tmp_path, extra=extra)) / "sft.sbatch").read_text()
+    for line in (
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj",
+        "#SBATCH --time=01:00:00",
+        "#SBATCH --job-name=t",
+    ):
+        assert line in text
+
+
+def test_sft_places_one_torchrun_per_node_with_rendezvous_on_the_head(tmp_path: Path) -> None:
+    deployment = "num_train_nodes = 3\nnum_infer_nodes = 1\ngpus_per_node = 2"  # sft places no inference
+    launcher = dry_run(write_config(tmp_path, deployment=deployment), "--slurm.rdzv-port", "29777")
+    proc, calls = run_script(launcher / "sft.sbatch", tmp_path, ["a", "b", "c"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(c["name"] for c in calls) == ["trainer-node0", "trainer-node1", "trainer-node2"]
+    for call in calls:
+        argv = call["argv"]
+        rank = int(call["name"].removeprefix("trainer-node"))
+        assert "--kill-on-bad-exit=1" in argv
+        assert f"--nodelist={'abc'[rank]}" in argv
+        assert arg_after(argv, "--node-rank") == str(rank)
+        assert arg_after(argv, "--nnodes") == "3"
+        assert arg_after(argv, "--nproc-per-node") == "2"
+        assert arg_after(argv, "--rdzv-endpoint") == "a:29777"
+        assert argv[-3:] == [
+            "prime_rl.trainer.sft.train",
+            "@",
+            str(tmp_path / "out" / "r" / "configs" / "trainer.toml"),
+        ]
+        assert call["env"]["PRIME_RL_TRAINER_LOG_DIR"] == str(tmp_path / "out/r/logs/attempt_1/trainer/torchrun")
+    assert (launcher / "job_77.exitcode").read_text().strip() == "0"
+
+
+def test_inference_replica_per_node_behind_router_on_node_zero(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, "inference", deployment="num_infer_nodes = 2\nnum_train_nodes = 5")
+    launcher = dry_run(cfg, "--slurm.router-port", "9000", "--slurm.replica-port", "9100")
+    # The router fails; the replicas (still serving) are stopped and the job ends with its code.
+    proc, calls = run_script(
+        launcher / "inference.sbatch", tmp_path, ["a", "b"], FAKE_FAIL="router", FAKE_HANG="inference"
+    )
+    assert "router: http://a:9000/v1" in proc.stdout
+    by_name = {c["name"]: c["argv"] for c in calls}
+    assert sorted(by_name) == ["inference-node0", "inference-node1", "router"]
+    for i, node in enumerate("ab"):
+        argv = by_name[f"inference-node{i}"]
+        assert f"--nodelist={node}" in argv and arg_after(argv, "--server.port") == str(9100 + i)
+    router = by_name["router"]
+    assert "--nodelist=a" in router and arg_after(router, "--port") == "9000"
+    assert router[router.index("--worker-urls") + 1 : router.index("--worker-urls") + 3] == [
+        "http://a:9100",
+        "http://b:9101",
+    ]
+    assert proc.returncode == 3
+    for call in calls:
+        assert not pid_alive(call["pid"]), f"{call['name']} still running"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_first_failure_stops_the_other_components(tmp_path: Path) -> None:
+    launcher = dry_run(write_config(tmp_path, deployment="num_train_nodes = 2"))
+    started = time.monotonic()
+    proc, calls = run_script(
+        launcher / "sft.sbatch", tmp_path, ["a", "b"], FAKE_FAIL="trainer-node1", FAKE_HANG="trainer-node0"
+    )
+    assert proc.returncode == 3
+    assert time.monotonic() - started < 30  # not the 60 s the hanging rank would take
+    assert "trainer-node1 failed with exit code 3" in proc.stderr
+    assert (launcher / "job_77.exitcode").read_text().strip() == "3"
+    assert not any(pid_alive(c["pid"]) for c in calls)
+
+
+def test_cache_dirs_are_node_local_and_env_vars_override(tmp_path: Path) -> None:
+    extra = '[slurm.env_vars]\nTRITON_CACHE_DIR = "/scratch/triton"\nMY_VAR = "a \\"quoted\\" ${HOME}"\n'
+    launcher = dry_run(write_config(tmp_path, extra=extra, deployment="num_train_nodes = 1"))
+    proc, calls = run_script(launcher / "sft.sbatch", tmp_path, ["a"])
+    assert proc.returncode == 0, proc.stderr
+    env = calls[0]["env"]
+    uid = os.getuid()
+    assert env["TRITON_CACHE_DIR"] == "/scratch/triton"
+    assert env["VLLM_CACHE_ROOT"] == f"/tmp/.vllm-cache-{uid}"
+    assert env["FLASHINFER_WORKSPACE_BASE"] == f"/tmp/.flashinfer-cache-{uid}"
+    assert env["MY_VAR"] == f'a "quoted" {os.environ["HOME"]}'
+
+
+def test_custom_template_extends_the_packaged_one(tmp_path: Path) -> None:
+    # Same file name as the packaged template: `extends` still means the packaged one.
+    template = tmp_path / "sft.sbatch.j2"
+    template.write_text(
+        '{% extends "sft.sbatch.j2" %}\n'
+        "{% block header %}{{ super() }}\n#SBATCH --constraint=h200{% endblock %}\n"
+        "{% block setup %}{{ super() }}\necho custom setup on {{ num_train_nodes }} nodes{% endblock %}\n"
+    )
+    launcher = dry_run(write_config(tmp_path, deployment="num_train_nodes = 2"), "--slurm.template-path", str(template))
+    text = (launcher / "sft.sbatch").read_text()
+    assert "#SBATCH --constraint=h200" in text and "#SBATCH --nodes=2" in text
+    proc, calls = run_script(launcher / "sft.sbatch", tmp_path, ["a", "b"])
+    assert proc.returncode == 0 and "custom setup on 2 nodes" in proc.stdout
+    assert len(calls) == 2
+
+
+def test_install_step_runs_only_without_a_venv(tmp_path: Path) -> None:
+    marker = tmp_path / "installed"
+    extra = f'install_command = "touch {marker}"\n'
+    launcher = dry_run(write_config(tmp_path, extra=extra, deployment="num_train_nodes = 1"))
+    proc, _ = run_script(launcher / "sft.sbatch", tmp_path, ["a"])
+    assert proc.returncode == 0 and "install: skipped" in proc.stdout and not marker.exists()
+    # Point the job at a python that does not exist yet: the install step runs.
+    text = (launcher / "sft.sbatch").read_text().replace(f"[ -x {sys.executable} ]", "[ -x /nonexistent/python ]")
+    (launcher / "sft.sbatch").write_text(text)
+    run_script(launcher / "sft.sbatch", tmp_path, ["a"])
+    assert marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "argv_extra", "needle"),
+    [
+        ("", ["--slurm.no-such-key", "1"], "unknown option --slurm.no-such-key"),
+        ("bogus = 1\n", [], "bogus"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line(
+    tmp_path: Path, capsys, extra: str, argv_extra: list[str], needle: str
+) -> None:
+    cfg = write_config(tmp_path, extra=extra)
+    assert main(["sft", "@", str(cfg), *argv_extra, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_missing_slurm_table_is_an_error(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "sft.toml"
+    cfg.write_text('[model]\nname = "/m"\n[data]\ntype = "fake"\n')
+    assert main(["sft", "@", str(cfg), "--dry-run"]) == 2
+    assert "slurm" in capsys.readouterr().err
+
+
+def test_submit_without_sbatch_says_so(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    cfg = write_config(tmp_path)
+    assert main(["sft", "@", str(cfg)]) == 1
+    assert "'sbatch' is not on PATH" in capsys.readouterr().err
+    assert (tmp_path / "out" / "r" / "launcher" / "sft.sbatch").is_file()
