@@ -7,7 +7,17 @@ import pytest
 import zmq
 
 from prime_rl.common import wire
-from prime_rl.common.transport import ControlClient, ControlServer, Receiver, Sender, decode_frames, encode_frames
+from prime_rl.common.transport import (
+    ALIGN,
+    SHARED_FRAME_MAX_BYTES,
+    ZERO_COPY_MIN_BYTES,
+    ControlClient,
+    ControlServer,
+    Receiver,
+    Sender,
+    decode_frames,
+    encode_frames,
+)
 
 LOOPBACK = "tcp://127.0.0.1:0"  # bind picks a free port; .endpoint has the real one
 
@@ -63,6 +73,31 @@ def test_large_frame_is_sent_without_a_copy_on_the_send_path():
     assert np.shares_memory(np.frombuffer(frames[1], dtype=np.float32), array)
 
 
+def test_small_arrays_share_frames_large_ones_get_their_own():
+    small = {f"s{i}": np.full(1000 + i, i, dtype=np.int8 if i % 2 else np.float32) for i in range(10)}
+    big = np.arange(ZERO_COPY_MIN_BYTES // 4, dtype=np.float32)
+    frames = encode_frames(wire.HealthRequest(), {**small, "big": big, "tail": np.ones(3, np.float64)})
+    _, specs, placements = wire.decode_header(frames[0])
+    assert len(frames) == 1 + 2  # one shared frame (small arrays + tail) and the big array's own
+    assert placements[10] == (1, 0) and {p[0] for i, p in enumerate(placements) if i != 10} == {0}
+    assert all(offset % ALIGN == 0 for _, offset in placements)
+    got = decode_frames([zmq.Frame(f) for f in frames])
+    for name, array in small.items():
+        np.testing.assert_array_equal(got.arrays[name], array)
+        assert got.arrays[name].flags.aligned
+    np.testing.assert_array_equal(got.arrays["big"], big)
+    np.testing.assert_array_equal(got.arrays["tail"], [1, 1, 1])
+
+
+def test_shared_frames_are_capped():
+    n = SHARED_FRAME_MAX_BYTES // (ZERO_COPY_MIN_BYTES // 2) + 4
+    arrays = {f"a{i}": np.full(ZERO_COPY_MIN_BYTES // 2, i % 251, dtype=np.uint8) for i in range(n)}
+    frames = encode_frames(wire.HealthRequest(), arrays)
+    assert len(frames) == 1 + 2 and all(len(memoryview(f)) <= SHARED_FRAME_MAX_BYTES for f in frames[1:])
+    got = decode_frames(frames)
+    assert all(got.arrays[f"a{i}"][0] == i % 251 for i in range(n))
+
+
 def test_odd_arrays_round_trip(pair):
     sender, receiver = pair
     arrays = {
@@ -85,18 +120,20 @@ def test_garbage_then_good_message_delivers_the_good_one(pair, caplog):
     raw.send_multipart([wire.encode(wire.HealthRequest()), b"unexpected extra frame"])
     header = wire.encode_header(wire.HealthRequest(), [wire.TensorSpec("x", "float32", [4])])
     raw.send_multipart([header, b"too short"])
+    header = wire.encode_header(wire.HealthRequest(), [wire.TensorSpec("x", "float32", [1])], [(0, 2)])
+    raw.send_multipart([header, b"12345678"])  # misaligned view
     raw.send_multipart([wire.encode_header(wire.HealthRequest(), [wire.TensorSpec("x", "object", [1])]), b"12345678"])
     sender.send(wire.LoadWeightsRequest(path="/w", version=3))
     with caplog.at_level("ERROR"):
         got = receiver.recv()
     assert got.message == wire.LoadWeightsRequest(path="/w", version=3)
-    assert receiver.num_rejected == 4
+    assert receiver.num_rejected == 5
     assert "refused a message" in caplog.text and receiver.endpoint in caplog.text
 
 
 def test_other_schema_version_is_refused_and_the_receiver_keeps_running(pair, caplog):
     sender, receiver = pair
-    sender._socket.send(msgspec.msgpack.encode((wire.SCHEMA_VERSION + 1, ["HealthRequest"], [])))
+    sender._socket.send(msgspec.msgpack.encode((wire.SCHEMA_VERSION + 1, ["HealthRequest"], [], [])))
     sender.send(wire.HealthRequest())
     with caplog.at_level("ERROR"):
         assert receiver.recv().message == wire.HealthRequest()
@@ -189,7 +226,7 @@ def test_malformed_and_other_version_requests_get_error_replies(control):
     raw = zmq.Context.instance().socket(zmq.REQ)
     raw.connect(server.endpoint)
     try:
-        for bad in (b"garbage", msgspec.msgpack.encode((wire.SCHEMA_VERSION + 1, ["HealthRequest"], []))):
+        for bad in (b"garbage", msgspec.msgpack.encode((wire.SCHEMA_VERSION + 1, ["HealthRequest"], [], []))):
             raw.send(bad)
             assert raw.poll(5000)
             reply = wire.decode(raw.recv())

@@ -84,8 +84,10 @@ def test_other_schema_version_is_refused_before_the_body_is_decoded():
         b"\xc1garbage",
         msgspec.msgpack.encode([wire.SCHEMA_VERSION]),
         msgspec.msgpack.encode(["one", ["HealthRequest"], []]),
-        msgspec.msgpack.encode([wire.SCHEMA_VERSION, ["NoSuchMessage"], []]),
-        msgspec.msgpack.encode([wire.SCHEMA_VERSION, ["LoadWeightsRequest", 3, "not-an-int"], []]),
+        msgspec.msgpack.encode([wire.SCHEMA_VERSION, ["NoSuchMessage"], [], []]),
+        msgspec.msgpack.encode([wire.SCHEMA_VERSION, ["HealthRequest"], []]),
+        msgspec.msgpack.encode([wire.SCHEMA_VERSION, ["HealthRequest"], [["x", "int32", [1]]], []]),
+        msgspec.msgpack.encode([wire.SCHEMA_VERSION, ["LoadWeightsRequest", 3, "not-an-int"], [], []]),
     ],
 )
 def test_malformed_bytes_raise_wire_error(data):
@@ -95,7 +97,7 @@ def test_malformed_bytes_raise_wire_error(data):
 
 def test_appended_field_with_default_decodes_from_older_encoding():
     # Old peers omit fields appended later; the receiver fills the defaults.
-    old = msgspec.msgpack.encode((wire.SCHEMA_VERSION, ["HealthReply", True], []))
+    old = msgspec.msgpack.encode((wire.SCHEMA_VERSION, ["HealthReply", True], [], []))
     assert wire.decode(old) == wire.HealthReply(ok=True)
 
 

@@ -26,7 +26,9 @@ asyncio sockets (run ``ControlServer.serve_forever`` in a thread next to an even
 from __future__ import annotations
 
 import enum
+import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -68,53 +70,113 @@ def _ms(timeout_s: float | None) -> int:
     return -1 if timeout_s is None else max(0, int(timeout_s * 1000))
 
 
-def _as_frame(name: str, array: np.ndarray) -> tuple[TensorSpec, memoryview]:
+ZERO_COPY_MIN_BYTES = 64 * 1024
+"""Arrays this large get their own zero-copy frame; smaller ones share a frame (pyzmq copies small frames anyway)."""
+SHARED_FRAME_MAX_BYTES = 4 << 20
+"""Start a new shared frame beyond this size."""
+ALIGN = 64
+"""Byte alignment of each array inside a shared frame (so the received views are aligned)."""
+
+
+def _checked(name: str, array: np.ndarray) -> np.ndarray:
     array = np.asarray(array)
     if array.dtype.kind in _BYTE_FREE_DTYPES:
         raise TypeError(f"array {name!r} has dtype {array.dtype}; only numeric and bool arrays can be sent as frames")
     if not array.flags.c_contiguous:
-        array = array.copy(order="C")  # the only copy on the send path; pass contiguous arrays to avoid it
-    return TensorSpec.of(name, array), memoryview(array.reshape(-1).view(np.uint8))  # flat byte view, no copy
+        array = array.copy(order="C")  # pass C-contiguous arrays to keep large ones zero-copy
+    return array
 
 
 def encode_frames(message: Message, arrays: Mapping[str, np.ndarray] | None = None) -> list[bytes | memoryview]:
-    """Multipart frames for ``message`` and its named arrays (the arrays are not copied)."""
+    """Multipart frames for ``message`` and its named arrays.
+
+    Arrays of at least ``ZERO_COPY_MIN_BYTES`` become frames of their own without a copy. Smaller
+    ones are copied into shared frames: thousands of tiny frames cost far more per byte than one
+    memcpy (measured: 9,640 frames of 8-32 KiB ran at a quarter of the coalesced throughput).
+    """
     specs: list[TensorSpec] = []
-    buffers: list[memoryview] = []
-    for name, array in (arrays or {}).items():
-        spec, buffer = _as_frame(name, array)
-        specs.append(spec)
-        buffers.append(buffer)
-    return [encode_header(message, specs), *buffers]
+    placements: list[tuple[int, int]] = []
+    frames: list[memoryview | None] = []
+    shared: list[tuple[int, np.ndarray]] = []  # (offset, array) in the open shared frame
+    shared_index, shared_size = -1, 0
+
+    def close_shared() -> None:
+        buffer = np.empty(shared_size, dtype=np.uint8)
+        for offset, small in shared:
+            buffer[offset : offset + small.nbytes] = small.reshape(-1).view(np.uint8)
+        frames[shared_index] = memoryview(buffer)
+        shared.clear()
+
+    for name, value in (arrays or {}).items():
+        array = _checked(name, value)
+        specs.append(TensorSpec.of(name, array))
+        if array.nbytes >= ZERO_COPY_MIN_BYTES:
+            placements.append((len(frames), 0))
+            frames.append(memoryview(array.reshape(-1).view(np.uint8)))  # flat byte view, no copy
+            continue
+        offset = -shared_size % ALIGN + shared_size
+        if shared_index < 0 or offset + array.nbytes > SHARED_FRAME_MAX_BYTES:
+            if shared_index >= 0:
+                close_shared()
+            shared_index, offset = len(frames), 0
+            frames.append(None)  # filled by close_shared
+        shared.append((offset, array))
+        shared_size = offset + array.nbytes
+        placements.append((shared_index, offset))
+    if shared_index >= 0:
+        close_shared()
+    return [encode_header(message, specs, placements), *frames]  # type: ignore[list-item]
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype(name: str) -> np.dtype | None:
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        return None
+    return None if dtype.kind in _BYTE_FREE_DTYPES else dtype
+
+
+def _view(spec: TensorSpec, buffer: memoryview, offset: int) -> np.ndarray:
+    """A read-only array over ``buffer[offset:]`` as ``spec`` describes it; WireError if it does not fit."""
+    dtype = _dtype(spec.dtype)
+    if dtype is None:
+        raise WireError(f"array {spec.name!r}: dtype {spec.dtype!r} cannot be rebuilt from raw bytes")
+    shape = spec.shape
+    if any(d < 0 for d in shape):
+        raise WireError(f"array {spec.name!r}: negative dimension in shape {shape}")
+    count = math.prod(shape)
+    if offset < 0 or offset % dtype.itemsize or offset + count * dtype.itemsize > buffer.nbytes:
+        raise WireError(
+            f"array {spec.name!r}: {spec.dtype}{shape} at byte {offset} does not fit its {buffer.nbytes}-byte frame"
+        )
+    if count == 0:
+        array = np.empty(shape, dtype=dtype)
+    else:
+        array = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+        if len(shape) != 1:
+            array = array.reshape(shape)
+    array.flags.writeable = False  # a view over ZeroMQ's buffer: copy (np.array) before mutating
+    return array
 
 
 def decode_frames(frames: Sequence[zmq.Frame | bytes], types: Sequence[type[Message]] = MESSAGE_TYPES) -> Received:
     """Inverse of ``encode_frames``; raises ``WireError`` (or ``SchemaVersionError``) on any mismatch."""
     if not frames:
         raise WireError("empty multipart message")
-    buffers = [f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames]
-    message, specs = decode_header(buffers[0], types)
-    if len(specs) != len(buffers) - 1:
+    buffers = [memoryview(f) for f in frames]  # zmq.Frame exports its bytes without a copy
+    message, specs, placements = decode_header(buffers[0], types)
+    data = buffers[1:]
+    num_frames = max((index for index, _ in placements), default=-1) + 1
+    if num_frames != len(data) or min((index for index, _ in placements), default=0) < 0:
         raise WireError(
-            f"{type(message).__name__}: header describes {len(specs)} frames but {len(buffers) - 1} arrived"
+            f"{type(message).__name__}: header places arrays in {num_frames} frames but {len(data)} arrived"
         )
     arrays: dict[str, np.ndarray] = {}
-    for spec, buffer in zip(specs, buffers[1:]):
-        try:
-            dtype = np.dtype(spec.dtype)
-        except TypeError as e:
-            raise WireError(f"frame {spec.name!r}: unknown dtype {spec.dtype!r}") from e
-        if dtype.kind in _BYTE_FREE_DTYPES or any(d < 0 for d in spec.shape):
-            raise WireError(f"frame {spec.name!r}: cannot rebuild dtype {spec.dtype!r} shape {spec.shape}")
-        if spec.num_bytes != buffer.nbytes:
-            raise WireError(
-                f"frame {spec.name!r}: {spec.dtype}{spec.shape} needs {spec.num_bytes} bytes, frame has {buffer.nbytes}"
-            )
+    for spec, (index, offset) in zip(specs, placements):
         if spec.name in arrays:
-            raise WireError(f"frame name {spec.name!r} appears twice in one message")
-        array = np.frombuffer(buffer, dtype=dtype).reshape(spec.shape)
-        array.flags.writeable = False  # a view over ZeroMQ's buffer: copy (np.array) before mutating
-        arrays[spec.name] = array
+            raise WireError(f"array name {spec.name!r} appears twice in one message")
+        arrays[spec.name] = _view(spec, data[index], offset)
     return Received(message, arrays)
 
 

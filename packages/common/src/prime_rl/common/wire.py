@@ -7,13 +7,14 @@ Design decisions:
   get a default, so an older peer's positional encoding still decodes.
 - The schema version is NOT a struct field: with ``omit_defaults`` a field equal to its default is
   dropped by the sender and refilled by the receiver, which would hide a mismatch. Instead every
-  encoded message is the envelope ``[SCHEMA_VERSION, message, frame_specs]`` (see ``encode_header``);
+  encoded message starts with ``SCHEMA_VERSION`` (see ``encode_header``);
   the receiver reads the version first, before it tries to decode a body it may not understand, and
   refuses another version with a ``SchemaVersionError`` that names both versions.
+  (Envelope in full: ``[SCHEMA_VERSION, message, specs, placements]``, placements = where each array
+  sits in the data frames.)
 - Tensors never go inside the msgpack body. A message refers to them by ``TensorSpec`` (name, dtype,
-  shape); the arrays travel as separate zero-copy ZeroMQ frames, frame k described by
-  ``frame_specs[k]`` in the envelope (see ``prime_rl.common.transport``). ``TensorSpec.name`` is the
-  key under which the receiver finds the array.
+  shape); the arrays travel as separate ZeroMQ frames after the header (see
+  ``prime_rl.common.transport``). ``TensorSpec.name`` is the key under which the receiver finds the array.
 - Bump ``SCHEMA_VERSION`` whenever a change is not append-only (a field removed, reordered or
   retyped, a message renamed).
 
@@ -22,8 +23,9 @@ Left out: compression (loopback / RDMA-class links are faster than any codec her
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -52,6 +54,16 @@ class Message(_Struct, tag=True):
 # Tensors
 # ---------------------------------------------------------------------------------------------
 
+_dtype_names: dict[np.dtype, str] = {}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, cached: numpy computes it in Python (~7 us), too slow for thousands of frames."""
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = dtype.name
+    return name
+
 
 class TensorSpec(_Struct):
     """Describes one array that travels as its own zero-copy frame (or over a weight transport)."""
@@ -65,11 +77,11 @@ class TensorSpec(_Struct):
 
     @classmethod
     def of(cls, name: str, array: np.ndarray) -> TensorSpec:
-        return cls(name=name, dtype=array.dtype.name, shape=list(array.shape))
+        return cls(name=name, dtype=dtype_name(array.dtype), shape=list(array.shape))
 
     @property
     def num_bytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize  # math.prod: 50x faster than np.prod here
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,13 +332,25 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
 
 
 # ---------------------------------------------------------------------------------------------
-# Envelope: [SCHEMA_VERSION, message, frame_specs]
+# Envelope: [SCHEMA_VERSION, message, specs, placements]
 # ---------------------------------------------------------------------------------------------
+
+
+class Envelope(NamedTuple):
+    """A decoded header frame."""
+
+    message: Message
+    specs: list[TensorSpec]
+    """One per array carried after the header."""
+    placements: list[tuple[int, int]]
+    """(data frame index, byte offset) of each array: small arrays share a frame, large ones own one."""
+
 
 _encoder = msgspec.msgpack.Encoder()
 _raw_list_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _int_decoder = msgspec.msgpack.Decoder(int)
 _specs_decoder = msgspec.msgpack.Decoder(list[TensorSpec])
+_placements_decoder = msgspec.msgpack.Decoder(list[tuple[int, int]])
 _message_decoders: dict[tuple[type[Message], ...], msgspec.msgpack.Decoder] = {}
 
 
@@ -340,23 +364,29 @@ def _message_decoder(types: tuple[type[Message], ...]) -> msgspec.msgpack.Decode
     return decoder
 
 
-def encode_header(message: Message, frame_specs: Sequence[TensorSpec] = ()) -> bytes:
-    """Encode the envelope frame: schema version, the message, and a spec per following frame."""
+def encode_header(
+    message: Message,
+    specs: Sequence[TensorSpec] = (),
+    placements: Sequence[tuple[int, int]] | None = None,
+) -> bytes:
+    """Encode the envelope frame. ``placements`` defaults to one data frame per spec, at offset 0."""
     if not isinstance(message, Message):
         raise TypeError(f"can only send prime_rl.common.wire.Message subclasses, got {type(message).__name__}")
-    return _encoder.encode((SCHEMA_VERSION, message, list(frame_specs)))
+    if placements is None:
+        placements = [(i, 0) for i in range(len(specs))]
+    if len(placements) != len(specs):
+        raise ValueError(f"{len(placements)} placements for {len(specs)} specs; give one per spec")
+    return _encoder.encode((SCHEMA_VERSION, message, list(specs), list(placements)))
 
 
-def decode_header(
-    data: bytes | memoryview, types: Sequence[type[Message]] = MESSAGE_TYPES
-) -> tuple[Message, list[TensorSpec]]:
+def decode_header(data: bytes | memoryview, types: Sequence[type[Message]] = MESSAGE_TYPES) -> Envelope:
     """Decode an envelope; check the version before the body. Raises WireError / SchemaVersionError."""
     try:
         parts = _raw_list_decoder.decode(data)
     except msgspec.DecodeError as e:
         raise WireError(f"malformed header ({len(data)} bytes): {e}; expected a msgpack envelope") from e
-    if len(parts) < 3:
-        raise WireError(f"malformed header: envelope has {len(parts)} parts, expected 3 (version, message, frames)")
+    if not parts:
+        raise WireError("malformed header: empty envelope; expected [version, message, specs, placements]")
     try:
         version = _int_decoder.decode(parts[0])
     except msgspec.DecodeError as e:
@@ -366,22 +396,29 @@ def decode_header(
             f"peer speaks wire schema version {version}, this process speaks {SCHEMA_VERSION}; "
             "run the same prime-rl-common version on both sides"
         )
+    if len(parts) != 4:
+        raise WireError(f"malformed header: {len(parts)} parts, expected 4 (version, message, specs, placements)")
     try:
         message = _message_decoder(tuple(types)).decode(parts[1])
         specs = _specs_decoder.decode(parts[2])
+        placements = _placements_decoder.decode(parts[3])
     except msgspec.DecodeError as e:  # ValidationError is a DecodeError
         raise WireError(f"malformed message: {e}") from e
-    return message, specs
+    if len(placements) != len(specs):
+        raise WireError(f"malformed header: {len(placements)} placements for {len(specs)} specs")
+    return Envelope(message, specs, placements)
 
 
 def encode(message: Message) -> bytes:
-    """Encode a message with no frames (e.g. to write it to a file)."""
+    """Encode a message with no arrays (e.g. to write it to a file)."""
     return encode_header(message)
 
 
 def decode(data: bytes | memoryview, types: Sequence[type[Message]] = MESSAGE_TYPES) -> Message:
-    """Inverse of ``encode``; refuses frames, since a lone buffer cannot carry them."""
-    message, specs = decode_header(data, types)
-    if specs:
-        raise WireError(f"message {type(message).__name__} expects {len(specs)} frames; use the transport")
-    return message
+    """Inverse of ``encode``; refuses arrays, since a lone buffer cannot carry their frames."""
+    envelope = decode_header(data, types)
+    if envelope.specs:
+        raise WireError(
+            f"message {type(envelope.message).__name__} carries {len(envelope.specs)} arrays; use the transport"
+        )
+    return envelope.message
