@@ -66,6 +66,8 @@ class FilesystemBroadcastConfig(BaseConfig):
     type: Literal["filesystem"] = "filesystem"
     keep_last: int = Field(2, ge=1)
     """Older published steps are deleted, keeping this many."""
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """Dtype of the published tensors: must be the dtype inference serves the model in."""
 
 
 class NCCLBroadcastConfig(BaseConfig):
@@ -78,6 +80,10 @@ class NCCLBroadcastConfig(BaseConfig):
     """Rendezvous port of the broadcast group."""
     timeout: float = Field(600.0, gt=0)
     """Seconds to wait for inference to join."""
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """Dtype of the broadcast tensors: must be the dtype inference serves the model in."""
+    inference_addresses: list[str] = []
+    """Control endpoints (tcp://host:port) of the inference servers to push to."""
 
 
 WeightBroadcastConfig = Annotated[FilesystemBroadcastConfig | NCCLBroadcastConfig, Field(discriminator="type")]
