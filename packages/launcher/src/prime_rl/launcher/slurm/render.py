@@ -73,6 +73,7 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "router_command": shlex.quote(str(Path(python).parent / "vllm-router")),
         "router_policy": None,
         "replica_port_stride": 1,
+        "weight_broadcast": None,
         **job.extra,
     }
 
