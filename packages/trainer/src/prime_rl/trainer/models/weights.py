@@ -165,7 +165,10 @@ def save_hf_weights(
     config = load_model_config(config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    hf_sd = {k: _to_full_cpu(v) for k, v in model_state_dict_to_hf(state_dict, config).items()}
+    # Gather before converting: unstacking experts needs the whole (E, ...) tensor, not a DTensor shard.
+    tied = config.tie_word_embeddings
+    full_sd = {k: _to_full_cpu(v) for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
+    hf_sd = {k: _to_full_cpu(v) for k, v in model_state_dict_to_hf(full_sd, config).items()}
     # A previous save with another sharding would leave files that loaders pick up next to ours.
     for stale in [*out_dir.glob("*.safetensors"), out_dir / _WEIGHT_INDEX]:
         stale.unlink(missing_ok=True)
