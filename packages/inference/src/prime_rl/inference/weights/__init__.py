@@ -1,0 +1,1 @@
+"""prime_rl.inference.weights"""
