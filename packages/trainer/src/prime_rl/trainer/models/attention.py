@@ -90,6 +90,16 @@ def build_core_attention(attn: str, sdpa_fallback: bool = False) -> nn.Module:
     raise ValueError(f"attn={attn!r} is not a concrete backend; call resolve_attn first")
 
 
+def prepare_masks(seqs: PackedSeqs, attn: str) -> None:
+    """Build the backend's mask once per forward, outside the blocks, so that compiled or
+    checkpointed blocks only read `seqs.cache` (no mask construction inside a traced region)."""
+    if attn == "sdpa" or (attn == "varlen" and seqs.doc_ids.device.type != "cuda"):
+        if seqs.num_docs > 1:
+            document_causal_mask(seqs)
+    elif attn == "flex":
+        FlexAttention.block_mask(seqs)
+
+
 def _to_bhtd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)  # (T, H, D) -> (1, H, T, D)
 
@@ -130,13 +140,13 @@ class FlexAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs) -> torch.Tensor:
         from torch.nn.attention.flex_attention import flex_attention
 
-        block_mask = self._block_mask(seqs, q.device)
+        block_mask = self.block_mask(seqs)
         fn = _compiled_flex() if q.is_cuda else flex_attention
         out = fn(_to_bhtd(q), _to_bhtd(k), _to_bhtd(v), block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
         return _from_bhtd(out)
 
     @staticmethod
-    def _block_mask(seqs: PackedSeqs, device: torch.device):
+    def block_mask(seqs: PackedSeqs):
         if "flex_block_mask" not in seqs.cache:
             from torch.nn.attention.flex_attention import create_block_mask
 
@@ -146,7 +156,7 @@ class FlexAttention(nn.Module):
                 return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
             n = seqs.num_tokens
-            seqs.cache["flex_block_mask"] = create_block_mask(document_causal, None, None, n, n, device=device)
+            seqs.cache["flex_block_mask"] = create_block_mask(document_causal, None, None, n, n, device=doc.device)
         return seqs.cache["flex_block_mask"]
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prime_rl.trainer.models.attention import build_core_attention
+from prime_rl.trainer.models.attention import build_core_attention, prepare_masks
 from prime_rl.trainer.models.config import ModelConfig
 from prime_rl.trainer.models.moe import MoE
 from prime_rl.trainer.models.packing import PackedSeqs
@@ -126,6 +126,7 @@ class Transformer(nn.Module):
             )
         batch, seq_len = input_ids.shape
         seqs = PackedSeqs.from_position_ids(position_ids)
+        prepare_masks(seqs, self.attn)
         x = self.embed_tokens(input_ids.reshape(-1))  # (T, H)
         cos, sin = self.rotary(seqs.position_ids, x.dtype)
         for layer in self.layers:
