@@ -125,3 +125,32 @@ def test_crashing_component_fails_job_and_leaves_nothing(
     # The trainers (torchrun and its ranks, on both nodes) are gone: every one of them has the run
     # directory on its command line.
     assert leftover_processes(str(out / "crash")) == []
+
+
+def test_inference_job_prints_the_router_url_on_node_zero(slurm_cluster, tmp_path: Path, free_port: int) -> None:
+    # Placement and the printed URL only: the replicas are replaced by a placeholder (vLLM on CPU
+    # takes ~30 s per replica; the rendered replica and router commands are checked in test_render.py).
+    template = tmp_path / "hold.sbatch.j2"
+    template.write_text(
+        '{% extends "inference.sbatch.j2" %}\n'
+        '{% block components %}start_component hold main "$INFER_HEAD" sleep 2{% endblock %}\n'
+    )
+    cfg = tmp_path / "inference.toml"
+    cfg.write_text(
+        f'output_dir = "{tmp_path / "out"}"\nrun_name = "inf"\n[model]\nname = "/models/tiny"\n'
+        f'[deployment]\ntype = "multi_node"\nnum_infer_nodes = 2\ngpus_per_node = 1\n'
+        f'[slurm]\nrouter_port = {free_port}\ntemplate_path = "{template}"\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "prime_rl.launcher.slurm", "inference", "@", str(cfg)],
+        capture_output=True,
+        text=True,
+        env=slurm_cluster.env,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    url = f"http://{slurm_cluster.nodes[0]}:{free_port}/v1"
+    assert f"router: {url}" in proc.stdout
+    assert slurm_cluster.wait(job_id, timeout=60) == ("COMPLETED", "0:0")
+    assert (tmp_path / "out" / "inf" / "launcher" / "router_url").read_text().strip() == url
