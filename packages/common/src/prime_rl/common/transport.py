@@ -245,7 +245,12 @@ class Sender(_Socket):
         arrays: Mapping[str, np.ndarray] | None = None,
         timeout_s: float | None | _Unset = _UNSET,
     ) -> None:
-        """Send ``message`` with ``arrays`` as zero-copy frames; raise ``TimeoutError`` if no peer takes it."""
+        """Send ``message`` with ``arrays``; raise ``TimeoutError`` if no peer takes it in time.
+
+        Large arrays are not copied: ZeroMQ's I/O thread reads them after ``send`` returns, so do not
+        modify them in place afterwards (build fresh arrays per batch). The message is queued, not
+        necessarily delivered, when ``send`` returns.
+        """
         timeout = self.timeout_s if timeout_s is _UNSET else timeout_s
         frames = encode_frames(message, arrays)
         if not self._socket.poll(_ms(timeout), zmq.POLLOUT):
