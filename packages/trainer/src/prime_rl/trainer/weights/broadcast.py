@@ -34,14 +34,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from prime_rl.common.transport import ControlClient
-from prime_rl.common.wire import (
-    AwaitWeightsRequest,
-    BroadcastWeightsRequest,
-    ControlReply,
-    InitBroadcastRequest,
-    TensorSpec,
-)
+# prime_rl.common.{wire,transport} (msgspec, pyzmq) are imported only by WeightBroadcaster: the group,
+# layout and bucket functions are plain torch, so benchmarks run them on machines without those.
 
 STORE_PREFIX = "prime_rl/weight_broadcast"  # must match prime_rl.inference.weights.group
 BUCKET_ALIGNMENT = 256
@@ -107,11 +101,31 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class Spec:
+    """One tensor of an update: HF name, torch dtype name ("bfloat16"), shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * getattr(torch, self.dtype).itemsize
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> Spec:
+        return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
 @dataclass
 class BucketLayout:
-    """Where every tensor sits in the byte buckets; the fields of ``BroadcastWeightsRequest``."""
+    """Where every tensor sits in the byte buckets; the layout fields of ``BroadcastWeightsRequest``."""
 
-    specs: list[TensorSpec]
+    specs: list[Spec]
     buckets: list[int]
     offsets: list[int]
     bucket_sizes: list[int]
@@ -120,7 +134,7 @@ class BucketLayout:
         return [i for i, b in enumerate(self.buckets) if b == bucket]
 
 
-def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> BucketLayout:
+def plan_buckets(specs: Sequence[Spec], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> BucketLayout:
     """Pack tensors in order into buckets of at most ``bucket_bytes`` (a bigger tensor gets its own)."""
     if bucket_bytes < BUCKET_ALIGNMENT:
         raise ValueError(f"bucket_bytes={bucket_bytes} is below the {BUCKET_ALIGNMENT}-byte alignment; use >= 1 MiB")
@@ -129,34 +143,26 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET
     sizes: list[int] = []
     end = 0
     for spec in specs:
-        nbytes = spec_nbytes(spec)
         start = -(-end // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT
-        if not sizes or (start + nbytes > bucket_bytes and end > 0):
+        if not sizes or (start + spec.num_bytes > bucket_bytes and end > 0):
             sizes.append(0)
             start = 0
         buckets.append(len(sizes) - 1)
         offsets.append(start)
-        end = start + nbytes
+        end = start + spec.num_bytes
         sizes[-1] = end
     return BucketLayout(list(specs), buckets, offsets, sizes)
-
-
-def spec_nbytes(spec: TensorSpec) -> int:
-    numel = 1
-    for d in spec.shape:
-        numel *= d
-    return numel * getattr(torch, spec.dtype).itemsize
 
 
 def pack_bucket(
     layout: BucketLayout, bucket: int, tensors: Sequence[torch.Tensor], device: torch.device
 ) -> torch.Tensor:
-    """One flat uint8 bucket holding ``tensors`` (all tensors of the state dict, indexed like ``layout.specs``)."""
+    """One flat uint8 bucket holding its tensors (``tensors`` is indexed like ``layout.specs``)."""
     buffer = torch.empty(layout.bucket_sizes[bucket], dtype=torch.uint8, device=device)
     for i in layout.tensors_of(bucket):
         t = tensors[i]
-        nbytes = spec_nbytes(layout.specs[i])
-        buffer[layout.offsets[i] : layout.offsets[i] + nbytes].view(t.dtype).copy_(t.reshape(-1), non_blocking=True)
+        off = layout.offsets[i]
+        buffer[off : off + layout.specs[i].num_bytes].view(t.dtype).copy_(t.reshape(-1), non_blocking=True)
     return buffer
 
 
@@ -165,9 +171,8 @@ def unpack_bucket(layout: BucketLayout, bucket: int, buffer: torch.Tensor) -> li
     out = []
     for i in layout.tensors_of(bucket):
         spec = layout.specs[i]
-        nbytes = spec_nbytes(spec)
-        view = buffer[layout.offsets[i] : layout.offsets[i] + nbytes].view(getattr(torch, spec.dtype)).view(spec.shape)
-        out.append((spec.name, view))
+        off = layout.offsets[i]
+        out.append((spec.name, buffer[off : off + spec.num_bytes].view(getattr(torch, spec.dtype)).view(spec.shape)))
     return out
 
 
@@ -198,8 +203,8 @@ def receive_buckets(group: WeightGroup, layout: BucketLayout) -> dict[str, torch
 # -- the round trip with inference servers -------------------------------------------------------
 
 
-def _check(reply: object, what: str, address: str) -> ControlReply:
-    if not isinstance(reply, ControlReply) or not reply.ok:
+def _check(reply: object, what: str, address: str) -> object:
+    if getattr(reply, "ok", False) is not True:
         error = getattr(reply, "error", None) or repr(reply)
         raise WeightBroadcastError(f"{what} refused by inference server {address}: {error}")
     return reply
@@ -232,10 +237,12 @@ class WeightBroadcaster:
         self.host, self.port, self.backend = host, port, backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
+        from prime_rl.common.transport import ControlClient
+
         self.clients = [ControlClient(a, timeout_s=timeout_s) for a in self.addresses]
         self.group: WeightGroup | None = None
 
-    def _on_every_server(self, make_request, what: str) -> list[ControlReply]:
+    def _on_every_server(self, make_request, what: str) -> list[object]:
         """Send one request per server concurrently (each blocks until that server answers)."""
         replies: list[object] = [None] * len(self.clients)
 
@@ -250,13 +257,15 @@ class WeightBroadcaster:
             t.start()
         return self._join(threads, replies, what)
 
-    def _join(self, threads: list[threading.Thread], replies: list[object], what: str) -> list[ControlReply]:
+    def _join(self, threads: list[threading.Thread], replies: list[object], what: str) -> list[object]:
         for t in threads:
             t.join()
         return [_check(r, what, a) for r, a in zip(replies, self.addresses)]
 
     def connect(self) -> None:
         """Build the group: every server joins (in threads) while this process hosts the rendezvous."""
+        from prime_rl.common.wire import InitBroadcastRequest
+
         world_size = 1 + sum(self.workers)
         offsets = [1 + sum(self.workers[:i]) for i in range(len(self.workers))]
         replies: list[object] = [None] * len(self.clients)
@@ -278,17 +287,19 @@ class WeightBroadcaster:
 
     def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketLayout:
         """Send one full update; returns when every server serves ``version``. Raises if any refuses."""
+        from prime_rl.common.wire import AwaitWeightsRequest, BroadcastWeightsRequest, TensorSpec
+
         if self.group is None:
             raise WeightBroadcastError("call connect() before push()")
-        names, tensors = [], []
+        specs, tensors = [], []
         for name, t in named_tensors:
-            names.append(name)
-            tensors.append(t.detach().contiguous())
-        specs = [TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in zip(names, tensors)]
+            t = t.detach().contiguous()
+            specs.append(Spec.of(name, t))
+            tensors.append(t)
         layout = plan_buckets(specs, self.bucket_bytes)
         request = BroadcastWeightsRequest(
             version=version,
-            specs=layout.specs,
+            specs=[TensorSpec(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in layout.specs],
             buckets=layout.buckets,
             offsets=layout.offsets,
             bucket_sizes=layout.bucket_sizes,
