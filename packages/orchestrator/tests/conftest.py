@@ -10,6 +10,7 @@ to make an environment raise). Token logprobs are -0.01 * (position + 1).
 from __future__ import annotations
 
 import json
+import random
 import socket
 import threading
 import time
@@ -114,13 +115,13 @@ def closed_port() -> int:
 
 
 def free_port_range(n: int) -> int:
-    """A base port with n consecutive free ports (best effort)."""
-    for _ in range(50):
-        base = closed_port()
-        if base + n > 65535:
-            continue
+    """A base port with n consecutive free ports, below Linux's ephemeral range (32768+) so that a
+    ZeroMQ peer retrying a connect can never be handed the same port as its own source port."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - n)
+        sockets = []
         try:
-            sockets = []
             for p in range(base, base + n):
                 s = socket.socket()
                 sockets.append(s)

@@ -181,7 +181,9 @@ class Orchestrator:
         metrics = batch_metrics(groups)
         metrics.update(self.off_policy.pop_metrics())
         counters = self.scheduler.pop_counters()
-        for key in ("env/failed", "env/prompt_failed", "rollouts/aborted"):
+        # env/failed counts this batch's rollouts whose scoring raised (they train with reward 0).
+        metrics["env/failed"] = float(sum(g.num_failed for g in groups))
+        for key in ("env/prompt_failed", "rollouts/aborted"):
             metrics[key] = float(counters.get(key, 0))
         metrics.update(packing.metrics(cfg.seq_len))
         rank_tokens = [sum(mb.num_tokens for mb in mbs) for mbs in per_rank]

@@ -61,7 +61,7 @@ class RolloutScheduler:
         self.tasks_drawn = tasks_drawn
         self.std_normalize, self.eps = std_normalize, eps
         self.queue: asyncio.Queue[Group | BaseException] = asyncio.Queue()
-        self.counters: Counter[str] = Counter()  # env/failed, env/prompt_failed, rollouts/aborted ...
+        self.counters: Counter[str] = Counter()  # env/prompt_failed, rollouts/aborted
         self._tickets = 0
         self._workers: list[asyncio.Task] = []
 
@@ -119,7 +119,6 @@ class RolloutScheduler:
         scores = await asyncio.to_thread(lambda: [score_safely(self.env, task, c.text) for c in result.completions])
         rewards = [s.reward for s in scores]
         num_failed = sum(s.failed for s in scores)
-        self.counters["env/failed"] += num_failed
         advantages = compute_advantages(np.asarray([rewards]), self.std_normalize, self.eps)[0]
         return Group(
             task=task,

@@ -1,0 +1,208 @@
+"""The real orchestrator loop end to end: a local OpenAI-compatible HTTP server for inference, ZeroMQ
+receivers standing in for trainer ranks (publishing broadcasts/step_<n+1> after each batch like the
+trainer does), and a recording fake for the inference control plane."""
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from prime_rl.common.config.orchestrator import OrchestratorConfig
+from prime_rl.common.monitor import FileMonitor, read_metrics
+from prime_rl.common.rundir import RunDir
+from prime_rl.common.transport import Receiver
+from prime_rl.common.wire import TrainingBatch, micro_batch_arrays
+from prime_rl.orchestrator.batch import BatchSender
+from prime_rl.orchestrator.client import InferenceClient
+from prime_rl.orchestrator.envs.reverse_text import ReverseTextEnv
+from prime_rl.orchestrator.orchestrator import Orchestrator
+from prime_rl.orchestrator.state import load_state
+from prime_rl.orchestrator.weights import BROADCAST_MARKER
+
+
+class BoomEnv(ReverseTextEnv):
+    """reverse_text whose grader crashes on the completion "BOOM"."""
+
+    def score(self, task, completion_text):
+        if completion_text == "BOOM":
+            raise ValueError("grader crashed on BOOM")
+        return super().score(task, completion_text)
+
+
+class RecordingControl:
+    def __init__(self):
+        self.calls = []
+
+    async def pause(self, mode):
+        self.calls.append(("pause", mode))
+
+    async def load_weights(self, path, version):
+        self.calls.append(("load", Path(path).name, version))
+
+    async def resume(self):
+        self.calls.append(("resume",))
+
+    def close(self):
+        pass
+
+
+class FakeTrainer:
+    """One thread per rank pulls TrainingBatches; after each step rank 0 publishes the next weights."""
+
+    def __init__(self, run_dir: RunDir, port: int, num_ranks: int, num_steps: int, publish_delay: float = 0.0):
+        self.run_dir, self.publish_delay = run_dir, publish_delay
+        self.received: list[list[tuple[TrainingBatch, dict]]] = [[] for _ in range(num_ranks)]
+        self.errors: list[BaseException] = []
+        self.threads = [
+            threading.Thread(target=self._run, args=(rank, port, num_steps), daemon=True) for rank in range(num_ranks)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, rank: int, port: int, num_steps: int) -> None:
+        try:
+            with Receiver(f"tcp://127.0.0.1:{port + rank}", bind=False, timeout_s=30) as receiver:
+                for _ in range(num_steps):
+                    message, arrays = receiver.recv()
+                    self.received[rank].append((message, {k: np.array(v) for k, v in arrays.items()}))
+                    if rank == 0:
+                        time.sleep(self.publish_delay)
+                        d = self.run_dir.broadcast_dir(message.step + 1)
+                        d.mkdir(parents=True)
+                        (d / BROADCAST_MARKER).touch()
+        except BaseException as e:
+            self.errors.append(e)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(timeout=30)
+        assert not self.errors, self.errors
+
+
+def make_config(tmp_path: Path, base_url: str, port: int, **overrides) -> OrchestratorConfig:
+    fields = dict(
+        output_dir=tmp_path,
+        run_name="run",
+        model={"name": "tiny", "client": {"base_url": base_url, "max_retries": 1, "retry_backoff": 0.01}},
+        env={"type": "reverse_text", "min_len": 3, "max_len": 6},
+        batch_size=8,
+        group_size=4,
+        seq_len=256,
+        max_tokens=16,
+        max_steps=3,
+        num_train_ranks=2,
+        trainer={"port": port, "send_timeout": 30},
+        ckpt={"interval": 1},
+        weights_poll_interval=0.01,
+        weights_timeout=30,
+    )
+    fields.update(overrides)
+    return OrchestratorConfig.model_validate(fields)
+
+
+def run_orchestrator(config: OrchestratorConfig, env, control) -> Orchestrator:
+    async def go() -> Orchestrator:
+        client = InferenceClient(config.model.client.base_url, config.model.name, max_retries=1, retry_backoff=0.01)
+        sender = BatchSender("127.0.0.1", config.trainer.port, config.num_train_ranks, timeout=30)
+        monitor = FileMonitor(RunDir(config.output_dir, config.run_name))
+        orchestrator = Orchestrator(config, env, client, control, sender.send, monitor)
+        try:
+            await asyncio.wait_for(orchestrator.run(), timeout=60)
+        finally:
+            await client.aclose()
+            sender.close()
+            monitor.close()
+        return orchestrator
+
+    return asyncio.run(go())
+
+
+def test_rollouts_to_trainer_batches_end_to_end(tmp_path, make_server, ports):
+    server = make_server(boom_last=True)
+    port = ports.free_range(2)
+    config = make_config(tmp_path, server.base_url, port)
+    run_dir = RunDir(tmp_path, "run")
+    trainer = FakeTrainer(run_dir, port, num_ranks=2, num_steps=3)
+    control = RecordingControl()
+    orchestrator = run_orchestrator(config, BoomEnv(min_len=3, max_len=6), control)
+    trainer.join()
+
+    # every rank got one TrainingBatch per step, with equally many micro-batches
+    for step in range(3):
+        batches = [trainer.received[rank][step] for rank in range(2)]
+        assert [b.step for b, _ in batches] == [step, step]
+        assert len(batches[0][0].micro_batches) == len(batches[1][0].micro_batches) >= 1
+        loss_tokens = 0
+        for batch, arrays in batches:
+            assert batch.policy_version <= step
+            for mb in batch.micro_batches:
+                a = micro_batch_arrays(mb, arrays)
+                assert a["input_ids"].shape == (256,) and mb.temperature == config.temperature
+                assert a["position_ids"][0] == 0
+                assert not a["advantages"][~a["loss_mask"]].any()
+                assert (a["inference_logprobs"][a["loss_mask"]] < 0).all()
+                loss_tokens += int(a["loss_mask"].sum())
+        assert loss_tokens > 0
+
+    # the trainer's published weights were loaded: pause -> load -> resume, newest version each time
+    # (with max_off_policy_steps=1 the poller may see step_1 and step_2 at once and load only step_2)
+    loads = [c for c in control.calls if c[0] == "load"]
+    assert loads and [v for _, _, v in loads] == sorted({v for _, _, v in loads}) and loads[-1][2] >= 1
+    for i, call in enumerate(control.calls):
+        if call[0] == "load":
+            assert control.calls[i - 1] == ("pause", "keep") and control.calls[i + 1] == ("resume",)
+            assert call[1] == f"step_{call[2]}"
+
+    metrics = read_metrics(run_dir.metrics_path)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics:
+        # one BOOM completion per group, two groups per step: counted, scored 0, the run went on
+        assert m["env/failed"] == 2
+        assert 0.0 < m["reward/mean"] < 1.0 and m["reward/std"] > 0
+        assert (
+            m["off_policy/dropped"] == 0
+            and m["packing/dropped_too_long"] == 0
+            and m["seq_len/mean"] > 0
+            and m["perf/rollout_throughput"] > 0
+        )
+    # requests were tagged: after step 1 was published, batch 2 used version >= 1
+    assert metrics[2]["policy/batch_version"] >= 1
+    assert all(body["return_token_ids"] for body in server.requests)
+
+    # orchestrator state checkpointed each step, and a resumed orchestrator continues from it
+    saved = load_state(run_dir.orchestrator_checkpoint_dir(3))
+    assert saved.step == 3 and saved.tasks_drawn >= 6
+    resumed_config = make_config(tmp_path, server.base_url, port, ckpt={"interval": 1, "resume_step": "latest"})
+    resumed = Orchestrator(resumed_config, BoomEnv(), None, RecordingControl(), lambda batches: None)
+    assert resumed.step == 3 and resumed.scheduler.start_step == 3
+    assert resumed.scheduler.tasks_drawn == saved.tasks_drawn
+    assert resumed.scheduler.rng.bit_generator.state == saved.rng_state
+    assert orchestrator.step == 3
+
+
+def test_stale_rollouts_are_dropped_and_counted(tmp_path, make_server, ports):
+    # Request 0 (sampled with version 0) takes 1 s; meanwhile the trainer publishes a version every
+    # 0.3 s, so by the time it arrives its step is > max_off_policy_steps = 1 ahead: it must be dropped.
+    server = make_server(slow_requests={0: 1.0})
+    port = ports.free_range(1)
+    config = make_config(tmp_path, server.base_url, port, num_train_ranks=1, max_steps=6, max_off_policy_steps=1)
+    trainer = FakeTrainer(RunDir(tmp_path, "run"), port, num_ranks=1, num_steps=6, publish_delay=0.3)
+    run_orchestrator(config, ReverseTextEnv(min_len=3, max_len=6), RecordingControl())
+    trainer.join()
+    metrics = read_metrics(RunDir(tmp_path, "run").metrics_path)
+    assert len(metrics) == 6
+    assert sum(m["off_policy/dropped"] for m in metrics) == 1
+    assert all(m["off_policy/staleness_max"] <= 1 for m in metrics)
+
+
+def test_unreachable_inference_stops_the_run_with_a_clear_error(tmp_path, ports):
+    url = f"http://127.0.0.1:{ports.closed()}/v1"
+    config = make_config(tmp_path, url, ports.free_range(1), num_train_ranks=1)
+    try:
+        run_orchestrator(config, ReverseTextEnv(), RecordingControl())
+    except Exception as e:
+        assert url in str(e) and "unreachable" in str(e)
+    else:
+        raise AssertionError("the run should have failed")
