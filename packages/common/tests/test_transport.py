@@ -258,3 +258,46 @@ def test_control_client_times_out_then_recovers():
     finally:
         client.close()
         server.close()
+
+
+def test_async_control_client(control):
+    import asyncio
+
+    from prime_rl.common.transport import AsyncControlClient
+
+    server, _, calls = control
+
+    async def main():
+        client = AsyncControlClient(server.endpoint, timeout_s=5.0)
+        try:
+            replies = await asyncio.gather(
+                *(client.request(wire.LoadWeightsRequest(path="/w", version=v)) for v in range(4))
+            )
+        finally:
+            client.close()
+        return replies
+
+    replies = asyncio.run(main())
+    assert sorted(r.weight_version for r in replies) == [0, 1, 2, 3]
+    assert len(calls) == 4
+
+
+def test_async_control_client_timeout():
+    import asyncio
+
+    from prime_rl.common.transport import AsyncControlClient
+
+    server = ControlServer(LOOPBACK)
+
+    async def main():
+        client = AsyncControlClient(server.endpoint, timeout_s=0.2)
+        try:
+            with pytest.raises(TimeoutError, match=rf"{server.endpoint} within 0.2s"):
+                await client.request(wire.HealthRequest())
+        finally:
+            client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.close()

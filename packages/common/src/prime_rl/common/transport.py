@@ -5,7 +5,8 @@ A message on the wire is the multipart ``[envelope, array_0, array_1, ...]`` whe
 
 - ``Sender`` / ``Receiver``: PUSH / PULL for batches (orchestrator -> trainer rank). Either side may
   bind; by default the receiver binds (a trainer rank owns its endpoint) and the sender connects.
-- ``ControlClient`` / ``ControlServer``: REQ / REP for control requests (pause, load weights, ...).
+- ``ControlClient`` / ``ControlServer``: REQ / REP for control requests (pause, load weights, ...);
+  ``AsyncControlClient`` is the same client for asyncio code.
 
 Design decisions:
 - Zero copy both ways: arrays are handed to ZeroMQ with ``copy=False`` (do not mutate an array until
@@ -19,12 +20,13 @@ Design decisions:
 - ``ControlClient`` follows ZeroMQ's "lazy pirate" pattern: after a timeout the REQ socket is
   stuck mid-exchange, so it is closed and reopened.
 
-Left out: encryption/auth (the processes of one run trust each other on a private network),
-asyncio sockets (run ``ControlServer.serve_forever`` in a thread next to an event loop).
+Left out: encryption/auth (the processes of one run trust each other on a private network), an
+asyncio server and receiver (run ``ControlServer.serve_forever`` / ``Receiver.recv`` in a thread).
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import functools
 import logging
@@ -36,6 +38,7 @@ from typing import NamedTuple
 
 import numpy as np
 import zmq
+import zmq.asyncio
 
 from prime_rl.common.wire import (
     MESSAGE_TYPES,
@@ -395,3 +398,58 @@ class ControlClient(_Socket):
     def _reopen(self) -> None:
         self._socket.close(linger=0)
         self._socket = self._open()
+
+
+class AsyncControlClient:
+    """asyncio REQ side for event-loop code (the orchestrator): ``await request(message) -> reply``.
+
+    Concurrent callers are serialized (a REQ socket holds one request at a time); after a timeout
+    the socket is reopened, as in ``ControlClient``.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float | None = 60.0,
+        types: Sequence[type[Message]] = MESSAGE_TYPES,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.types = tuple(types)
+        self._context = context or zmq.asyncio.Context.instance()
+        self._lock = asyncio.Lock()
+        self._socket = self._open()
+
+    def _open(self) -> zmq.asyncio.Socket:
+        socket = self._context.socket(zmq.REQ)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self.endpoint)
+        return socket
+
+    async def request(
+        self,
+        message: Message,
+        arrays: Mapping[str, np.ndarray] | None = None,
+        timeout_s: float | None | _Unset = _UNSET,
+    ) -> Message:
+        """Send a request and await its reply; ``TimeoutError`` if none arrives within the timeout."""
+        timeout = self.timeout_s if timeout_s is _UNSET else timeout_s
+        frames = encode_frames(message, arrays)
+        async with self._lock:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._socket.send_multipart(frames, copy=False)
+                    reply = await self._socket.recv_multipart(copy=False)
+            except TimeoutError:
+                self._socket.close(linger=0)
+                self._socket = self._open()
+                raise TimeoutError(
+                    f"no reply to {type(message).__name__} from {self.endpoint} within {timeout}s; "
+                    "is the server running there?"
+                ) from None
+        return decode_frames(reply, self.types).message
+
+    def close(self) -> None:
+        self._socket.close()
