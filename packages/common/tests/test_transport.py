@@ -62,7 +62,7 @@ def test_batch_arrives_intact_as_views_over_the_frames(pair):
         # no copy: the array's memory is the received ZeroMQ frame
         owner = _frame_owner(got.arrays[name])
         assert isinstance(owner, memoryview) and isinstance(owner.obj, zmq.Frame)
-        assert not got.arrays[name].flags.writeable
+        assert got.arrays[name].flags.writeable  # the receiver owns the frame; torch.from_numpy needs this
     fields = wire.micro_batch_arrays(got.message.micro_batches[1], got.arrays)
     np.testing.assert_array_equal(fields["inference_logprobs"], arrays["mb1/inference_logprobs"])
 
@@ -301,3 +301,20 @@ def test_async_control_client_timeout():
         asyncio.run(main())
     finally:
         server.close()
+
+
+def test_sender_reuses_shared_frame_buffers_only_after_release(pair):
+    sender, receiver = pair
+    received = []
+    for round_ in range(4):
+        arrays = {f"a{i}": np.full(40_000, round_ * 10 + i, dtype=np.int32) for i in range(8)}  # 160 KB each
+        # 10 x 64,000 B: each below ZERO_COPY_MIN_BYTES, together a 640 KB shared frame that
+        # ZeroMQ sends without a copy, so the pool must wait for its release
+        arrays.update({f"s{i}": np.full(16_000, round_, dtype=np.float32) for i in range(10)})
+        sender.send(wire.HealthRequest(), arrays)
+        received.append(receiver.recv())
+        time.sleep(0.05)  # let ZeroMQ release the sent buffers
+    for round_, got in enumerate(received):  # earlier messages are intact after buffer reuse
+        assert all((got.arrays[f"s{i}"] == round_).all() for i in range(10))
+        assert all((got.arrays[f"a{i}"] == round_ * 10 + i).all() for i in range(8))
+    assert sender._pool.num_allocated == 1  # one shared frame per message, reused every round

@@ -63,7 +63,7 @@ _UNSET = _Unset.UNSET  # "use the instance's timeout_s" (None already means "wai
 
 
 class Received(NamedTuple):
-    """A received message and its arrays (read-only views over the received frames)."""
+    """A received message and its arrays (views over the received frames, no copy)."""
 
     message: Message
     arrays: dict[str, np.ndarray]
@@ -90,12 +90,57 @@ def _checked(name: str, array: np.ndarray) -> np.ndarray:
     return array
 
 
-def encode_frames(message: Message, arrays: Mapping[str, np.ndarray] | None = None) -> list[bytes | memoryview]:
+class BufferPool:
+    """Reusable shared-frame buffers: fresh pages cost a page fault each, which dominated the copy.
+
+    A buffer returns to the pool only once ZeroMQ has released it (its send was tracked).
+    """
+
+    def __init__(self, max_free: int = 64) -> None:
+        self.max_free = max_free
+        self._free: list[np.ndarray] = []
+        self._in_flight: list[tuple[list[np.ndarray], zmq.MessageTracker]] = []
+        self.num_allocated = 0
+        """Pooled buffers allocated so far (stays flat in steady state)."""
+
+    def get(self, size: int) -> np.ndarray:
+        """A uint8 buffer of exactly ``size`` bytes (a view of a pooled ``SHARED_FRAME_MAX_BYTES`` one)."""
+        if size > SHARED_FRAME_MAX_BYTES:
+            return np.empty(size, dtype=np.uint8)
+        self._reap()
+        if self._free:
+            base = self._free.pop()
+        else:
+            base = np.empty(SHARED_FRAME_MAX_BYTES, dtype=np.uint8)
+            self.num_allocated += 1
+        return base[:size]
+
+    def track(self, buffers: list[np.ndarray], tracker: zmq.MessageTracker) -> None:
+        """Return ``buffers`` to the pool once ``tracker`` says ZeroMQ is done with them."""
+        self._in_flight.append(([b.base if b.base is not None else b for b in buffers], tracker))
+
+    def _reap(self) -> None:
+        still = []
+        for buffers, tracker in self._in_flight:
+            if tracker.done:
+                room = self.max_free - len(self._free)
+                self._free.extend(b for b in buffers[:room] if b.nbytes == SHARED_FRAME_MAX_BYTES)
+            else:
+                still.append((buffers, tracker))
+        self._in_flight = still
+
+
+def encode_frames(
+    message: Message,
+    arrays: Mapping[str, np.ndarray] | None = None,
+    allocate: Callable[[int], np.ndarray] | None = None,
+) -> list[bytes | memoryview]:
     """Multipart frames for ``message`` and its named arrays.
 
     Arrays of at least ``ZERO_COPY_MIN_BYTES`` become frames of their own without a copy. Smaller
     ones are copied into shared frames: thousands of tiny frames cost far more per byte than one
     memcpy (measured: 9,640 frames of 8-32 KiB ran at a quarter of the coalesced throughput).
+    ``allocate(size)`` provides the shared frames' uint8 buffers (default: fresh ``np.empty``).
     """
     specs: list[TensorSpec] = []
     placements: list[tuple[int, int]] = []
@@ -104,7 +149,7 @@ def encode_frames(message: Message, arrays: Mapping[str, np.ndarray] | None = No
     shared_index, shared_size = -1, 0
 
     def close_shared() -> None:
-        buffer = np.empty(shared_size, dtype=np.uint8)
+        buffer = allocate(shared_size) if allocate else np.empty(shared_size, dtype=np.uint8)
         for offset, small in shared:
             buffer[offset : offset + small.nbytes] = small.reshape(-1).view(np.uint8)
         frames[shared_index] = memoryview(buffer)
@@ -146,7 +191,7 @@ def _view(spec: TensorSpec, buffer: memoryview, offset: int) -> np.ndarray:
     if dtype is None:
         raise WireError(f"array {spec.name!r}: dtype {spec.dtype!r} cannot be rebuilt from raw bytes")
     shape = spec.shape
-    if any(d < 0 for d in shape):
+    if shape and min(shape) < 0:
         raise WireError(f"array {spec.name!r}: negative dimension in shape {shape}")
     count = math.prod(shape)
     if offset < 0 or offset % dtype.itemsize or offset + count * dtype.itemsize > buffer.nbytes:
@@ -159,7 +204,8 @@ def _view(spec: TensorSpec, buffer: memoryview, offset: int) -> np.ndarray:
         array = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
         if len(shape) != 1:
             array = array.reshape(shape)
-    array.flags.writeable = False  # a view over ZeroMQ's buffer: copy (np.array) before mutating
+    # Writable when the frame is (a received zmq.Frame is ours alone): torch.from_numpy warns on
+    # read-only arrays, and the trainer may normalize in place.
     return array
 
 
@@ -237,6 +283,7 @@ class Sender(_Socket):
         linger_s: float = 5.0,
     ) -> None:
         self.timeout_s = timeout_s
+        self._pool = BufferPool()
         super().__init__(zmq.PUSH, endpoint, bind, context, linger_s)
 
     def _configure(self, socket: zmq.Socket) -> None:
@@ -255,14 +302,30 @@ class Sender(_Socket):
         necessarily delivered, when ``send`` returns.
         """
         timeout = self.timeout_s if timeout_s is _UNSET else timeout_s
-        frames = encode_frames(message, arrays)
+        pooled: list[np.ndarray] = []
+
+        def allocate(size: int) -> np.ndarray:
+            pooled.append(self._pool.get(size))
+            return pooled[-1]
+
+        frames = encode_frames(message, arrays, allocate)
         if not self._socket.poll(_ms(timeout), zmq.POLLOUT):
             raise TimeoutError(
                 f"send of {type(message).__name__} to {self.endpoint} timed out after {timeout}s: "
                 "no receiver is connected or its queue is full; start the receiver or raise timeout_s"
             )
-        # ZeroMQ takes a multipart message atomically once the first frame is accepted.
-        self._socket.send_multipart(frames, copy=False)
+        if not pooled:
+            self._socket.send_multipart(frames, copy=False)
+            return
+        # ZeroMQ takes a multipart message atomically once the first frame is accepted; frames are
+        # sent one by one only to get a tracker per pooled buffer (pyzmq returns the last one only).
+        pooled_ids = {id(b) for b in pooled}
+        for i, frame in enumerate(frames):
+            more = zmq.SNDMORE if i < len(frames) - 1 else 0
+            is_pooled = isinstance(frame, memoryview) and id(frame.obj) in pooled_ids
+            tracker = self._socket.send(frame, more, copy=False, track=is_pooled)
+            if is_pooled:
+                self._pool.track([frame.obj], tracker)
 
 
 class Receiver(_Socket):
