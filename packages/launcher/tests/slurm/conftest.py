@@ -87,3 +87,9 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
 @pytest.fixture
 def free_port() -> int:
     return free_port_range(1)
+
+
+@pytest.fixture
+def free_ports():
+    """``free_ports(n)``: the first of n consecutive free ports."""
+    return free_port_range

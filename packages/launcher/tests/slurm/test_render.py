@@ -30,6 +30,9 @@ if any(name.startswith(p) for p in os.environ.get("FAKE_FAIL", "").split(",") if
     sys.exit(3)
 if any(name.startswith(p) for p in os.environ.get("FAKE_HANG", "").split(",") if p):
     time.sleep(60)
+if name == os.environ.get("FAKE_SERVE"):  # answer HTTP on the step's --port until stopped
+    port = sys.argv[sys.argv.index("--port") + 1]
+    os.execvp(sys.executable, [sys.executable, "-m", "http.server", port, "--bind", "127.0.0.1"])
 """
 FAKE_SCONTROL = """#!/bin/sh
 [ "$1 $2" = "show hostnames" ] && printf '%s\\n' $FAKE_NODES
@@ -38,12 +41,13 @@ FAKE_SCONTROL = """#!/bin/sh
 
 def write_config(tmp_path: Path, kind: str = "sft", extra: str = "", deployment: str = "") -> Path:
     body = {
-        "sft": '[model]\nname = "/models/tiny"\n[data]\ntype = "fake"\nseq_len = 64\n',
-        "inference": '[model]\nname = "/models/tiny"\n',
+        "sft": 'run_name = "r"\n[model]\nname = "/models/tiny"\n[data]\ntype = "fake"\nseq_len = 64\n',
+        "inference": 'run_name = "r"\n[model]\nname = "/models/tiny"\n',
+        "rl": '[run]\nname = "r"\n[model]\nname = "/models/tiny"\n[orchestrator]\nmax_tokens = 8\n',
     }[kind]
     path = tmp_path / f"{kind}.toml"
     path.write_text(
-        f'output_dir = "{tmp_path / "out"}"\nrun_name = "r"\n{body}'
+        f'output_dir = "{tmp_path / "out"}"\n{body}'
         f'[deployment]\ntype = "multi_node"\n{deployment}\n[slurm]\njob_name = "t"\n{extra}'
     )
     return path
@@ -250,3 +254,50 @@ def test_submit_without_sbatch_says_so(tmp_path: Path, capsys, monkeypatch: pyte
     assert main(["sft", "@", str(cfg)]) == 1
     assert "'sbatch' is not on PATH" in capsys.readouterr().err
     assert (tmp_path / "out" / "r" / "launcher" / "sft.sbatch").is_file()
+
+
+@pytest.mark.parametrize("broadcast", ["filesystem", "nccl"])
+def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path, broadcast: str) -> None:
+    from prime_rl.common.config.orchestrator import OrchestratorConfig
+    from prime_rl.common.config.rl_trainer import RLTrainerConfig
+
+    router_port = free_port()
+    cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 1\nnum_train_nodes = 2\ngpus_per_node = 2")
+    launcher = tmp_path / "out" / "r" / "launcher"
+    flags = ["--slurm.router-port", str(router_port), "--slurm.replica-port", "9100", "--slurm.rdzv-port", "29777"]
+    assert main(["rl", "@", str(cfg), *flags, "--weight-broadcast.type", broadcast, "--dry-run"]) == 0
+    configs = tmp_path / "out" / "r" / "configs"
+    assert load_config(RLTrainerConfig, ["@", str(configs / "trainer.toml")]).weight_broadcast.type == broadcast
+    load_config(OrchestratorConfig, ["@", str(configs / "orchestrator.toml")])
+    # "localhost" is the inference node, so the stand-in router can really answer the readiness check.
+    proc, calls = run_script(
+        launcher / "rl.sbatch", tmp_path, ["localhost", "t1", "t2"], FAKE_SERVE="router", FAKE_HANG="inference"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = [c["name"] for c in calls]
+    assert names.index("router") < names.index("orchestrator")  # started only once the router answered
+    by_name = {c["name"]: c["argv"] for c in calls}
+    assert sorted(by_name) == ["inference-node0", "orchestrator", "router", "trainer-node0", "trainer-node1"]
+    assert "--nodelist=localhost" in by_name["inference-node0"] and "--nodelist=localhost" in by_name["router"]
+    assert arg_after(by_name["router"], "--worker-urls") == "http://localhost:9100"
+    orch = by_name["orchestrator"]
+    assert "--nodelist=t1" in orch
+    assert arg_after(orch, "--model.client.base-url") == f"http://localhost:{router_port}/v1"
+    assert arg_after(orch, "--inference.addresses") == "tcp://localhost:9200"
+    assert arg_after(orch, "--num-train-ranks") == "4"
+    for rank, node in enumerate(["t1", "t2"]):
+        argv = by_name[f"trainer-node{rank}"]
+        assert f"--nodelist={node}" in argv and arg_after(argv, "--node-rank") == str(rank)
+        assert arg_after(argv, "--rdzv-endpoint") == "t1:29777" and arg_after(argv, "--data.host") == "t1"
+        assert ("--weight-broadcast.host" in argv) == (broadcast == "nccl")
+        if broadcast == "nccl":
+            assert arg_after(argv, "--weight-broadcast.inference-addresses") == "tcp://localhost:9200"
+    assert not any(pid_alive(c["pid"]) for c in calls)  # the router was stopped when the mains finished
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

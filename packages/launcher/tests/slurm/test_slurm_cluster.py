@@ -154,3 +154,76 @@ def test_inference_job_prints_the_router_url_on_node_zero(slurm_cluster, tmp_pat
     assert f"router: {url}" in proc.stdout
     assert slurm_cluster.wait(job_id, timeout=60) == ("COMPLETED", "0:0")
     assert (tmp_path / "out" / "inf" / "launcher" / "router_url").read_text().strip() == url
+
+
+def test_rl_one_inference_node_one_trainer_node_completes(
+    slurm_cluster, tiny_model: Path, tmp_path: Path, free_ports
+) -> None:
+    base = free_ports(700)  # router, replica (+100 control), rendezvous, batch socket
+    out = tmp_path / "out"
+    cfg = tmp_path / "rl.toml"
+    cfg.write_text(
+        f"""
+output_dir = "{out}"
+max_steps = 2
+seq_len = 256
+
+[run]
+name = "rl"
+
+[model]
+name = "{tiny_model}"
+
+[deployment]
+type = "multi_node"
+num_train_nodes = 1
+num_infer_nodes = 1
+gpus_per_node = 1
+
+[slurm]
+router_port = {base}
+replica_port = {base + 500}
+rdzv_port = {base + 2}
+
+[orchestrator]
+batch_size = 16
+group_size = 4
+max_tokens = 8
+
+[orchestrator.trainer]
+port = {base + 3}
+
+[inference.vllm]
+enforce_eager = true
+max_model_len = 256
+dtype = "float32"
+
+[inference.env_vars]
+VLLM_CPU_KVCACHE_SPACE = "1"
+VLLM_HOST_IP = "127.0.0.1"
+"""
+    )
+    # Through the `rl` entrypoint, as a user would: it hands the resolved config to the SLURM module.
+    proc = subprocess.run(
+        [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(cfg)],
+        capture_output=True,
+        text=True,
+        env=slurm_cluster.env,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    assert f"router: http://{slurm_cluster.nodes[0]}:{base}/v1" in proc.stdout
+    state, code = slurm_cluster.wait(job_id, timeout=240)
+    logs = out / "rl" / "launcher" / "logs"
+    job_log = (logs / f"job_{job_id}.log").read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), job_log
+    inference_node, trainer_node = slurm_cluster.nodes
+    assert f"nodes: inference={inference_node} trainer={trainer_node}" in job_log
+    assert f"start: orchestrator on {trainer_node}" in job_log
+    # Both steps trained on rollouts served through the router, with new weights sent to inference.
+    rows = [json.loads(line) for line in (out / "rl" / "monitors" / "file" / "metrics.jsonl").read_text().splitlines()]
+    trainer_steps = [r["step"] for r in rows if "loss/mean" in r]
+    assert trainer_steps == [1, 2]
+    assert all(r["mismatch_kl"] < 1e-3 for r in rows if "mismatch_kl" in r)
+    assert leftover_processes(str(out / "rl")) == []

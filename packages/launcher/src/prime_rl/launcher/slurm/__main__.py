@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         sys.stderr.write(f"{kind}: error: {e}\n")
         return 2
+    dry_run = dry_run or bool(getattr(job.config, "dry_run", False))
     print(f"wrote {written.script}")
     for path in [written.submitted_config, *written.process_configs.values()]:
         print(f"wrote {path}")

@@ -87,9 +87,8 @@ def job_class(cls: type[BaseModel]) -> type[BaseModel]:
         "deployment": (MultiNodeDeployment, MultiNodeDeployment()),
         "slurm": (SlurmConfig, ...),
     }
-    if "output_dir" not in cls.model_fields:
+    if not hasattr(cls, "run_dir"):  # inference alone has no run directory; the job needs one
         fields["output_dir"] = (Path, Path("outputs"))
-    if "run_name" not in cls.model_fields:
         fields["run_name"] = (str, cls.__name__.removesuffix("Config").lower())
     return pydantic.create_model(f"Slurm{cls.__name__}", __base__=cls, __doc__=cls.__doc__, **fields)
 
@@ -113,9 +112,8 @@ def process_config(cls: type[BaseModel], job_config: BaseModel) -> BaseModel:
 
 
 def _run_dir(config: BaseModel) -> RunDir:
-    run_name = getattr(config, "run_name", None)
-    if run_name is None and hasattr(config, "run"):  # rl: [run] name = ...
-        run_name = getattr(config.run, "name", None)
+    run = getattr(config, "run", None)  # rl: [run] name = ...
+    run_name = run.name if run is not None else config.run_name
     try:
         return RunDir(config.output_dir, run_name)
     except ValueError as e:
@@ -133,6 +131,9 @@ def load_job(kind: str, argv: list[str]) -> SlurmJob:
     else:
         process_configs = {KINDS[kind].component: process_config(cls, config)}
     extra: dict[str, Any] = {}
+    trainer = process_configs.get("trainer")
+    if kind == "rl" and trainer is not None:
+        extra["weight_broadcast"] = trainer.weight_broadcast.type
     inference = process_configs.get("inference")
     if inference is not None and hasattr(inference, "router"):
         extra["router_policy"] = inference.router.policy

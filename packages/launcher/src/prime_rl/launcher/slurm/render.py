@@ -74,6 +74,7 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "router_policy": None,
         "replica_port_stride": 1,
         "weight_broadcast": None,
+        "ready_timeout_s": 1800,
         **job.extra,
     }
 

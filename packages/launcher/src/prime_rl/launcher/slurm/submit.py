@@ -29,7 +29,10 @@ def write_job(job: SlurmJob, python: str | None = None) -> WrittenJob:
     script_text = render_job(job, python)
     launcher_dir = job.run_dir.launcher_dir
     (launcher_dir / "logs").mkdir(parents=True, exist_ok=True)
-    submitted = write_toml(job.config, launcher_dir / f"{job.kind}.toml")
+    config = (
+        job.config.model_copy(update={"dry_run": False}) if "dry_run" in type(job.config).model_fields else job.config
+    )
+    submitted = write_toml(config, launcher_dir / f"{job.kind}.toml")
     configs = {name: write_toml(cfg, job.run_dir.config_path(name)) for name, cfg in job.process_configs.items()}
     script = launcher_dir / f"{job.kind}.sbatch"
     script.write_text(script_text)
