@@ -46,7 +46,9 @@ class CausalLM(nn.Module):
 
 
 def build_training_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device) -> CausalLM:
-    model = build_model(cfg.name, attn=cfg.attn, dtype=torch.float32, device="meta")  # fp32 masters
+    # fp32 masters, except under full offload: the masters live on CPU, the device keeps bf16 weights
+    dtype = torch.bfloat16 if cfg.offload == "full" else torch.float32
+    model = build_model(cfg.name, attn=cfg.attn, dtype=dtype, device="meta")
     chunk = None if cfg.fused_lm_head_token_chunk_size == "disabled" else cfg.fused_lm_head_token_chunk_size
     root = CausalLM(model, chunk)
     parallelize_model(root, model.layers, dims, mesh, cfg)

@@ -22,6 +22,68 @@ class CompileConfig(BaseConfig):
     """Compile each block as one graph (fails loudly on a graph break instead of silently slowing down)."""
 
 
+class ACConfig(BaseConfig):
+    """Activation checkpointing of transformer blocks: recompute activations in backward instead of storing them."""
+
+    mode: Literal["full", "selective"] = "full"
+    """"full" recomputes whole blocks; "selective" keeps matmuls, attention and communication outputs."""
+
+    targets: list[str] | None = None
+    """Selective mode: operator names ("aten::mm") or namespaces ("_c10d_functional") to keep instead of the defaults."""
+
+    freq: int = Field(1, ge=1)
+    """Checkpoint every freq-th block (1 = all blocks)."""
+
+
+class ACOffloadingConfig(BaseConfig):
+    """Move tensors saved for backward to (pinned) CPU memory during forward and bring them back in backward."""
+
+    max_inflight_activations: int = Field(5, ge=1)
+    """Device->host copies allowed in flight before forward waits for the oldest (bounds the extra GPU memory)."""
+
+
+class TorchDispatchConfig(BaseConfig):
+    """Expert-parallel token dispatch with torch all-to-all collectives (works everywhere)."""
+
+    type: Literal["torch"] = "torch"
+    transport: Literal["bf16"] = "bf16"
+    """Dtype of the dispatched tokens."""
+
+
+class DeepEPDispatchConfig(BaseConfig):
+    """Expert-parallel dispatch through DeepEP kernels (needs the `deep_ep` package)."""
+
+    type: Literal["deepep"] = "deepep"
+    num_sms: int = Field(24, ge=1)
+    """SMs DeepEP's communication kernels may use."""
+    token_chunk_size: int | None = Field(None, ge=1)
+    """Dispatch tokens in chunks of this size; None sends them at once."""
+
+
+class MegaMoEDispatchConfig(BaseConfig):
+    """Fused dispatch + expert MLP + combine (prime-mega-moe `deep_gemm` build)."""
+
+    type: Literal["mega_moe"] = "mega_moe"
+    precision: Literal["bf16", "mxfp8", "fp8", "fp8_bwd"] = "bf16"
+    """Expert GEMM precision."""
+    num_reserved_sms: int = Field(16, ge=0)
+    """SMs left free for NCCL kernels running beside the persistent MoE kernels."""
+    max_tokens_per_rank: int | None = Field(None, ge=1)
+    """Size of the symmetric buffer in tokens; None: a rank's share of the micro batch."""
+
+
+MoEDispatchConfig = Annotated[
+    TorchDispatchConfig | DeepEPDispatchConfig | MegaMoEDispatchConfig, Field(discriminator="type")
+]
+
+
+class MoEConfig(BaseConfig):
+    """Mixture-of-experts execution."""
+
+    dispatch: MoEDispatchConfig = TorchDispatchConfig()
+    """Expert-parallel token dispatch: `type = "torch"`, `"deepep"` or `"mega_moe"`."""
+
+
 class ModelConfig(BaseConfig):
     """The model and how it is laid out across GPUs."""
 
@@ -37,8 +99,24 @@ class ModelConfig(BaseConfig):
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (re-gathered in backward); false keeps them: faster, more memory."""
 
-    offload: Literal["none", "optimizer", "full"] = "none"
-    """CPU offload: "optimizer" keeps optimizer state on CPU between steps; "full" is not implemented yet."""
+    offload: Literal["none", "optimizer", "full"] = "optimizer"
+    """CPU offload: "optimizer" keeps optimizer state on CPU between steps; "full" keeps fp32 masters, gradients
+    and optimizer state on CPU and steps there (AdamW or SignSGD; disables gradient clipping); "none" disables it."""
+
+    ep: int | Literal["auto"] = "auto"
+    """Expert-parallel degree (must divide num_experts); "auto": largest <= 8 dividing the FSDP island and experts."""
+
+    cp: int = Field(1, ge=1)
+    """Context-parallel (Ulysses) degree: shards each sequence over cp ranks; must divide the attention heads."""
+
+    ac: ACConfig | None = ACConfig()
+    """Activation checkpointing; "None" turns it off."""
+
+    ac_offloading: ACOffloadingConfig | None = ACOffloadingConfig()
+    """Offload tensors saved for backward to CPU; "None" turns it off."""
+
+    moe: MoEConfig = MoEConfig()
+    """MoE dispatch / compute settings (used when the model has experts)."""
 
     fused_lm_head_token_chunk_size: int | Literal["disabled"] = 8192
     """Tokens per chunk of the fused LM head + log-softmax kernel; "disabled" materializes the full logits."""
@@ -51,11 +129,8 @@ class ModelConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
-        if self.offload == "full":
-            raise ValueError(
-                'model.offload="full" (CPU optimizer during backward) is not implemented yet; '
-                'use "optimizer" (state on CPU between steps) or "none"'
-            )
+        if isinstance(self.ep, int) and self.ep < 1:
+            raise ValueError(f'model.ep={self.ep} must be >= 1 or "auto"')
         if isinstance(self.fused_lm_head_token_chunk_size, int) and self.fused_lm_head_token_chunk_size < 1:
             raise ValueError(
                 f"model.fused_lm_head_token_chunk_size={self.fused_lm_head_token_chunk_size} must be >= 1 "

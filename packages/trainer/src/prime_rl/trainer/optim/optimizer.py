@@ -45,10 +45,23 @@ def build_optimizer(cfg: AdamWConfig | SignSGDConfig, params: list[torch.nn.Para
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Global L2 norm of all gradients (over every rank's shard); clip in place when max_norm is set."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):  # partial norms of shards -> one global value
-        norm = norm.full_tensor()
+    # expert-parallel gradients live on their own mesh and DTensor ops cannot mix meshes: take the
+    # norm per mesh, then combine
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):  # partial norms of shards -> one global value
+            norm = norm.full_tensor()
+        norms.append(norm)
+    if len(norms) == 1:
+        norm = norms[0]
+    else:
+        norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
     if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm

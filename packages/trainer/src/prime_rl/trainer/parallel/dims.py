@@ -1,4 +1,10 @@
-"""Parallel layout: world = dp_replicate x dp_shard (HSDP). EP and CP get their own mesh dims later."""
+"""Parallel layout: world = dp_replicate x dp_shard (HSDP); dp_shard is the FSDP island.
+
+Context parallelism (cp) and expert parallelism (ep) split the island further: cp consecutive ranks
+share one sequence (so `dp`, the ranks that see different data, is world // cp), and ep consecutive
+ranks share one set of experts (ep is a multiple of cp, so a CP group never straddles two EP groups).
+Their meshes are built by parallel/context.py and parallel/expert.py.
+"""
 
 from dataclasses import dataclass
 
@@ -11,6 +17,8 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     world_size: int
+    cp: int = 1
+    ep: int = 1
 
     @classmethod
     def from_world(cls, world_size: int, dp_replicate: int) -> "ParallelDims":
@@ -28,8 +36,23 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        """Ranks that see different data."""
-        return self.dp_replicate * self.dp_shard
+        """Ranks that see different data (CP ranks share a sequence)."""
+        return self.dp_replicate * self.dp_shard // self.cp
+
+    def dp_rank(self, rank: int) -> int:
+        """Data-parallel index of a global rank (the cp ranks of one sequence are consecutive)."""
+        return rank // self.cp
+
+    def cp_rank(self, rank: int) -> int:
+        return rank % self.cp
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """A 2-D ("dp_replicate", "dp_shard") mesh; FSDP shards over dp_shard and replicates over dp_replicate."""

@@ -1,8 +1,9 @@
 """Apply the parallel features to a model in one fixed order (torchtitan style).
 
-Order matters: context parallel (later) rewires attention, activation checkpointing (later) wraps
-blocks, compile wraps the (checkpointed) blocks, and FSDP goes last so its hooks sit outside the
-compiled regions.
+Order matters: expert parallel swaps the experts and context parallel rewires attention (module
+swaps, so before anything wraps a block), activation checkpointing wraps blocks, compile wraps the
+(checkpointed) blocks, and FSDP goes last so its hooks sit outside the compiled regions; FSDP ignores
+the expert-parallel experts, which EP keeps resident and reduces itself.
 """
 
 import torch
@@ -10,17 +11,28 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.common.config.trainer import ModelConfig
+from prime_rl.trainer.parallel.checkpointing import apply_ac
 from prime_rl.trainer.parallel.compile import apply_compile
+from prime_rl.trainer.parallel.context import apply_cp, build_cp_mesh
 from prime_rl.trainer.parallel.dims import ParallelDims, fsdp_mesh
+from prime_rl.trainer.parallel.expert import apply_ep, build_ep_mesh
 from prime_rl.trainer.parallel.fsdp import apply_fsdp
+from prime_rl.trainer.parallel.offload import apply_ac_offloading
 
 
 def parallelize_model(
     root: nn.Module, blocks: nn.ModuleList, dims: ParallelDims, mesh: DeviceMesh, cfg: ModelConfig
 ) -> None:
     """`root` is the module whose forward runs a whole micro-batch; `blocks` its transformer layers."""
-    # 1. context parallel: later issue
-    # 2. activation checkpointing: later issue (wraps blocks; must precede compile)
+    expert_params: list[nn.Parameter] = []
+    if dims.ep_enabled:  # 0. expert parallel: module swap, before AC / compile wrap the blocks
+        expert_params = apply_ep(blocks, build_ep_mesh(dims.world_size, dims.ep, mesh.device_type))
+    if dims.cp_enabled:  # 1. context parallel (Ulysses) around each block's attention kernel
+        apply_cp(blocks, build_cp_mesh(dims.world_size, dims.cp, mesh.device_type))
+    if cfg.ac is not None:  # 2. activation checkpointing wraps blocks; must precede compile
+        apply_ac(blocks, cfg.ac)
+    if cfg.ac_offloading is not None:  # offload what autograd saves outside the checkpoints
+        apply_ac_offloading(root, cfg.ac_offloading.max_inflight_activations)
     if cfg.compile is not None:  # 3. compile after AC wrapping, before FSDP
         apply_compile(blocks, fullgraph=cfg.compile.fullgraph)
     apply_fsdp(  # 4. FSDP last
@@ -30,4 +42,5 @@ def parallelize_model(
         param_dtype=torch.bfloat16,
         reduce_dtype=getattr(torch, cfg.reduce_dtype),
         reshard_after_forward=cfg.reshard_after_forward,
+        ignored_params=set(expert_params),
     )

@@ -33,7 +33,10 @@ from prime_rl.trainer.logs import redirect_rank_output
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import load_model_config, model_flops_per_token
 from prime_rl.trainer.optim import OptimizerOffload, build_optimizer, build_scheduler, clip_grad_norm
+from prime_rl.trainer.optim.full_offload import FullOffloadOptimizer
 from prime_rl.trainer.parallel import ParallelDims
+from prime_rl.trainer.parallel.context import shard_micro_batch
+from prime_rl.trainer.parallel.layout import resolve_parallel_dims
 from prime_rl.trainer.perf import StepTimer, perf_metrics
 from prime_rl.trainer.world import World, close_world, init_world
 
@@ -77,9 +80,9 @@ def setup(cfg: SFTConfig, world: World) -> tuple[ParallelDims, DataLoader, objec
     """Every check that needs no model weights; raises ValueError/FileNotFoundError on bad input."""
     model_dir = check_model_dir(cfg.model.name)
     model_config = load_model_config(str(model_dir))
-    dims = ParallelDims.from_world(world.world_size, cfg.model.dp_replicate)
+    dims = resolve_parallel_dims(cfg.model, world.world_size, model_config)
     tokenizer = load_tokenizer(model_dir, model_config.vocab_size) if isinstance(cfg.data, SFTDataConfig) else None
-    rank_in_dp = world.rank  # every rank is a data-parallel rank until CP/EP split the world
+    rank_in_dp = dims.dp_rank(world.rank)  # the cp ranks of one sequence read the same rows
     loader = build_data_loader(cfg.data, tokenizer, model_config.vocab_size, rank_in_dp, dims.dp)
     return dims, loader, model_config
 
@@ -105,7 +108,13 @@ def train(cfg: SFTConfig) -> None:
     mesh = dims.build_mesh(world.device.type)
     model = build_training_model(cfg.model, dims, mesh, world.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg.optim, params)
+    full_offload = cfg.model.offload == "full"
+    if full_offload:
+        optimizer = FullOffloadOptimizer(params, cfg.optim)
+        if cfg.optim.max_norm is not None:
+            logger.warning("model.offload='full' disables gradient clipping: optim.max_norm is ignored")
+    else:
+        optimizer = build_optimizer(cfg.optim, params)
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.max_steps)
     offload = OptimizerOffload(optimizer, world.device, enabled=cfg.model.offload == "optimizer")
     ckpt = CheckpointManager(run_dir, cfg.ckpt.keep_last, world.is_main)
@@ -122,7 +131,7 @@ def train(cfg: SFTConfig) -> None:
     for step in range(start, cfg.max_steps):
         timer.start()
         stats = train_step(model, loader, step, dims, world)
-        grad_norm = clip_grad_norm(params, cfg.optim.max_norm)
+        grad_norm = optimizer.grad_norm() if full_offload else clip_grad_norm(params, cfg.optim.max_norm)
         lr = scheduler.get_last_lr()[0]
         offload.load()
         optimizer.step()
@@ -162,11 +171,14 @@ def train(cfg: SFTConfig) -> None:
 def train_step(model: CausalLM, loader: DataLoader, step: int, dims: ParallelDims, world: World) -> dict:
     """Forward + backward over this rank's micro-batches; returns the step's global loss statistics."""
     micro_batches = loader.micro_batches(step)
+    if dims.cp_enabled:  # each CP rank takes its contiguous slice of every micro-batch
+        micro_batches = [shard_micro_batch(mb, dims.cp_rank(world.rank), dims.cp) for mb in micro_batches]
     counts = torch.tensor([sum(mb.num_loss_tokens for mb in micro_batches)], dtype=torch.float64, device=world.device)
     dist.all_reduce(counts)
     loss_tokens = counts.item()
-    # FSDP averages gradients over dp ranks; dp / global tokens makes the result the global token mean
-    scale = dims.dp / max(loss_tokens, 1.0)
+    # FSDP averages gradients over all ranks (CP ranks included; EP divides expert grads the same way):
+    # world / global tokens makes the result the global token mean
+    scale = world.world_size / max(loss_tokens, 1.0)
     nll_sum = torch.zeros((), dtype=torch.float64, device=world.device)
     tokens = 0
     for mb in micro_batches:

@@ -1,0 +1,161 @@
+"""Expert parallelism (EP): each of `ep` consecutive ranks owns num_experts / ep experts of every MoE layer.
+
+The MoE module is unchanged: it routes, permutes its tokens into expert order and calls
+`mlp.experts(x_sorted, tokens_per_expert)`. EP swaps `mlp.experts` for `ExpertParallelExperts`, which
+1) all-to-alls the per-expert counts, then the tokens, to the ranks owning their experts (torch
+   all-to-all, `[model.moe.dispatch] type = "torch"`),
+2) regroups the received tokens by local expert and runs the SwiGLU grouped GEMM,
+3) all-to-alls the outputs back into the caller's order.
+
+Weights: the stacked `(E, I, H)` expert parameters become DTensors on an `("ep_replicate", "ep")` mesh,
+placements `(Replicate(), Shard(0))`, so names, shapes, `load_hf_weights` (distribute_tensor) and DCP
+checkpoints are unchanged. FSDP ignores them (each rank keeps its experts resident: that is the point of
+EP). Their gradient is reduced by hand in backward: summed over the ranks that hold the same experts
+(ep_replicate) and divided by the world size, the same mean-over-ranks convention FSDP applies to every
+other gradient. When the FSDP island is larger than ep this replicates experts across EP groups instead
+of also FSDP-sharding them (the torchtitan "dp_shard_mod_ep" layout is left out).
+
+Left out: DeepEP and Mega MoE dispatch (the config is validated, the kernels are not bundled), FP8
+expert compute, and token-dropping capacity limits (dispatch is dropless).
+"""
+
+import importlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from prime_rl.common.config.trainer import DeepEPDispatchConfig, MegaMoEDispatchConfig, MoEConfig
+from prime_rl.kernels.grouped_gemm import grouped_swiglu
+
+MAX_AUTO_EP = 8
+
+
+def resolve_ep(ep: int | str, world_size: int, dp_replicate: int, cp: int, num_experts: int) -> int:
+    """The EP degree: "auto" takes the largest d <= 8 dividing the FSDP island and num_experts with
+    d % cp == 0 (1 if none, or for a dense model); an explicit value is validated."""
+    island = world_size // dp_replicate
+    if num_experts == 0:
+        return 1  # dense model: EP is a no-op whatever was asked
+    if ep == "auto":
+        fits = [d for d in range(1, MAX_AUTO_EP + 1) if island % d == 0 and num_experts % d == 0 and d % cp == 0]
+        return max(fits, default=1)
+    if num_experts % ep:
+        choices = ", ".join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0 and island % d == 0)
+        raise ValueError(f"model.ep={ep} must divide num_experts={num_experts}; use one of {choices}")
+    if island % ep:
+        raise ValueError(f"model.ep={ep} must divide the FSDP island world_size // dp_replicate = {island}")
+    return ep
+
+
+def check_dispatch(moe: MoEConfig, ep: int) -> None:
+    """Fail at start-up, naming what is missing, for dispatch backends that cannot run here."""
+    dispatch = moe.dispatch
+    if isinstance(dispatch, MegaMoEDispatchConfig):
+        if ep < 2:
+            raise ValueError(f'[model.moe.dispatch] type = "mega_moe" needs model.ep > 1, got ep={ep}')
+        missing = _missing_attrs("deep_gemm", ("mega_moe_dispatch", "mega_moe_combine"))
+        raise ImportError(
+            f'[model.moe.dispatch] type = "mega_moe" needs the prime-mega-moe kernels {missing} (a deep_gemm '
+            'build from prime-mega-moe, installed with `uv pip install --no-deps <wheel>`); use type = "torch"'
+            if missing
+            else '[model.moe.dispatch] type = "mega_moe" is not wired into this trainer yet; use type = "torch"'
+        )
+    if isinstance(dispatch, DeepEPDispatchConfig):
+        if _missing_attrs("deep_ep", ("Buffer",)):
+            raise ImportError(
+                '[model.moe.dispatch] type = "deepep" needs the `deep_ep` package (DeepEP), which is not '
+                'importable; install DeepEP or use type = "torch"'
+            )
+        raise ValueError('[model.moe.dispatch] type = "deepep" is not wired into this trainer yet; use type = "torch"')
+
+
+def _missing_attrs(module: str, attrs: tuple[str, ...]) -> list[str]:
+    try:
+        mod = importlib.import_module(module)
+    except Exception:  # a broken CUDA extension raises more than ImportError
+        return [f"{module}.{a}" for a in attrs]
+    return [f"{module}.{a}" for a in attrs if not hasattr(mod, a)]
+
+
+def build_ep_mesh(world_size: int, ep: int, device_type: str) -> DeviceMesh:
+    """2-D ("ep_replicate", "ep") mesh: ep consecutive ranks share one full set of experts."""
+    return init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("ep_replicate", "ep"))
+
+
+class _ReduceExpertGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ep_replicate and divides by the world size."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, group: dist.ProcessGroup | None, world_size: int) -> torch.Tensor:  # noqa: ANN001
+        ctx.group, ctx.world_size = group, world_size
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        grad = grad.contiguous()
+        if ctx.group is not None:
+            dist.all_reduce(grad, group=ctx.group)
+        return grad / ctx.world_size, None, None
+
+
+class ExpertParallelExperts(nn.Module):
+    """Drop-in for `Experts`: same parameter names and global shapes, local experts only in memory."""
+
+    def __init__(self, experts: nn.Module, mesh: DeviceMesh):
+        super().__init__()
+        self.mesh = mesh
+        self.ep = mesh["ep"].size()
+        self.group = mesh["ep"].get_group()
+        self.replicate_group = mesh["ep_replicate"].get_group() if mesh["ep_replicate"].size() > 1 else None
+        self.world_size = mesh.size()
+        placements = (Replicate(), Shard(0))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            full = getattr(experts, name)
+            local = full.detach().chunk(self.ep, dim=0)[mesh["ep"].get_local_rank()]
+            dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+            self.register_parameter(name, nn.Parameter(dt, requires_grad=full.requires_grad))
+        self.num_experts = self.gate_proj.shape[0]
+
+    def _local_weight(self, param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
+        w = _ReduceExpertGrad.apply(param.to_local(), self.replicate_group, self.world_size)
+        return w.to(dtype)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x (M, H) sorted by global expert id, tokens_per_expert (E,) -> (M, H) in the same order."""
+        ep, num_local = self.ep, self.num_experts // self.ep
+        counts = tokens_per_expert.to(torch.int64)
+        # out-of-place functional collective: selective AC caches its output (an in-place c10d op would
+        # leave the recompute's fresh buffer empty)
+        recv_counts = funcol.all_to_all_single(counts, None, None, self.group)  # (ep * E_local,): from rank j
+        send_splits = counts.view(ep, num_local).sum(1).tolist()
+        recv_counts = recv_counts.view(ep, num_local)
+        recv_splits = recv_counts.sum(1).tolist()
+        recv = all_to_all_single_autograd(x.contiguous(), recv_splits, send_splits, self.group)  # (M_recv, H)
+        # received rows are grouped by source rank, then local expert: regroup by local expert
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(num_local, device=x.device).repeat(ep), recv_counts.reshape(-1).to(x.device)
+        )
+        order = torch.argsort(expert_of_row, stable=True)
+        w_gate, w_up, w_down = (self._local_weight(p, x.dtype) for p in (self.gate_proj, self.up_proj, self.down_proj))
+        y_local = grouped_swiglu(recv[order], recv_counts.sum(0), w_gate, w_up, w_down)  # (M_recv, H)
+        y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)  # back to arrival order
+        return all_to_all_single_autograd(y_recv, send_splits, recv_splits, self.group)
+
+
+def apply_ep(blocks: nn.ModuleList, mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Swap every MoE layer's experts for their EP version; returns the expert params (FSDP ignores them)."""
+    params: list[nn.Parameter] = []
+    for block in blocks:
+        experts = getattr(block.mlp, "experts", None)
+        if experts is None:
+            continue
+        if experts.gate_proj.shape[0] % mesh["ep"].size():
+            raise ValueError(f"ep={mesh['ep'].size()} must divide num_experts={experts.gate_proj.shape[0]}")
+        block.mlp.experts = ExpertParallelExperts(experts, mesh)
+        params.extend(block.mlp.experts.parameters())
+    return params
