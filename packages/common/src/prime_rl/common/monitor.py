@@ -64,7 +64,7 @@ class FileMonitor:
             written += os.write(self._fd, data[written:])
 
     def close(self) -> None:
-        if self._fd is not None:
+        if getattr(self, "_fd", None) is not None:  # also safe from __del__ after a failed __init__
             os.close(self._fd)
             self._fd = None
 
