@@ -91,12 +91,15 @@ class RouterConfig(BaseConfig):
 
     replicas: int = Field(1, ge=1)
     """Number of independent servers; 1 serves directly on ``server.port`` with no router."""
-    policy: Literal["consistent_hash", "sticky_least_loaded", "round_robin", "power_of_two", "random"] = (
-        "consistent_hash"
-    )
-    """vllm-router load-balancing policy; the first two keep one session on one replica."""
-    session_header: str = "x-session-id"
-    """Request header naming a multi-turn session: requests with the same value go to the same replica."""
+    policy: Literal[
+        "consistent_hash", "sticky_least_loaded", "cache_aware", "round_robin", "power_of_two", "random"
+    ] = "consistent_hash"
+    """vllm-router policy; consistent_hash / sticky_least_loaded keep a session (header ``x-session-id``) on one
+    replica, so a multi-turn rollout reuses its prefix cache."""
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    """Port of the router's Prometheus metrics; None means the port after the replicas' control ports."""
+    startup_timeout: float = Field(900.0, gt=0)
+    """Seconds to wait for every replica to serve before the router starts (and the run fails)."""
 
 
 class InferenceConfig(BaseConfig):

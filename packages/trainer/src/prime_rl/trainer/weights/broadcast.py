@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 STORE_PREFIX = "prime_rl/weight_broadcast"  # must match prime_rl.inference.weights.group
 BUCKET_ALIGNMENT = 256
-DEFAULT_BUCKET_BYTES = 1 << 30
+DEFAULT_BUCKET_BYTES = 256 << 20  # best of 64 MiB / 256 MiB / 1 GiB on 2 H200 (benchmarks/results/weight_transfer.md)
 
 
 class WeightBroadcastError(RuntimeError):
