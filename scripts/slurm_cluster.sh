@@ -36,6 +36,16 @@ stop_pidfile() {  # stop the daemon whose pid is in $1 and wait (up to 5 s) for 
 }
 
 if [ "$cmd" = down ]; then
+  # Cancel what is still queued or running (a failed test may leave a job), so no job process outlives
+  # the cluster; then wait (up to 15 s) for slurmd to clean the jobs up.
+  if [ -f "$dir/slurm.conf" ] && [ -f "$dir/run/slurmctld.pid" ]; then
+    export SLURM_CONF="$dir/slurm.conf"
+    scancel --user="$(id -un)" 2>/dev/null || true
+    for _ in $(seq 30); do
+      [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break
+      sleep 0.5
+    done
+  fi
   # slurmd ignores SIGTERM while it retries to register with a controller: stop slurmds first.
   for pidfile in "$dir"/run/slurmd-*.pid; do [ -e "$pidfile" ] && stop_pidfile "$pidfile"; done
   stop_pidfile "$dir/run/slurmctld.pid"
