@@ -301,3 +301,9 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_help_lists_component_deployment_and_slurm_options(capsys) -> None:
+    assert main(["sft", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--slurm.template-path" in out and "--deployment.num-train-nodes" in out and "--data.seq-len" in out

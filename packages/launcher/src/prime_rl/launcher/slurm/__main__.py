@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 
 from prime_rl.common.config import ConfigError
-from prime_rl.launcher.slurm.job import KINDS, load_job
+from prime_rl.common.config.base import format_help
+from prime_rl.launcher.slurm.job import KINDS, component_class, job_class, load_job
 from prime_rl.launcher.slurm.submit import SubmitError, router_url, submit, write_job
 
 PROG = "python -m prime_rl.launcher.slurm"
@@ -22,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"usage: {PROG} {{{'|'.join(KINDS)}}} @ config.toml [--section.key value ...] [--dry-run]\n")
         return 0 if args and args[0] in ("-h", "--help") else 2
     kind, rest = args[0], args[1:]
+    if "-h" in rest or "--help" in rest:  # the component's options plus [deployment] and [slurm]
+        sys.stdout.write(format_help(job_class(component_class(kind)), f"{PROG} {kind}"))
+        return 0
     dry_run = "--dry-run" in rest
     rest = [a for a in rest if a != "--dry-run"]
     try:
