@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,10 @@ class Component:
     """Exit code 0 of this component means the whole job is done."""
     echo: bool = False
     """Copy this component's output to the launcher's console."""
+    ready: Callable[[], bool] | None = None
+    """If set, the next component starts only once this returns True (e.g. a health check)."""
+    ready_timeout_s: float = 600.0
+    """How long ``ready`` may take before the job fails."""
 
 
 @dataclass
@@ -67,28 +72,30 @@ class Supervisor:
         self._signal: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        for comp in self.components:
-            comp.log_path.parent.mkdir(parents=True, exist_ok=True)
-            log_file = open(comp.log_path, "ab", buffering=0)
-            env = {**os.environ, **comp.env, "PYTHONUNBUFFERED": "1"}
-            proc = subprocess.Popen(
-                comp.cmd,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-            log.info("started %s (pid %d), log: %s", comp.name, proc.pid, comp.log_path)
-            self.running.append(_Running(comp, proc, log_file))
+    def start(self, comp: Component) -> None:
+        comp.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(comp.log_path, "ab", buffering=0)
+        env = {**os.environ, **comp.env, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            comp.cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        log.info("started %s (pid %d), log: %s", comp.name, proc.pid, comp.log_path)
+        self.running.append(_Running(comp, proc, log_file))
 
     def run(self) -> int:
         """Start everything, wait for the job to end, stop what is left; return the exit code."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.start()
+            for comp in self.components:
+                self.start(comp)
+                if comp.ready is not None and (rc := self._wait_ready(comp)) is not None:
+                    return rc
             return self._wait()
         finally:
             self.stop()
@@ -98,32 +105,54 @@ class Supervisor:
     def _on_signal(self, signum: int, _frame) -> None:
         self._signal = signum
 
+    def _check(self) -> int | None:
+        """The job's exit code if it ended (signal, failure, a finishing component), else None."""
+        self._echo()
+        if self._signal is not None:
+            log.warning("received %s: stopping all processes", signal.Signals(self._signal).name)
+            return 128 + self._signal
+        for r in self.running:
+            rc = r.proc.poll()
+            if rc is None:
+                continue
+            if rc != 0:
+                self._echo()
+                log.error(
+                    "process '%s' exited with code %d; stopping all. See its log: %s",
+                    r.component.name,
+                    rc,
+                    r.component.log_path,
+                )
+                self._print_tail(r.component.log_path)
+                return 1
+            if r.component.finishes_run:
+                self._echo()
+                log.info("process '%s' finished; stopping the others", r.component.name)
+                return 0
+        return None
+
     def _wait(self) -> int:
-        while True:
-            self._echo()
-            if self._signal is not None:
-                name = signal.Signals(self._signal).name
-                log.warning("received %s: stopping all processes", name)
-                return 128 + self._signal
-            for r in self.running:
-                rc = r.proc.poll()
-                if rc is None:
-                    continue
-                if rc != 0:
-                    self._echo()
-                    log.error(
-                        "process '%s' exited with code %d; stopping all. See its log: %s",
-                        r.component.name,
-                        rc,
-                        r.component.log_path,
-                    )
-                    self._print_tail(r.component.log_path)
-                    return 1
-                if r.component.finishes_run:
-                    self._echo()
-                    log.info("process '%s' finished; stopping the others", r.component.name)
-                    return 0
+        while (rc := self._check()) is None:
             time.sleep(self.poll_s)
+        return rc
+
+    def _wait_ready(self, comp: Component) -> int | None:
+        deadline = time.monotonic() + comp.ready_timeout_s
+        while (rc := self._check()) is None:
+            if comp.ready():
+                log.info("%s is ready", comp.name)
+                return None
+            if time.monotonic() > deadline:
+                log.error(
+                    "process '%s' was not ready after %.0fs; stopping all. See its log: %s",
+                    comp.name,
+                    comp.ready_timeout_s,
+                    comp.log_path,
+                )
+                self._print_tail(comp.log_path)
+                return 1
+            time.sleep(max(self.poll_s, 0.5))
+        return rc
 
     def stop(self) -> None:
         """SIGTERM every process group still alive, then SIGKILL what outlives the timeout."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 from prime_rl.common.config import parse_config, write_toml
@@ -16,6 +17,9 @@ from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.envs import build_environment
 from prime_rl.orchestrator.orchestrator import Orchestrator
 from prime_rl.orchestrator.weights import InferenceControl, NoInferenceControl, ZmqInferenceControl
+
+STDOUT_IS_LOG_ENV = "PRIME_RL_STDOUT_IS_LOG"
+"""Set to 1 by the `rl` launcher, which redirects this process's output into its log file."""
 
 
 def build_control(config: OrchestratorConfig) -> InferenceControl:
@@ -52,6 +56,8 @@ async def run(config: OrchestratorConfig) -> None:
 
 
 def _log_file(run_dir: RunDir):
+    if os.environ.get(STDOUT_IS_LOG_ENV) == "1":
+        return None  # the launcher already sends our console into logs/latest/orchestrator.log
     try:
         return run_dir.log_path("orchestrator")  # the launcher started an attempt
     except FileNotFoundError:

@@ -1,0 +1,132 @@
+"""The `rl` config: one file for trainer, orchestrator and inference, plus where they run.
+
+    rl @ rl.toml --deployment.num-infer-gpus 6 --inference.vllm.data-parallel-size 6 --run.name exp1
+
+Shared settings are written once at the top and copied into each component's section unless that
+section sets its own: `[model] name`, `output_dir`, `[run] name`, `max_steps`, `seq_len`,
+`[weight_broadcast]`. The endpoints that wire the components together (inference URL and control
+addresses, the orchestrator's batch port) are derived from `[inference.server]` unless set.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from prime_rl.common.config.base import BaseConfig
+from prime_rl.common.config.deployment import Deployment, SingleNodeDeployment, SlurmConfig
+from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.common.config.orchestrator import OrchestratorConfig
+from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, RLTrainerConfig, WeightBroadcastConfig
+
+
+class RunConfig(BaseConfig):
+    """Names the run: everything goes to <output_dir>/<run.name>."""
+
+    name: str = "rl"
+    """Run directory name."""
+
+
+class SharedModelConfig(BaseConfig):
+    """The model every component uses."""
+
+    name: str | None = None
+    """Local Hugging Face model directory; copied to trainer.model.name, orchestrator.model.name, inference.model.name."""
+
+
+def _section(data: dict, *path: str) -> dict:
+    node = data
+    for key in path:
+        if not isinstance(node.get(key), dict):
+            node[key] = {}
+        node = node[key]
+    return node
+
+
+class RLConfig(BaseConfig):
+    """RL: vLLM inference + orchestrator + FSDP2 trainer."""
+
+    output_dir: Path = Path("outputs")
+    """Parent of the run directory."""
+    run: RunConfig = RunConfig()
+    """Run name."""
+    model: SharedModelConfig = SharedModelConfig()
+    """The model (shared by all components)."""
+    max_steps: int | None = Field(None, ge=1)
+    """Training steps (shared by trainer and orchestrator)."""
+    seq_len: int | None = Field(None, ge=2)
+    """Tokens per packed micro-batch (shared by trainer and orchestrator)."""
+    deployment: Deployment = SingleNodeDeployment()
+    """Placement: `single_node` (local processes) or `multi_node` (SLURM)."""
+    slurm: SlurmConfig | None = None
+    """Submit through sbatch (`[slurm]`); None runs locally."""
+    weight_broadcast: WeightBroadcastConfig = FilesystemBroadcastConfig()
+    """How new weights reach inference (copied into the trainer)."""
+    trainer: RLTrainerConfig
+    """The RL trainer."""
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    """The orchestrator."""
+    inference: InferenceConfig = InferenceConfig()
+    """The inference server(s)."""
+    dry_run: bool = False
+    """Write the resolved configs to <run_dir>/configs/ (and, with [slurm], launcher/rl.sbatch) and exit."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _share(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        trainer = _section(data, "trainer")
+        orch = _section(data, "orchestrator")
+        inference = _section(data, "inference")
+        name = (data.get("model") or {}).get("name")
+        if name is not None:
+            _section(trainer, "model").setdefault("name", name)
+            _section(orch, "model").setdefault("name", name)
+            _section(inference, "model").setdefault("name", name)
+        output_dir = data.get("output_dir", "outputs")
+        run_name = (data.get("run") or {}).get("name", "rl")
+        for section in (trainer, orch):
+            section.setdefault("output_dir", output_dir)
+            section.setdefault("run_name", run_name)
+        if data.get("max_steps") is not None:
+            trainer.setdefault("max_steps", data["max_steps"])
+            orch.setdefault("max_steps", data["max_steps"])
+        if data.get("seq_len") is not None:
+            _section(trainer, "data").setdefault("seq_len", data["seq_len"])
+            orch.setdefault("seq_len", data["seq_len"])
+        if "weight_broadcast" in data:
+            trainer.setdefault("weight_broadcast", data["weight_broadcast"])
+        return data
+
+    @model_validator(mode="after")
+    def _wire(self) -> RLConfig:
+        server = self.inference.server
+        replicas = self.inference.router.replicas
+        if "base_url" not in self.orchestrator.model.client.model_fields_set:
+            self.orchestrator.model.client.base_url = f"http://127.0.0.1:{server.port}/v1"
+        if not self.orchestrator.inference.addresses and self.trainer.weight_broadcast.type == "filesystem":
+            self.orchestrator.inference.addresses = [
+                f"tcp://127.0.0.1:{server.resolved_control_port + i}" for i in range(replicas)
+            ]
+        wb = self.trainer.weight_broadcast
+        if wb.type == "nccl" and not wb.inference_addresses:
+            wb.inference_addresses = [f"tcp://127.0.0.1:{server.resolved_control_port + i}" for i in range(replicas)]
+        self.trainer.data.host = "127.0.0.1"
+        self.trainer.data.port = self.orchestrator.trainer.port
+        if isinstance(self.deployment, SingleNodeDeployment):
+            self.orchestrator.num_train_ranks = self.deployment.num_train_gpus
+            if self.deployment.num_train_gpus % self.trainer.model.dp_replicate:
+                raise ValueError(
+                    f"deployment.num_train_gpus={self.deployment.num_train_gpus} must be divisible by "
+                    f"trainer.model.dp_replicate={self.trainer.model.dp_replicate}"
+                )
+        if self.trainer.data.fake is not None:
+            raise ValueError("trainer.data.fake is for benchmarking the trainer alone; `rl` trains on rollouts")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.run.name

@@ -1,0 +1,216 @@
+"""`rl @ rl.toml`: validate the whole run (no torch import), write the resolved configs, then run
+inference, orchestrator and a torchrun trainer on this node as one supervised job, or hand the job to
+SLURM when the config has a `[slurm]` table.
+
+Placement: GPUs come from CUDA_VISIBLE_DEVICES (or every GPU nvidia-smi lists) in order: the first
+`num_infer_gpus` to inference, the next `num_train_gpus` to the trainer. Without GPUs every process
+runs on the CPU and the trainer runs `num_train_gpus` gloo processes.
+
+Ports: the ports users set (`inference.server.port`, its control port) are kept; the internal ones
+nobody set (the orchestrator's batch port, torchrun's rendezvous, the broadcast group) are picked
+free at launch, so two runs side by side need only different inference ports and run names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from prime_rl.common.config import parse_config, write_toml
+from prime_rl.common.config.deployment import SingleNodeDeployment
+from prime_rl.common.config.rl import RLConfig
+from prime_rl.common.rundir import RunDir
+from prime_rl.launcher.dashboard.status import write_status
+from prime_rl.launcher.supervisor import Component, Supervisor
+
+log = logging.getLogger("prime_rl.launcher")
+
+
+class PlacementError(ValueError):
+    pass
+
+
+def visible_gpus() -> list[str]:
+    """GPU ids this launcher may use: CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists, else none."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True)
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def place(deployment: SingleNodeDeployment, gpus: list[str]) -> tuple[list[str], list[str]]:
+    """(inference GPUs, trainer GPUs); both empty on a machine without GPUs."""
+    if not gpus:
+        return [], []
+    need = deployment.num_infer_gpus + deployment.num_train_gpus
+    if need > len(gpus):
+        raise PlacementError(
+            f"deployment asks for {deployment.num_infer_gpus} inference + {deployment.num_train_gpus} trainer GPUs "
+            f"= {need}, but {len(gpus)} are visible ({','.join(gpus)}); lower num_infer_gpus/num_train_gpus or "
+            "set CUDA_VISIBLE_DEVICES"
+        )
+    return gpus[: deployment.num_infer_gpus], gpus[deployment.num_infer_gpus : need]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def served_dtype(cfg: RLConfig) -> str:
+    """The dtype inference serves in, which published weights must match ("auto" = the checkpoint's)."""
+    dtype = cfg.inference.vllm.dtype
+    if dtype != "auto":
+        return {"half": "float16", "float": "float32"}.get(dtype, dtype)
+    config_path = Path(cfg.trainer.model.name) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"model.name={cfg.trainer.model.name!r} has no config.json; give a local HF model directory"
+        )
+    hf = json.loads(config_path.read_text())
+    return str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16")
+
+
+def resolve(cfg: RLConfig) -> None:
+    """Fill what depends on this machine: free internal ports and the published weights' dtype."""
+    if "port" not in cfg.orchestrator.trainer.model_fields_set:
+        cfg.orchestrator.trainer.port = _free_port_block(cfg.deployment.num_train_gpus)
+        cfg.trainer.data.port = cfg.orchestrator.trainer.port
+    wb = cfg.trainer.weight_broadcast
+    if wb.type == "nccl" and "port" not in wb.model_fields_set:
+        wb.port = free_port()
+    if "dtype" not in wb.model_fields_set:
+        wb.dtype = served_dtype(cfg)
+
+
+def _free_port_block(n: int) -> int:
+    """A base port such that base .. base + n - 1 are free now (one batch socket per trainer rank)."""
+    for _ in range(100):
+        base = free_port()
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports found")
+
+
+def write_configs(cfg: RLConfig, run_dir: RunDir) -> dict[str, Path]:
+    return {
+        "rl": write_toml(cfg, run_dir.config_path("rl")),
+        "trainer": write_toml(cfg.trainer, run_dir.config_path("trainer")),
+        "orchestrator": write_toml(cfg.orchestrator, run_dir.config_path("orchestrator")),
+        "inference": write_toml(cfg.inference, run_dir.config_path("inference")),
+    }
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def build_components(cfg: RLConfig, run_dir: RunDir, configs: dict[str, Path], infer_gpus, train_gpus) -> list:
+    logs = run_dir.attempt_logs_dir()
+    py = sys.executable
+    gpu_env = lambda gpus: {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}  # noqa: E731
+    health = f"http://127.0.0.1:{cfg.inference.server.port}/health"
+    nproc = cfg.deployment.num_train_gpus
+    torchrun_log_dir = run_dir.trainer_log_dir()
+    trainer_cmd = [
+        py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        "--local-ranks-filter", "0", "-m", "prime_rl.trainer.rl.train", "@", str(configs["trainer"]),
+    ]  # fmt: skip
+    return [
+        Component(
+            "inference",
+            [py, "-m", "prime_rl.inference.entrypoint", "@", str(configs["inference"])],
+            logs / "inference.log",
+            env=gpu_env(infer_gpus),
+            ready=lambda: _http_ok(health),
+            ready_timeout_s=900,
+        ),
+        Component(
+            "orchestrator",
+            [py, "-m", "prime_rl.orchestrator.entrypoint", "@", str(configs["orchestrator"])],
+            logs / "orchestrator.log",
+            env={"PRIME_RL_STDOUT_IS_LOG": "1"},
+            echo=True,
+        ),
+        Component(
+            "trainer",
+            trainer_cmd,
+            logs / "trainer.log",
+            env={**gpu_env(train_gpus), "PRIME_RL_TRAINER_LOG_DIR": str(torchrun_log_dir), "OMP_NUM_THREADS": "1"}
+            if train_gpus
+            else {"PRIME_RL_TRAINER_LOG_DIR": str(torchrun_log_dir), "CUDA_VISIBLE_DEVICES": ""},
+            finishes_run=True,
+            echo=True,
+        ),
+    ]
+
+
+def submit_slurm(run_dir: RunDir, configs: dict[str, Path], dry_run: bool) -> int:
+    cmd = [sys.executable, "-m", "prime_rl.launcher.slurm", "rl", "@", str(configs["rl"])]
+    if dry_run:
+        cmd.append("--dry-run")
+    return subprocess.call(cmd)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S")
+    cfg = parse_config(RLConfig, argv, prog="rl")
+    run_dir = RunDir(cfg.output_dir, cfg.run.name)
+    if cfg.slurm is not None:
+        configs = write_configs(cfg, run_dir)
+        sys.exit(submit_slurm(run_dir, configs, cfg.dry_run))
+    if not isinstance(cfg.deployment, SingleNodeDeployment):
+        sys.stderr.write(
+            "rl: error: deployment.type='multi_node' needs a [slurm] table (multi-node runs go through SLURM)\n"
+        )
+        sys.exit(2)
+    try:
+        infer_gpus, train_gpus = place(cfg.deployment, visible_gpus())
+        resolve(cfg)
+    except (PlacementError, FileNotFoundError) as e:
+        sys.stderr.write(f"rl: error: {e}\n")
+        sys.exit(2)
+    configs = write_configs(cfg, run_dir)
+    if cfg.dry_run:
+        print(f"wrote {', '.join(str(p) for p in configs.values())}")
+        return
+    run_dir.start_attempt()
+    log.info(
+        "run %s: inference on %s, trainer on %s",
+        run_dir.root,
+        ",".join(infer_gpus) or "CPU",
+        ",".join(train_gpus) or "CPU",
+    )
+    write_status(run_dir.root, "running")
+    rc = Supervisor(build_components(cfg, run_dir, configs, infer_gpus, train_gpus)).run()
+    write_status(run_dir.root, "finished" if rc == 0 else "failed", reason="" if rc == 0 else f"exit code {rc}")
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""`rl` without starting anything heavy: config validation, dry run, GPU placement, side-by-side runs."""
+
+import subprocess
+import sys
+import time
+import tomllib
+
+import pytest
+
+from prime_rl.common.config import load_config
+from prime_rl.common.config.deployment import SingleNodeDeployment
+from prime_rl.common.config.rl import RLConfig
+from prime_rl.common.testing import make_tiny_model
+from prime_rl.launcher.rl import PlacementError, place, resolve
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", dtype="float32")
+
+
+def _rl(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "prime_rl.launcher.rl", *args], capture_output=True, text=True, cwd=cwd
+    )
+
+
+def test_dry_run_writes_every_resolved_config_without_torch(model_dir, tmp_path):
+    t0 = time.perf_counter()
+    code = (
+        "import sys; from prime_rl.launcher.rl import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'rl imported torch/vllm'\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, "--model.name", str(model_dir), "--output-dir", str(tmp_path),
+         "--run.name", "exp1", "--max-steps", "3", "--trainer.model.ac.mode", "selective", "--dry-run"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - t0
+    assert out.returncode == 0, out.stderr
+    configs = tmp_path / "exp1" / "configs"
+    assert {p.name for p in configs.iterdir()} == {"rl.toml", "trainer.toml", "orchestrator.toml", "inference.toml"}
+    trainer = tomllib.loads((configs / "trainer.toml").read_text())
+    orch = tomllib.loads((configs / "orchestrator.toml").read_text())
+    assert trainer["model"]["name"] == str(model_dir) and trainer["max_steps"] == 3
+    assert orch["max_steps"] == 3 and orch["run_name"] == "exp1"
+    assert trainer["data"]["port"] == orch["trainer"]["port"]  # the trainer pulls where the orchestrator pushes
+    assert trainer["weight_broadcast"]["dtype"] == "float32"  # what inference serves ("auto" = checkpoint)
+    assert elapsed < 10
+    # the resolved configs re-run as they are
+    from prime_rl.common.config.rl_trainer import RLTrainerConfig
+
+    assert load_config(RLTrainerConfig, ["@", str(configs / "trainer.toml")]).max_steps == 3
+
+
+def test_bad_config_is_one_line_exit_2(model_dir, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[orchestrator]\nbatch_size = 10\ngroup_size = 3\n")
+    out = _rl("@", str(bad), "--model.name", str(model_dir), "--dry-run")
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "batch_size=10 must be a multiple of group_size=3" in out.stderr
+    out = _rl("--model.name", str(model_dir), "--trainer.modle.seq-len", "3")
+    assert out.returncode == 2 and "unknown option --trainer.modle.seq-len" in out.stderr
+
+
+def test_gpu_placement_inference_first_then_trainer():
+    dep = SingleNodeDeployment(num_infer_gpus=6, num_train_gpus=2)
+    assert place(dep, [str(i) for i in range(8)]) == (["0", "1", "2", "3", "4", "5"], ["6", "7"])
+    assert place(SingleNodeDeployment(), ["2", "3"]) == (["2"], ["3"])  # CUDA_VISIBLE_DEVICES=2,3
+    assert place(SingleNodeDeployment(), []) == ([], [])  # CPU machine
+    with pytest.raises(PlacementError, match="asks for 6 inference \\+ 2 trainer GPUs = 8, but 4 are visible"):
+        place(dep, ["0", "1", "2", "3"])
+
+
+def test_two_runs_side_by_side_do_not_collide(model_dir):
+    """scaling.md's A/B recipe: a second run differs by inference port and run name only."""
+    a = load_config(RLConfig, ["--model.name", str(model_dir), "--run.name", "exp1"])
+    b = load_config(
+        RLConfig,
+        ["--model.name", str(model_dir), "--inference.server.port", "8001",
+         "--orchestrator.model.client.base-url", "http://localhost:8001/v1", "--run.name", "exp2"],
+    )  # fmt: skip
+    resolve(a)
+    resolve(b)
+    assert a.run_dir != b.run_dir
+    ports = lambda c: {  # noqa: E731
+        c.inference.server.port,
+        c.inference.server.resolved_control_port,
+        c.orchestrator.trainer.port,
+    }
+    assert not ports(a) & ports(b)
+    assert b.orchestrator.inference.addresses == ["tcp://127.0.0.1:8101"]
+    assert b.orchestrator.model.client.base_url == "http://localhost:8001/v1"
+
+
+def test_scaling_page_placement_flags_parse(model_dir):
+    cfg = load_config(
+        RLConfig,
+        ["--model.name", str(model_dir), "--deployment.num-infer-gpus", "6", "--deployment.num-train-gpus", "2",
+         "--inference.vllm.data-parallel-size", "6"],
+    )  # fmt: skip
+    assert cfg.deployment.num_infer_gpus == 6 and cfg.inference.vllm.data_parallel_size == 6
+    assert cfg.orchestrator.num_train_ranks == 2
