@@ -316,6 +316,109 @@ class HealthReply(Message):
     """Served model name."""
 
 
+# ---------------------------------------------------------------------------------------------
+# NIXL weight transport (``[weight_broadcast] type = "nixl"``): metadata service + control requests
+# ---------------------------------------------------------------------------------------------
+
+
+class NixlPeer(_Struct):
+    """One NIXL agent as published in the metadata service (a trainer rank or an inference worker)."""
+
+    name: str
+    """Agent name, unique per process and session."""
+    metadata: bytes
+    """``nixl_agent.get_agent_metadata()``: what a peer loads with ``add_remote_agent``."""
+    rank: int = 0
+    """Trainer rank (sources) or global worker rank (receivers)."""
+    slot_addrs: list[int] = []
+    """Sources: base address of each registered transfer slot (slot s holds this rank's slice of a group)."""
+    slot_bytes: int = 0
+    """Sources: size of each slot."""
+    device_id: int = 0
+    """Device id of the slots (0 for host memory)."""
+    mem_type: str = "DRAM"
+    """NIXL memory type of the slots: "DRAM" (host) or "VRAM" (GPU)."""
+
+
+class NixlLayout(_Struct):
+    """Where every tensor of an update sits in the transfer groups; fixed for a session."""
+
+    specs: list[TensorSpec]
+    """Every tensor in transfer order: HF name, torch dtype name ("bfloat16", ...), shape."""
+    groups: list[int]
+    """Transfer group of each tensor (non-decreasing)."""
+    offsets: list[int]
+    """Byte offset of each tensor inside its group (multiples of 256)."""
+    group_sizes: list[int]
+    """Bytes of each group; group g is split into ``num_sources`` aligned slices, one per trainer rank."""
+    num_sources: int
+    """Trainer ranks that each hold one slice of every group."""
+    num_slots: int = 1
+    """Transfer arenas on each side: 2 when transfer and replay overlap, else 1."""
+
+
+class MetadataPutRequest(Message):
+    """Store ``value`` under ``key`` in the NIXL metadata service (replaces an older value)."""
+
+    key: str
+    """e.g. "<session>/trainer/0"."""
+    value: bytes
+    """Opaque bytes (an encoded NixlPeer / NixlLayout)."""
+
+
+class MetadataGetRequest(Message):
+    """Read one key from the metadata service; MetadataReply.value is None when absent."""
+
+    key: str
+    """Key to read."""
+
+
+class MetadataListRequest(Message):
+    """List the keys that start with ``prefix``."""
+
+    prefix: str
+    """e.g. "<session>/infer/"."""
+
+
+class MetadataReply(Message):
+    """Answer of the metadata service."""
+
+    ok: bool
+    """True when the request was carried out."""
+    error: str | None = None
+    """What went wrong when ok is False."""
+    value: bytes | None = None
+    """MetadataGetRequest: the stored value, None if the key is absent."""
+    keys: list[str] = []
+    """MetadataListRequest: matching keys, sorted."""
+
+
+class InitNixlRequest(Message):
+    """Set up NIXL receivers in every worker for one trainer session (peer metadata exchanged once)."""
+
+    host: str
+    """Host of the metadata service."""
+    port: int
+    """Port of the metadata service."""
+    session: str
+    """Key prefix of the trainer session in the service (layout and trainer-rank peers live under it)."""
+    rank_offset: int = 0
+    """Added to each worker's global rank to pick the trainer rank its reads start at."""
+    keep_rollback_copy: bool = True
+    """Keep a host copy of the served weights so a failed transfer can be rolled back."""
+    timeout_s: float = 600.0
+    """Seconds to wait for a peer (metadata, readiness notification, read completion)."""
+
+
+class NixlWeightsRequest(Message):
+    """Pull weight version ``version`` from the trainer ranks of the initialized NIXL session.
+
+    Answered once the workers are receiving; AwaitWeightsRequest(version) then waits for the result."""
+
+    version: int
+    """Policy version to pull; must be newer than the served one."""
+
+
 # Append new messages above this line and add them here; the union decoder needs the closed set.
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     TrainingBatch,
@@ -328,6 +431,12 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     ControlReply,
     HealthReply,
     AwaitWeightsRequest,
+    MetadataPutRequest,
+    MetadataGetRequest,
+    MetadataListRequest,
+    MetadataReply,
+    InitNixlRequest,
+    NixlWeightsRequest,
 )
 
 

@@ -33,8 +33,10 @@ from prime_rl.common.wire import (
     HealthReply,
     HealthRequest,
     InitBroadcastRequest,
+    InitNixlRequest,
     LoadWeightsRequest,
     Message,
+    NixlWeightsRequest,
     PauseRequest,
     ResumeRequest,
 )
@@ -97,6 +99,10 @@ class Controller:
                 return await self._broadcast(request)
             if isinstance(request, AwaitWeightsRequest):
                 return await self._await_broadcast(request)
+            if isinstance(request, InitNixlRequest):
+                return await self._init_nixl(request)
+            if isinstance(request, NixlWeightsRequest):
+                return await self._nixl(request)
         except WeightUpdateError as e:
             logger.error("%s", e)
             return self._reply(False, str(e))
@@ -211,6 +217,9 @@ class Controller:
             return self._reply(False, f"no broadcast of version {request.version} was started on this server")
         try:
             results = await task
+        except WeightUpdateError as e:  # already says what happened to the served weights
+            logger.error("update to version %d failed: %s", request.version, e)
+            return self._reply(False, str(e))
         except Exception as e:
             logger.exception("broadcast of version %d failed", request.version)
             return self._reply(
@@ -219,6 +228,52 @@ class Controller:
                 "the weights may be partially updated, send a full update again",
             )
         logger.info("received weights version %d by broadcast: %s", request.version, results)
+        return self._reply(True)
+
+    # -- nixl ------------------------------------------------------------------------------------
+
+    async def _init_nixl(self, request: InitNixlRequest) -> ControlReply:
+        from prime_rl.inference.weights.nixl_control import check_nixl_layout
+
+        # Validate the session's layout here, before any worker allocates or registers anything.
+        await asyncio.to_thread(check_nixl_layout, self.manifest, request)
+        async with self._lock:
+            results = await self.engine.collective_rpc(
+                "prime_init_nixl",
+                args=(
+                    request.host,
+                    request.port,
+                    request.session,
+                    request.rank_offset,
+                    request.keep_rollback_copy,
+                    request.timeout_s,
+                ),
+            )
+        logger.info("NIXL receivers ready for session %s: %s", request.session, results)
+        return self._reply(True)
+
+    async def _nixl(self, request: NixlWeightsRequest) -> ControlReply:
+        if request.version in self._broadcasts:
+            return self._reply(False, f"an update to version {request.version} is already in progress")
+        if request.version <= self.weight_version:
+            return self._reply(
+                False,
+                f"refused NIXL update to version {request.version}: version {self.weight_version} is served and "
+                "versions must increase",
+            )
+        await self._lock.acquire()  # released when the receive task ends
+
+        async def receive() -> list[dict]:
+            try:
+                return await self._apply(request.version, "prime_receive_nixl", request.version)
+            except Exception as e:
+                # The worker's message says whether the old weights are still served (or rolled back).
+                raise WeightUpdateError(f"NIXL update to version {request.version} failed: {e}") from e
+            finally:
+                self._lock.release()
+
+        self._broadcasts[request.version] = asyncio.create_task(receive())
+        await asyncio.sleep(0)
         return self._reply(True)
 
 

@@ -86,7 +86,31 @@ class NCCLBroadcastConfig(BaseConfig):
     """Control endpoints (tcp://host:port) of the inference servers to push to."""
 
 
-WeightBroadcastConfig = Annotated[FilesystemBroadcastConfig | NCCLBroadcastConfig, Field(discriminator="type")]
+class NixlBroadcastConfig(BaseConfig):
+    """Inference workers read the weights from every trainer rank over NIXL (UCX), group by group."""
+
+    type: Literal["nixl"] = "nixl"
+    host: str = "127.0.0.1"
+    """Host of the NIXL metadata service (the trainer head node; started there by the SLURM job)."""
+    port: int = Field(29710, ge=1, le=65535)
+    """Port of the NIXL metadata service; trainer rank 0 starts one in process if none answers there."""
+    timeout: float = Field(600.0, gt=0)
+    """Seconds to wait for a peer: metadata, a readiness notification, a read or a buffer credit."""
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """Dtype of the transferred tensors: must be the dtype inference serves the model in."""
+    inference_addresses: list[str] = []
+    """Control endpoints (tcp://host:port) of the inference servers to update."""
+    group_bytes: int = Field(256 << 20, ge=1 << 10)
+    """Bytes per transfer group: the size of one transfer arena (a bigger tensor gets a group of its own)."""
+    overlap_transfer_and_replay: bool = False
+    """Two arenas on each side: load one group into the engine while the next is received."""
+    keep_rollback_copy: bool = True
+    """Inference keeps a host copy of the last NIXL update so a transfer that fails midway is rolled back."""
+
+
+WeightBroadcastConfig = Annotated[
+    FilesystemBroadcastConfig | NCCLBroadcastConfig | NixlBroadcastConfig, Field(discriminator="type")
+]
 
 
 class RLTrainerConfig(BaseConfig):

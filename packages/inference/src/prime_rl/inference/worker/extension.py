@@ -38,6 +38,7 @@ class PrimeWorkerExtension:
     """Methods added to vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.rank``)."""
 
     _prime_group: WeightGroup | None = None
+    _prime_nixl = None  # prime_rl.inference.weights.nixl.NixlReceiver, built by prime_init_nixl
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -83,6 +84,7 @@ class PrimeWorkerExtension:
     def prime_load_checkpoint(self, path: str) -> dict:
         """Reload every tensor of the safetensors files in ``path`` (a validated ``broadcasts/step_<n>``)."""
         start = time.perf_counter()
+        self._prime_nixl_invalidate()
         count = self._prime_reload([_iter_safetensors(path)])
         return {"tensors": count, "seconds": time.perf_counter() - start}
 
@@ -142,5 +144,36 @@ class PrimeWorkerExtension:
                     batch.append((names[i], view))
                 yield batch
 
+        self._prime_nixl_invalidate()
         count = self._prime_reload(batches())
         return {"tensors": count, "seconds": time.perf_counter() - start}
+
+    # -- nixl ----------------------------------------------------------------------------------
+
+    def _prime_nixl_invalidate(self) -> None:
+        if self._prime_nixl is not None:
+            self._prime_nixl.invalidate_rollback()
+
+    def prime_init_nixl(
+        self, host: str, port: int, session: str, rank_offset: int, keep_rollback_copy: bool, timeout_s: float
+    ) -> dict:
+        """Build this worker's NIXL receiver for a trainer session (replaces an older one)."""
+        from prime_rl.inference.worker.nixl import init_receiver
+
+        self.prime_close_nixl()
+        receiver = init_receiver(self, host, port, session, rank_offset, keep_rollback_copy, timeout_s)
+        self._prime_nixl = receiver
+        return {"agent": receiver.name, "arenas": receiver.num_arenas, "groups": len(receiver.layout.group_sizes)}
+
+    def prime_close_nixl(self) -> None:
+        if self._prime_nixl is not None:
+            self._prime_nixl.close()
+            self._prime_nixl = None
+
+    def prime_receive_nixl(self, version: int) -> dict:
+        """Pull ``version`` from the trainer ranks and load it (see ``prime_rl.inference.worker.nixl``)."""
+        from prime_rl.inference.worker.nixl import receive
+
+        if self._prime_nixl is None:
+            raise RuntimeError("no NIXL receiver: send InitNixlRequest before NixlWeightsRequest")
+        return receive(self, self._prime_nixl, version)

@@ -1,0 +1,371 @@
+"""Trainer side of the NIXL weight transport: every trainer rank is a source the inference workers read from.
+
+Protocol (the inference side is ``prime_rl.inference.weights.nixl``; shared arithmetic in
+``prime_rl.common.nixl_layout``):
+
+1. Session (``connect``, once). Rank 0 plans the layout (transfer groups of at most ``group_bytes``)
+   and stores it in the metadata service under a fresh session id; every rank allocates its slot(s)
+   (one, or two with ``overlap``: the size of its largest slice of a group), registers them with a
+   NIXL agent (UCX) and publishes its agent metadata. Rank 0 then sends ``InitNixlRequest`` to every
+   inference server: their workers load the trainer agents, register their arenas, publish their own
+   agents and prepare their reads. Finally every rank loads the receivers' agents (to notify them)
+   and the session's receiver list is stored so ranks > 0 learn it without a process group.
+2. Update (``push``). Rank 0 sends ``NixlWeightsRequest(version)`` to every server. Every rank, for
+   each group g: wait until slot ``g % slots`` is free (every receiver's read of group
+   ``g - slots`` has completed: NIXL delivers the ``C:`` credit attached to that read), copy its slice
+   of g into the slot, and notify every receiver ``R:<version>:g:<slot>``. Rank 0 finally sends
+   ``AwaitWeightsRequest`` and returns when every server serves ``version``.
+
+Depends on torch, NIXL and ``prime_rl.common`` only (no vLLM, no ``prime_rl.inference``); the few
+NIXL helpers below mirror the inference side's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+
+import msgspec
+import torch
+
+from prime_rl.common.nixl_layout import (
+    CREDIT,
+    DEFAULT_GROUP_BYTES,
+    READY,
+    NixlProtocolError,
+    decode_note,
+    encode_note,
+    max_slice_bytes,
+    pieces_in_range,
+    plan_layout,
+    source_slices,
+)
+from prime_rl.common.nixl_metadata import MetadataClient, MetadataService, is_serving
+from prime_rl.common.transport import ControlClient
+from prime_rl.common.wire import (
+    AwaitWeightsRequest,
+    InitNixlRequest,
+    NixlLayout,
+    NixlPeer,
+    NixlWeightsRequest,
+    TensorSpec,
+)
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.005
+
+
+class NixlSendError(RuntimeError):
+    """An inference server refused or failed a step, or a receiver stopped taking data."""
+
+
+def import_nixl():
+    errors = []
+    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            return __import__(module, fromlist=["nixl_agent"])
+        except ImportError as e:
+            errors.append(f"{module}: {e}")
+    raise ImportError(
+        "weight_broadcast.type='nixl' needs NIXL: pip install 'prime-rl-trainer[nixl]' (nixl-cu13); "
+        + "; ".join(errors)
+    )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class NixlSource:
+    """One trainer rank's registered slot(s), its agent, and the staging / notification loop."""
+
+    def __init__(
+        self,
+        client: MetadataClient,
+        session: str,
+        layout: NixlLayout,
+        rank: int,
+        *,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        self.session, self.layout, self.rank, self.device, self.timeout_s = session, layout, rank, device, timeout_s
+        self.slices = [source_slices(size, layout.num_sources)[rank] for size in layout.group_sizes]
+        self.pieces = [pieces_in_range(layout, g, s, e) for g, (s, e) in enumerate(self.slices)]
+        slot_bytes = max_slice_bytes(layout, rank)
+        try:
+            self.slots = [
+                torch.empty(max(slot_bytes, 1), dtype=torch.uint8, device=device) for _ in range(layout.num_slots)
+            ]
+        except (RuntimeError, MemoryError) as e:
+            raise NixlSendError(
+                f"trainer rank {rank} could not allocate {layout.num_slots} transfer slot(s) of {slot_bytes} bytes "
+                f"on {device}: {e}; lower weight_broadcast.group_bytes or set "
+                "weight_broadcast.overlap_transfer_and_replay = false (overlap needs two)"
+            ) from e
+        api = import_nixl()
+        self.name = f"prime-trainer-{rank}-{uuid.uuid4().hex[:12]}"
+        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self._reg = self.agent.register_memory(self.slots)
+        peer = NixlPeer(
+            name=self.name,
+            metadata=self.agent.get_agent_metadata(),
+            rank=rank,
+            slot_addrs=[s.data_ptr() for s in self.slots],
+            slot_bytes=slot_bytes,
+            device_id=device.index or 0,
+            mem_type="VRAM" if device.type == "cuda" else "DRAM",
+        )
+        client.put(f"{session}/trainer/{rank}", peer)
+        self.receivers: list[str] = []
+        self._credits: dict[tuple[int, int], set[str]] = {}
+
+    def connect_receivers(self, peers: Sequence[NixlPeer]) -> None:
+        """Load the receivers' agents so this rank can notify them."""
+        for peer in peers:
+            self.agent.add_remote_agent(peer.metadata)
+        self.receivers = [peer.name for peer in peers]
+
+    # -- one update, step by step ----------------------------------------------------------------
+
+    def stage(self, version: int, group: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy this rank's slice of ``group`` into its slot and announce it to every receiver."""
+        start, end = self.slices[group]
+        if end <= start:
+            return
+        slot = group % self.layout.num_slots
+        buffer = self.slots[slot]
+        for p in self.pieces[group]:
+            flat = tensors[p.index].reshape(-1).view(torch.uint8)
+            buffer[p.dest : p.dest + p.tensor_end - p.tensor_start].copy_(flat[p.tensor_start : p.tensor_end])
+        if buffer.device.type == "cuda":
+            torch.cuda.current_stream(buffer.device).synchronize()  # the bytes must be there before a peer reads
+        note = encode_note(READY, version, group, slot)
+        for name in self.receivers:
+            self.agent.send_notif(name, note)
+
+    def wait_credits(self, version: int, group: int) -> None:
+        """Block until every receiver's read of ``group`` completed (its slot may be reused)."""
+        start, end = self.slices[group]
+        if end <= start:
+            return
+        needed = set(self.receivers)
+        deadline, delay = time.monotonic() + self.timeout_s, 50e-6
+        key = (version, group)
+        while not needed <= self._credits.get(key, set()):
+            for sender, messages in self.agent.get_new_notifs().items():
+                for raw in messages:
+                    note = decode_note(raw, sender)
+                    if note.kind != CREDIT or note.version > version:
+                        raise NixlProtocolError(
+                            f"trainer rank {self.rank} got notification {raw!r} from {sender} while sending version "
+                            f"{version}: receivers only return credits for the version being sent"
+                        )
+                    if note.version < version:
+                        continue  # a late credit of an aborted update
+                    self._credits.setdefault((note.version, note.group), set()).add(sender)
+            if needed <= self._credits.get(key, set()):
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(needed - self._credits.get(key, set()))
+                raise NixlSendError(
+                    f"trainer rank {self.rank}: receiver(s) {missing} did not read group {group} of version {version} "
+                    f"within {self.timeout_s}s; an inference worker stopped or disappeared"
+                )
+            time.sleep(delay)  # grows to POLL_S: quick for a fast peer, cheap on shared cores
+            delay = min(delay * 2, POLL_S)
+        self._credits.pop(key, None)
+
+    def publish(self, version: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Stage every group of ``version``, reusing a slot only once all receivers have read it."""
+        num_groups, num_slots = len(self.layout.group_sizes), self.layout.num_slots
+        for g in range(num_groups):
+            if g >= num_slots:
+                self.wait_credits(version, g - num_slots)
+            self.stage(version, g, tensors)
+        for g in range(max(0, num_groups - num_slots), num_groups):
+            self.wait_credits(version, g)
+
+    def close(self) -> None:
+        for name in self.receivers:
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:  # the peer may be gone already
+                pass
+        self.agent.deregister_memory(self._reg)
+
+
+def _check(reply: object, what: str, address: str) -> None:
+    if getattr(reply, "ok", False) is not True:
+        error = getattr(reply, "error", None) or repr(reply)
+        raise NixlSendError(f"{what} refused by inference server {address}: {error}")
+
+
+class NixlWeightSender:
+    """One trainer rank's end of the NIXL transport; rank 0 also drives the inference servers.
+
+    ``addresses``: control endpoints of the inference servers (used by rank 0 only). ``session``: a key
+    shared by all ranks of this trainer (rank 0 makes one when None; ranks > 0 must be given it).
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        host: str,
+        port: int,
+        rank: int = 0,
+        world_size: int = 1,
+        session: str | None = None,
+        group_bytes: int = DEFAULT_GROUP_BYTES,
+        overlap: bool = False,
+        keep_rollback_copy: bool = True,
+        timeout_s: float = 600.0,
+        device: torch.device | str = "cpu",
+        start_service: bool = True,
+    ) -> None:
+        if rank > 0 and session is None:
+            raise ValueError(f"trainer rank {rank} needs the session id chosen by rank 0; pass session=")
+        self.addresses = list(addresses)
+        self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
+        self.session = session or f"prime-rl-{uuid.uuid4().hex[:12]}"
+        self.group_bytes, self.num_slots = group_bytes, 2 if overlap else 1
+        self.keep_rollback_copy, self.timeout_s = keep_rollback_copy, timeout_s
+        self.device = torch.device(device)
+        self.service: MetadataService | None = None
+        if rank == 0 and start_service and not is_serving(host, port):
+            # No job-scoped service (SLURM starts one on the trainer head node): host one here.
+            self.service = MetadataService("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, port).start()
+            logger.info("started the NIXL metadata service on %s", self.service.endpoint)
+        self.client = MetadataClient(host, port, timeout_s=timeout_s)
+        self.clients = [ControlClient(a, timeout_s=timeout_s) for a in self.addresses] if rank == 0 else []
+        self.layout: NixlLayout | None = None
+        self.source: NixlSource | None = None
+
+    # -- control requests to every server (rank 0) ----------------------------------------------
+
+    def _on_every_server(self, make_request, what: str) -> None:
+        replies: list[object] = [None] * len(self.clients)
+
+        def call(i: int) -> None:
+            try:
+                replies[i] = self.clients[i].request(make_request(i))
+            except Exception as e:  # reported below with the server's address
+                replies[i] = e
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(self.clients))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for reply, address in zip(replies, self.addresses):
+            _check(reply, what, address)
+
+    # -- session ---------------------------------------------------------------------------------
+
+    def connect(self, specs: Sequence[TensorSpec]) -> NixlLayout:
+        """Set the session up (see the module docstring); every rank calls it with the same specs."""
+        layout = self.prepare(specs)
+        self.link()
+        return layout
+
+    def prepare(self, specs: Sequence[TensorSpec]) -> NixlLayout:
+        """Step 1 of ``connect``: the layout (rank 0 plans it) and this rank's registered slots."""
+        key = f"{self.session}/layout"
+        if self.rank == 0:
+            layout = plan_layout(specs, self.world_size, self.group_bytes, self.num_slots)
+            self.client.put(key, layout)
+        else:
+            layout = self.client.wait_get(key, self.timeout_s, NixlLayout)
+        self.layout = layout
+        self.source = NixlSource(
+            self.client, self.session, layout, self.rank, device=self.device, timeout_s=self.timeout_s
+        )
+        return layout
+
+    def link(self) -> None:
+        """Step 2 of ``connect``: rank 0 sets the servers' receivers up; every rank loads their agents."""
+        assert self.source is not None, "prepare() first"
+        receivers_key = f"{self.session}/receivers"
+        if self.rank == 0:
+            self._on_every_server(
+                lambda i: InitNixlRequest(
+                    host=self.host,
+                    port=self.port,
+                    session=self.session,
+                    rank_offset=i,
+                    keep_rollback_copy=self.keep_rollback_copy,
+                    timeout_s=self.timeout_s,
+                ),
+                "InitNixlRequest",
+            )
+            names = self.client.keys(f"{self.session}/infer/")
+            self.client.put(receivers_key, msgspec.msgpack.encode(names))
+        else:
+            names = msgspec.msgpack.decode(self.client.wait_get(receivers_key, self.timeout_s), type=list[str])
+        peers = [msgspec.msgpack.decode(self.client.get(n), type=NixlPeer) for n in names]
+        self.source.connect_receivers(peers)
+
+    def _tensors_in_layout(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The update's tensors in layout order; the layout is fixed per session, so names/shapes/dtypes must match."""
+        assert self.layout is not None
+        given = {name: t.detach().contiguous() for name, t in named_tensors}
+        out, problems = [], []
+        for spec in self.layout.specs:
+            t = given.pop(spec.name, None)
+            if t is None:
+                problems.append(f"{spec.name} missing")
+            elif dtype_name(t.dtype) != spec.dtype or list(t.shape) != spec.shape:
+                problems.append(
+                    f"{spec.name} is {dtype_name(t.dtype)}{list(t.shape)}, session has {spec.dtype}{spec.shape}"
+                )
+            out.append(t)
+        problems += [f"{name} is not in the session layout" for name in given]
+        if problems:
+            raise NixlSendError(
+                "update does not match the NIXL session's layout: " + "; ".join(problems[:5]) + "; every update "
+                "must carry the tensors of the first one (connect() again for another model)"
+            )
+        return out
+
+    # -- updates -----------------------------------------------------------------------------------
+
+    def begin(self, version: int) -> None:
+        """Rank 0: ask every server to start pulling ``version``."""
+        if self.rank == 0:
+            self._on_every_server(lambda i: NixlWeightsRequest(version=version), "NixlWeightsRequest")
+
+    def finish(self, version: int) -> None:
+        """Rank 0: wait until every server serves ``version`` (raises with the server's reason otherwise)."""
+        if self.rank == 0:
+            self._on_every_server(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
+
+    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Send one full update; on rank 0 returns (seconds) when every server serves ``version``."""
+        start = time.perf_counter()
+        if self.source is None:
+            named_tensors = list(named_tensors)
+            self.connect([TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in named_tensors])
+        tensors = self._tensors_in_layout(named_tensors)
+        self.begin(version)
+        try:
+            self.source.publish(version, tensors)
+        finally:
+            # Collect the servers' verdict even when staging failed: it names the cause on their side.
+            self.finish(version)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+        for c in self.clients:
+            c.close()
+        self.client.close()
+        if self.service is not None:
+            self.service.stop()
+            self.service = None
