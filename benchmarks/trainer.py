@@ -53,25 +53,31 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median (compile, allocator)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--fullgraph", action=argparse.BooleanOptionalAction, default=True, help="one graph per block")
+    p.add_argument("--attn", default="auto", help="model.attn: auto, sdpa, varlen, flex, ...")
     p.add_argument("--ac", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--chunk", default="8192", help='fused LM head token chunk, or "disabled"')
     p.add_argument("--optim", default="adamw", choices=["adamw", "sign_sgd"])
     p.add_argument("--workdir", type=Path, default=Path("/tmp/prime-rl-bench"))
+    p.add_argument("--profile", action="store_true", help="GPU time per kernel category instead (one process)")
     p.add_argument("--extra", nargs="*", default=[], help="more sft flags, e.g. --model.reshard-after-forward")
     args = p.parse_args()
 
     model_dir = make_model_dir(args.shape, args.workdir / f"{args.shape}-random")
-    name = f"{args.shape}-s{args.seq_len}-n{args.nproc}-c{int(args.compile)}-ac{int(args.ac)}-{args.chunk}"
+    name = f"{args.shape}-s{args.seq_len}-n{args.nproc}-c{int(args.compile)}-ac{int(args.ac)}-{args.chunk}-{args.attn}"
     batch = args.batch_size or args.nproc
     cmd = [sys.executable, "-m", "prime_rl.trainer.sft.entrypoint", "--model.name", str(model_dir),
            "--data.type", "fake", "--data.seq-len", str(args.seq_len), "--data.batch-size", str(batch),
            "--data.micro-batch-size", "1", "--max-steps", str(args.steps), "--optim.type", args.optim,
            "--model.offload", "none", "--model.ac-offloading", "None", "--model.fused-lm-head-token-chunk-size",
            args.chunk, "--deployment.num-gpus", str(args.nproc), "--output-dir", str(args.workdir),
-           "--run-name", name, "--no-ckpt.export-hf", "--no-model.reshard-after-forward"]  # fmt: skip
-    cmd += ["--model.compile", "--model.compile.fullgraph", "false"] if args.compile else []
+           "--run-name", name, "--no-ckpt.export-hf", "--no-model.reshard-after-forward", "--model.attn", args.attn]  # fmt: skip
+    cmd += ["--model.compile", "--model.compile.fullgraph", str(args.fullgraph).lower()] if args.compile else []
     cmd += [] if args.ac else ["--model.ac", "None"]
     cmd += args.extra
+    if args.profile:  # same flags, run through benchmarks/trainer_profile.py's step profiler
+        profiler = Path(__file__).with_name("trainer_profile.py")
+        sys.exit(subprocess.run([sys.executable, str(profiler), "step", "--", *cmd[3:]]).returncode)
     metrics_path = args.workdir / name / "monitors/file/metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -85,7 +91,7 @@ def main() -> None:
 
     print(json.dumps(dict(
         bench="sft", shape=args.shape, seq_len=args.seq_len, nproc=args.nproc, batch_rows=batch,
-        compile=args.compile, ac=args.ac, lm_head_chunk=args.chunk, optim=args.optim, steps_measured=len(rows),
+        compile=args.compile, fullgraph=args.fullgraph, attn=args.attn, ac=args.ac, lm_head_chunk=args.chunk, optim=args.optim, steps_measured=len(rows),
         tokens_per_s=round(med("perf/throughput")), tokens_per_s_per_gpu=round(med("perf/throughput_per_gpu")),
         mfu=round(med("perf/mfu"), 4), step_s=round(med("time/step"), 4),
         peak_mem_gib=round(max(r["perf/peak_memory"] for r in rows), 2),

@@ -6,15 +6,19 @@ causal within each document and never across documents. The transformer block ho
 `self_attn.core_attention`, so context parallelism (ring attention) can replace it in place.
 
 Backends:
-- sdpa: torch SDPA; one document uses `is_causal`, several use a block-diagonal causal mask (T x T bool).
+- sdpa: torch SDPA; documents of one length (e.g. one per row) run as a batch with `is_causal` (on CUDA
+  cuDNN first, then flash), uneven ones use a block-diagonal causal mask (T x T bool).
 - flex: FlexAttention with a document-causal BlockMask (compiled on CUDA; eager forward only on CPU).
 - varlen: `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16).
 - flash_attention_{2,3,4}: the flash-attn packages' varlen kernels (CUDA).
-`auto` picks the first installed flash-attn (3, 4, 2), else varlen on CUDA, else sdpa.
+`auto` picks the first installed flash-attn (3, 4, 2), else varlen on CUDA, else sdpa. Under `auto` the
+varlen backend hands equal-length documents to SDPA's dense causal path: on an H200 cuDNN's kernel is
+faster than varlen's FA2 kernel (benchmarks/results/trainer.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -23,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from prime_rl.trainer.models.packing import PackedSeqs
 
@@ -94,7 +99,7 @@ def prepare_masks(seqs: PackedSeqs, attn: str) -> None:
     """Build the backend's mask once per forward, outside the blocks, so that compiled or
     checkpointed blocks only read `seqs.cache` (no mask construction inside a traced region)."""
     if attn == "sdpa" or (attn == "varlen" and seqs.doc_ids.device.type != "cuda"):
-        if seqs.num_docs > 1:
+        if not uniform_docs(seqs):
             document_causal_mask(seqs)
     elif attn == "flex":
         FlexAttention.block_mask(seqs)
@@ -117,14 +122,41 @@ def document_causal_mask(seqs: PackedSeqs) -> torch.Tensor:
     return seqs.cache["sdpa_mask"]
 
 
+# SDPA kernels to try on CUDA, in order: cuDNN's fused attention is the fastest on Hopper for long causal
+# rows (the default order puts flash first); flash takes over where cuDNN refuses a shape.
+SDPA_CUDA_PRIORITY = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
+def uniform_docs(seqs: PackedSeqs) -> bool:
+    """True when every document has the same length (one full document per row is the common case)."""
+    return seqs.num_docs * seqs.max_seqlen == seqs.num_tokens
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_docs: int) -> torch.Tensor:
+    """(T, H, D) packed documents of equal length T / num_docs -> causal SDPA over a (num_docs, H, L, D) batch."""
+    num_tokens, gqa = q.shape[0], q.shape[1] != k.shape[1]
+    length = num_tokens // num_docs
+
+    def to_batch(x: torch.Tensor) -> torch.Tensor:
+        return x.view(num_docs, length, x.shape[1], x.shape[2]).transpose(1, 2)  # (N, H, L, D)
+
+    with sdpa_kernel(SDPA_CUDA_PRIORITY, set_priority=True) if q.is_cuda else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(to_batch(q), to_batch(k), to_batch(v), is_causal=True, enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(num_tokens, q.shape[1], out.shape[-1])
+
+
 class SDPAAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs) -> torch.Tensor:
+        if uniform_docs(seqs):
+            return dense_causal_attention(q, k, v, seqs.num_docs)
+        mask = document_causal_mask(seqs)
         gqa = q.shape[1] != k.shape[1]
-        if seqs.num_docs == 1:
-            out = F.scaled_dot_product_attention(_to_bhtd(q), _to_bhtd(k), _to_bhtd(v), is_causal=True, enable_gqa=gqa)
-        else:
-            mask = document_causal_mask(seqs)
-            out = F.scaled_dot_product_attention(_to_bhtd(q), _to_bhtd(k), _to_bhtd(v), attn_mask=mask, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(_to_bhtd(q), _to_bhtd(k), _to_bhtd(v), attn_mask=mask, enable_gqa=gqa)
         return _from_bhtd(out)
 
 
@@ -178,10 +210,13 @@ class VarlenAttention(nn.Module):
     def __init__(self, sdpa_fallback: bool = False):
         super().__init__()
         self.sdpa_fallback = sdpa_fallback
+        """attn='auto': run fp32 / CPU inputs and equal-length documents through SDPA (faster there)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs) -> torch.Tensor:
         from torch.nn.attention.varlen import varlen_attn
 
+        if self.sdpa_fallback and uniform_docs(seqs):
+            return dense_causal_attention(q, k, v, seqs.num_docs)
         if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
             if self.sdpa_fallback:
                 return SDPAAttention()(q, k, v, seqs)

@@ -37,9 +37,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def build_optimizer(cfg: AdamWConfig | SignSGDConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     if isinstance(cfg, SignSGDConfig):
         return SignSGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    # foreach (multi-tensor) works on CPU and GPU, with DTensors; fused would need all params on CUDA
+    # fused (one kernel reading p, g, m, v once) when every parameter is on CUDA: on an H200 it is several
+    # times faster than foreach's chain of multi-tensor ops; foreach elsewhere (CPU, CPU-offloaded masters)
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True
+        params,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=not fused,
+        fused=fused,
     )
 
 

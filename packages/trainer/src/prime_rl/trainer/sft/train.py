@@ -28,7 +28,7 @@ from prime_rl.common.logging import setup_logger
 from prime_rl.common.monitor import FileMonitor
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.ckpt import CheckpointManager, export_hf, resolve_resume_step
-from prime_rl.trainer.data import DataLoader, build_data_loader
+from prime_rl.trainer.data import DataLoader, MicroBatch, build_data_loader
 from prime_rl.trainer.logs import redirect_rank_output
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import load_model_config, model_flops_per_token
@@ -128,16 +128,22 @@ def train(cfg: SFTConfig) -> None:
     flops_per_token = model_flops_per_token(model_config, cfg.data.seq_len)
     monitor = FileMonitor(run_dir) if world.is_main else None
     timer = StepTimer(world.device)
+    micro_batches = loader.micro_batches(start) if start < cfg.max_steps else []
     for step in range(start, cfg.max_steps):
         timer.start()
-        stats = train_step(model, loader, step, dims, world)
+        # no host sync until the optimizer step is queued: the CPU-side clip / optimizer dispatch overlaps
+        # the tail of backward instead of running while the GPU idles
+        stats = forward_backward(model, micro_batches, dims, world)
         grad_norm = optimizer.grad_norm() if full_offload else clip_grad_norm(params, cfg.optim.max_norm)
         lr = scheduler.get_last_lr()[0]
         offload.load()
         optimizer.step()
+        if step + 1 < cfg.max_steps:  # build the next step's rows on the CPU while the GPU works
+            micro_batches = loader.micro_batches(step + 1)
         offload.offload()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        stats = _to_host(stats)
         metrics = {
             "loss/mean": stats["loss"],
             "loss/tokens": stats["loss_tokens"],
@@ -170,15 +176,19 @@ def train(cfg: SFTConfig) -> None:
 
 def train_step(model: CausalLM, loader: DataLoader, step: int, dims: ParallelDims, world: World) -> dict:
     """Forward + backward over this rank's micro-batches; returns the step's global loss statistics."""
-    micro_batches = loader.micro_batches(step)
+    return _to_host(forward_backward(model, loader.micro_batches(step), dims, world))
+
+
+def forward_backward(model: CausalLM, micro_batches: list[MicroBatch], dims: ParallelDims, world: World) -> dict:
+    """`train_step` without a host sync: "loss" and "loss_tokens" stay device tensors (see `_to_host`)."""
     if dims.cp_enabled:  # each CP rank takes its contiguous slice of every micro-batch
         micro_batches = [shard_micro_batch(mb, dims.cp_rank(world.rank), dims.cp) for mb in micro_batches]
     counts = torch.tensor([sum(mb.num_loss_tokens for mb in micro_batches)], dtype=torch.float64, device=world.device)
     dist.all_reduce(counts)
-    loss_tokens = counts.item()
+    loss_tokens = counts[0].clamp(min=1.0)
     # FSDP averages gradients over all ranks (CP ranks included; EP divides expert grads the same way):
     # world / global tokens makes the result the global token mean
-    scale = world.world_size / max(loss_tokens, 1.0)
+    scale = (world.world_size / loss_tokens).float()
     nll_sum = torch.zeros((), dtype=torch.float64, device=world.device)
     tokens = 0
     for mb in micro_batches:
@@ -189,11 +199,11 @@ def train_step(model: CausalLM, loader: DataLoader, step: int, dims: ParallelDim
         nll_sum += nll.detach()
         tokens += mb.input_ids.numel()
     dist.all_reduce(nll_sum)
-    return {
-        "loss": nll_sum.item() / max(loss_tokens, 1.0),
-        "loss_tokens": loss_tokens,
-        "tokens": tokens * world.world_size,
-    }
+    return {"loss": nll_sum / loss_tokens, "loss_tokens": counts[0], "tokens": tokens * world.world_size}
+
+
+def _to_host(stats: dict) -> dict:
+    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in stats.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
