@@ -167,3 +167,27 @@ def test_arena_allocation_failure_is_an_error():
 
     with pytest.raises(NixlTransferError, match="overlap_transfer_and_replay = false"):
         allocate_arenas(2, 1 << 62, torch.device("cpu"), "receiver")
+
+
+def test_metadata_service_and_config():
+    from prime_rl.common.config.rl_trainer import NixlBroadcastConfig, RLTrainerConfig
+    from prime_rl.common.nixl_metadata import is_serving
+
+    service = MetadataService("127.0.0.1", free_port()).start()
+    client = MetadataClient("127.0.0.1", service.port, timeout_s=5)
+    try:
+        assert is_serving("127.0.0.1", service.port)
+        client.put("s/infer/b", b"2")
+        client.put("s/infer/a", b"1")
+        client.put("t/x", b"3")
+        assert client.get("s/infer/a") == b"1" and client.get("missing") is None
+        assert client.keys("s/infer/") == ["s/infer/a", "s/infer/b"]
+        with pytest.raises(TimeoutError, match="did not appear"):
+            client.wait_get("s/layout", timeout_s=0.2)
+    finally:
+        client.close()
+        service.stop()
+    cfg = RLTrainerConfig.model_validate(
+        {"model": {"name": "m"}, "weight_broadcast": {"type": "nixl", "overlap_transfer_and_replay": True}}
+    )
+    assert isinstance(cfg.weight_broadcast, NixlBroadcastConfig) and cfg.weight_broadcast.overlap_transfer_and_replay
