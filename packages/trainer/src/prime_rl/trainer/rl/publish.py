@@ -95,9 +95,12 @@ class BroadcastPublisher:
             self.broadcaster.close()
 
 
-def build_publisher(
-    cfg: FilesystemBroadcastConfig | NCCLBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World
-) -> FilesystemPublisher | BroadcastPublisher:
+def build_publisher(cfg, run_dir: RunDir, model: CausalLM, world: World):
+    """The publisher for ``[weight_broadcast]``: filesystem, nccl (gloo on CPU) or nixl."""
+    if cfg.type == "nixl":
+        from prime_rl.trainer.rl.publish_nixl import NixlPublisher  # needs the nixl extra
+
+        return NixlPublisher(cfg, run_dir, model, world)
     if isinstance(cfg, NCCLBroadcastConfig):
         return BroadcastPublisher(cfg, run_dir, model, world)
     return FilesystemPublisher(cfg, run_dir, model, world)
