@@ -14,16 +14,20 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, NCCLBroadcastConfig
+from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, NCCLBroadcastConfig, NixlBroadcastConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf, save_hf_weights
 from prime_rl.trainer.world import World
+
+if TYPE_CHECKING:
+    from prime_rl.trainer.rl.publish_nixl import NixlPublisher
 
 MARKER = "STABLE"
 """Written last into broadcasts/step_<n>/ (the orchestrator's BROADCAST_MARKER)."""
@@ -95,7 +99,12 @@ class BroadcastPublisher:
             self.broadcaster.close()
 
 
-def build_publisher(cfg, run_dir: RunDir, model: CausalLM, world: World):
+def build_publisher(
+    cfg: FilesystemBroadcastConfig | NCCLBroadcastConfig | NixlBroadcastConfig,
+    run_dir: RunDir,
+    model: CausalLM,
+    world: World,
+) -> FilesystemPublisher | BroadcastPublisher | NixlPublisher:
     """The publisher for ``[weight_broadcast]``: filesystem, nccl (gloo on CPU) or nixl."""
     if cfg.type == "nixl":
         from prime_rl.trainer.rl.publish_nixl import NixlPublisher  # needs the nixl extra
