@@ -5,9 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ "$(id -u)" = 0 ] && ! command -v chromium >/dev/null 2>&1; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
-    || echo "setup: could not install chromium; the browser test will be skipped" >&2
+# Debian packages for the tests: Chromium (dashboard browser test) and SLURM + munge (a real local
+# cluster for the multi-node tests). Root only; without them those tests skip and say why.
+APT_PKGS="chromium chromium-driver slurmctld slurmd slurm-client munge"
+if [ "$(id -u)" = 0 ] && ! (command -v chromium && command -v slurmctld && command -v munged) >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $APT_PKGS >/dev/null) \
+    || echo "setup: could not install $APT_PKGS; the browser and SLURM tests will skip" >&2
 fi
 
 python3 -m venv .venv
@@ -24,7 +27,7 @@ $PIP install -q --no-build-isolation \
   -e "packages/kernels" \
   -e "packages/trainer" \
   -e "packages/inference[cpu,router]" \
-  -e "packages/orchestrator" \
+  -e "packages/orchestrator[envs]" \
   -e "packages/launcher[test]"
 $PIP install -q pytest pytest-xdist pytest-timeout ruff build
 echo "setup: done (.venv)"

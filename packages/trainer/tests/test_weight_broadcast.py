@@ -59,7 +59,8 @@ def test_gloo_round_trip_is_bit_exact_for_every_receiver():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    # fork, not spawn: under pytest's importlib mode a spawned child cannot re-import this test module
+    ctx = mp.get_context("fork")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(3)]
     for p in procs:

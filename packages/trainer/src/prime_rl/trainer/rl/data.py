@@ -2,8 +2,10 @@
 
 A micro-batch row holds packed samples in the orchestrator's convention: per token t, ``loss_mask[t]``
 and ``inference_logprobs[t]`` refer to token t itself (its logprob given the tokens before it). The
-model's LM head predicts token t+1 from position t, so ``RLMicroBatch.targets`` shifts by one inside
-each sample (the last token of a sample has no target) and the trainer shifts its logprobs back.
+model's LM head predicts token t+1 from position t, so on arrival every per-token array is shifted to
+*positions*: ``targets[t]``, ``loss_mask[t]``, ``advantages[t]`` and ``inference_logprobs[t]`` all
+describe token t+1 (nothing at a sample's last position). Aligned this way, a micro-batch can be cut
+into contiguous context-parallel slices with no value crossing a slice boundary.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from prime_rl.common.config.rl_trainer import FakeRLDataConfig
 from prime_rl.common.transport import Receiver
 from prime_rl.common.wire import TrainingBatch, micro_batch_arrays
+from prime_rl.trainer.parallel.context import shard_sequence
 
 IGNORE_INDEX = -100
 
@@ -24,15 +27,28 @@ IGNORE_INDEX = -100
 class RLMicroBatch:
     input_ids: torch.Tensor  # (1, T) int64
     position_ids: torch.Tensor  # (1, T) int64
-    targets: torch.Tensor  # (T,) int64, next token within the sample or IGNORE_INDEX
-    loss_mask: torch.Tensor  # (T,) bool, token t is trained on
-    advantages: torch.Tensor  # (T,) fp32
-    inference_logprobs: torch.Tensor | None  # (T,) fp32; None = on-policy (fake data)
+    targets: torch.Tensor  # (T,) int64: token t+1 of the same sample, or IGNORE_INDEX
+    loss_mask: torch.Tensor  # (T,) bool: token t+1 is trained on
+    advantages: torch.Tensor  # (T,) fp32, of token t+1
+    inference_logprobs: torch.Tensor | None  # (T,) fp32, of token t+1; None = on-policy (fake data)
     temperature: float
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    def shard(self, cp_rank: int, cp: int) -> RLMicroBatch:
+        """This context-parallel rank's contiguous 1/cp slice (positions are already aligned)."""
+        cut = lambda t: None if t is None else shard_sequence(t, cp_rank, cp)  # noqa: E731
+        return RLMicroBatch(
+            cut(self.input_ids),
+            cut(self.position_ids),
+            cut(self.targets),
+            cut(self.loss_mask),
+            cut(self.advantages),
+            cut(self.inference_logprobs),
+            self.temperature,
+        )
 
     def to(self, device: torch.device) -> RLMicroBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
@@ -55,22 +71,31 @@ def next_token_targets(input_ids: torch.Tensor, position_ids: torch.Tensor) -> t
     return targets
 
 
+def to_positions(per_token: torch.Tensor, targets: torch.Tensor, fill: float | bool) -> torch.Tensor:
+    """(T,) values about token t -> (T,) values about token t+1 (``fill`` where there is no next token)."""
+    out = torch.full_like(per_token, fill)
+    out[:-1] = per_token[1:]
+    return torch.where(targets != IGNORE_INDEX, out, torch.full_like(out, fill))
+
+
 def from_arrays(arrays: dict[str, np.ndarray], temperature: float) -> RLMicroBatch:
     ids = torch.from_numpy(arrays["input_ids"].astype(np.int64)).flatten()
     pos = torch.from_numpy(arrays["position_ids"].astype(np.int64)).flatten()
+    targets = next_token_targets(ids, pos)
+    tensor = lambda name: torch.from_numpy(np.ascontiguousarray(arrays[name])).flatten()  # noqa: E731
     return RLMicroBatch(
         input_ids=ids[None],
         position_ids=pos[None],
-        targets=next_token_targets(ids, pos),
-        loss_mask=torch.from_numpy(arrays["loss_mask"].copy()).flatten(),
-        advantages=torch.from_numpy(arrays["advantages"].copy()).flatten(),
-        inference_logprobs=torch.from_numpy(arrays["inference_logprobs"].copy()).flatten(),
+        targets=targets,
+        loss_mask=to_positions(tensor("loss_mask"), targets, False),
+        advantages=to_positions(tensor("advantages"), targets, 0.0),
+        inference_logprobs=to_positions(tensor("inference_logprobs"), targets, 0.0),
         temperature=temperature,
     )
 
 
 class OrchestratorSource:
-    """Rank r pulls its own TrainingBatch per step from the orchestrator at ``tcp://host:(port + r)``."""
+    """Data-parallel rank r pulls its own TrainingBatch per step from ``tcp://host:(port + r)``."""
 
     def __init__(self, host: str, port: int, rank: int, timeout_s: float):
         self.receiver = Receiver(f"tcp://{host}:{port + rank}", bind=False, timeout_s=timeout_s, types=(TrainingBatch,))
@@ -123,12 +148,13 @@ class FakeSource:
             g = torch.Generator().manual_seed(hash((self.cfg.seed, step, self.rank, i)) % 2**31)
             ids = torch.randint(0, self.vocab_size, (self.seq_len,), generator=g)
             pos = torch.cat([torch.arange(n) for n in self._lengths(g)])
+            targets = next_token_targets(ids, pos)
             out.append(
                 RLMicroBatch(
                     input_ids=ids[None],
                     position_ids=pos[None],
-                    targets=next_token_targets(ids, pos),
-                    loss_mask=pos != 0,
+                    targets=targets,
+                    loss_mask=targets != IGNORE_INDEX,
                     advantages=torch.randn(self.seq_len, generator=g),
                     inference_logprobs=None,
                     temperature=1.0,

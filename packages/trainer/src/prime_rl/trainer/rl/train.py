@@ -29,7 +29,9 @@ from prime_rl.trainer.ckpt import CheckpointManager, resolve_resume_step
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import load_model_config, model_flops_per_token
 from prime_rl.trainer.optim import OptimizerOffload, build_optimizer, build_scheduler, clip_grad_norm
+from prime_rl.trainer.optim.full_offload import FullOffloadOptimizer
 from prime_rl.trainer.parallel import ParallelDims
+from prime_rl.trainer.parallel.layout import resolve_parallel_dims
 from prime_rl.trainer.perf import StepTimer, perf_metrics
 from prime_rl.trainer.rl.data import FakeSource, OrchestratorSource, RLMicroBatch
 from prime_rl.trainer.rl.loss import LossSettings, rl_loss
@@ -38,27 +40,22 @@ from prime_rl.trainer.sft.train import _setup_output, check_model_dir
 from prime_rl.trainer.world import World, close_world, init_world
 
 
-def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
-    """(T,) values computed at position t (about token t+1) -> (T,) values about token t (0 at t=0)."""
-    out = torch.zeros_like(per_position)
-    out[1:] = per_position[:-1]
-    return out
-
-
 def train_step(
     model: CausalLM, batches: list[RLMicroBatch], dims: ParallelDims, world: World, settings: LossSettings
 ) -> dict[str, float]:
+    if dims.cp_enabled:  # each CP rank takes its contiguous slice of every micro-batch
+        batches = [mb.shard(dims.cp_rank(world.rank), dims.cp) for mb in batches]
     local_tokens = sum(mb.num_loss_tokens for mb in batches)
     counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=world.device)
     dist.all_reduce(counts)
     global_tokens = max(counts.item(), 1.0)
-    # FSDP averages gradients over dp ranks: dividing by global_tokens / dp gives the global token mean
-    loss_scale = global_tokens / dims.dp
+    # FSDP averages gradients over all ranks (CP ranks included): global_tokens / world gives the token mean
+    loss_scale = global_tokens / world.world_size
     sums = torch.zeros(6, dtype=torch.float64, device=world.device)
     for mb in batches:
         mb = mb.to(world.device)
+        # (T,) each: logprob / entropy of token t+1 at position t, like every array of the micro-batch
         logprobs, entropy = model(mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature)
-        logprobs, entropy = shift_to_tokens(logprobs), shift_to_tokens(entropy)  # (T,) about token t
         inference = mb.inference_logprobs if mb.inference_logprobs is not None else logprobs.detach()
         loss, stats = rl_loss(logprobs, inference, mb.advantages, mb.loss_mask, loss_scale, settings)
         loss.backward()
@@ -75,6 +72,7 @@ def train_step(
         )
     dist.all_reduce(sums)
     loss_sum, entropy_sum, kl_sum, low, high, tokens = sums.tolist()
+    tokens /= dims.cp  # every CP rank counted its slice of the same rows
     return {
         "loss/mean": loss_sum / global_tokens,
         "entropy/mean": entropy_sum / global_tokens,
@@ -94,11 +92,17 @@ def train(cfg: RLTrainerConfig) -> None:
     try:
         model_dir = check_model_dir(cfg.model.name)
         model_config = load_model_config(str(model_dir))
-        dims = ParallelDims.from_world(world.world_size, cfg.model.dp_replicate)
+        dims = resolve_parallel_dims(cfg.model, world.world_size, model_config)
+        dp_rank = dims.dp_rank(world.rank)  # the cp ranks of one sequence train on the same rows
         if cfg.data.fake is not None:
-            source = FakeSource(cfg.data.fake, cfg.data.seq_len, model_config.vocab_size, world.rank, dims.dp)
+            source = FakeSource(cfg.data.fake, cfg.data.seq_len, model_config.vocab_size, dp_rank, dims.dp)
+        elif dims.cp_enabled:
+            raise ValueError(
+                f"model.cp={dims.cp} with orchestrator data is not supported yet (each orchestrator socket feeds "
+                "one rank); use cp=1 for RL, or --data.fake to benchmark context parallelism"
+            )
         else:
-            source = OrchestratorSource(cfg.data.host, cfg.data.port, world.rank, cfg.data.timeout)
+            source = OrchestratorSource(cfg.data.host, cfg.data.port, dp_rank, cfg.data.timeout)
     except (ValueError, FileNotFoundError) as e:
         if world.is_main:
             logger.error(str(e))
@@ -109,7 +113,13 @@ def train(cfg: RLTrainerConfig) -> None:
     mesh = dims.build_mesh(world.device.type)
     model = build_training_model(cfg.model, dims, mesh, world.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg.optim, params)
+    full_offload = cfg.model.offload == "full"
+    if full_offload:
+        optimizer = FullOffloadOptimizer(params, cfg.optim)
+        if cfg.optim.max_norm is not None:
+            logger.warning("model.offload='full' disables gradient clipping: optim.max_norm is ignored")
+    else:
+        optimizer = build_optimizer(cfg.optim, params)
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.max_steps)
     offload = OptimizerOffload(optimizer, world.device, enabled=cfg.model.offload == "optimizer")
     ckpt = CheckpointManager(run_dir, cfg.ckpt.keep_last, world.is_main)
@@ -130,7 +140,7 @@ def train(cfg: RLTrainerConfig) -> None:
         batches, _ = source.get(step)
         timer.start()
         stats = train_step(model, batches, dims, world, settings)
-        grad_norm = clip_grad_norm(params, cfg.optim.max_norm)
+        grad_norm = optimizer.grad_norm() if full_offload else clip_grad_norm(params, cfg.optim.max_norm)
         lr = scheduler.get_last_lr()[0]
         offload.load()
         optimizer.step()
