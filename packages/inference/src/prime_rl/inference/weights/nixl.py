@@ -97,10 +97,14 @@ def allocate_arenas(count: int, size: int, device: torch.device, what: str) -> l
         ) from e
 
 
-def make_agent(prefix: str):
+def make_agent(prefix: str, progress_thread: bool):
+    """A UCX agent. ``progress_thread``: only with overlap, where reads must advance while the engine loads;
+    otherwise this process polls whenever it waits, and a progress thread only adds wake-up latency
+    (measured here: 25 -> 11 ms per group on two busy cores)."""
     api = import_nixl()
     name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"])), name
+    config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    return api.nixl_agent(name, config), name
 
 
 class NixlReceiver:
@@ -124,7 +128,7 @@ class NixlReceiver:
         ]
         self.num_arenas = layout.num_slots
         self.arenas = allocate_arenas(self.num_arenas, max(layout.group_sizes), device, "receiver")
-        self.agent, self.name = make_agent(f"prime-infer-{rank}")
+        self.agent, self.name = make_agent(f"prime-infer-{rank}", progress_thread=self.num_arenas == 2)
         self._reg = self.agent.register_memory(self.arenas)
         for peer in self.sources:
             self.agent.add_remote_agent(peer.metadata)

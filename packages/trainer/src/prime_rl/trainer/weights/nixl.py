@@ -109,7 +109,10 @@ class NixlSource:
             ) from e
         api = import_nixl()
         self.name = f"prime-trainer-{rank}-{uuid.uuid4().hex[:12]}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        # A progress thread only with overlap (reads advance while this rank stages the next group);
+        # otherwise this rank polls whenever it waits and the thread only adds wake-up latency.
+        config = api.nixl_agent_config(enable_prog_thread=layout.num_slots == 2, backends=["UCX"])
+        self.agent = api.nixl_agent(self.name, config)
         self._reg = self.agent.register_memory(self.slots)
         peer = NixlPeer(
             name=self.name,
