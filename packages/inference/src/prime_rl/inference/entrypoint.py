@@ -6,10 +6,14 @@ import sys
 
 from prime_rl.common.config import parse_config
 from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.common.config.slurm_route import run_through_slurm, wants_slurm
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(InferenceConfig, sys.argv[1:] if argv is None else argv, prog="inference")
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_slurm(argv):  # multi-node: one replica per node behind a router, through sbatch
+        sys.exit(run_through_slurm("inference", argv, "inference"))
+    config = parse_config(InferenceConfig, argv, prog="inference")
     if config.router.replicas > 1:
         from prime_rl.inference.router import run_replicas
 

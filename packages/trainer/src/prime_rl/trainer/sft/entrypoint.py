@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from prime_rl.common.config import parse_config, write_toml
+from prime_rl.common.config.slurm_route import run_through_slurm, wants_slurm
 from prime_rl.common.config.trainer import SFTConfig
 from prime_rl.common.rundir import RunDir
 
@@ -41,6 +42,9 @@ def torchrun_command(config_path: Path, nproc: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_slurm(argv):  # multi-node: the launcher writes and submits sft.sbatch
+        raise SystemExit(run_through_slurm("sft", argv, PROG))
     cfg = parse_config(SFTConfig, argv, prog=PROG)
     run_dir = RunDir(cfg.output_dir, cfg.run_name)
     if cfg.dry_run:
