@@ -25,8 +25,8 @@ $PIP install -q hatchling editables
 $PIP install -q --no-build-isolation \
   -e "packages/common[testing]" \
   -e "packages/kernels" \
-  -e "packages/trainer" \
-  -e "packages/inference[cpu,router]" \
+  -e "packages/trainer[nixl]" \
+  -e "packages/inference[cpu,router,nixl]" \
   -e "packages/orchestrator[envs]" \
   -e "packages/launcher[test]"
 $PIP install -q pytest pytest-xdist pytest-timeout ruff build

@@ -88,7 +88,7 @@ def resolve(cfg: RLConfig) -> None:
         cfg.orchestrator.trainer.port = _free_port_block(cfg.deployment.num_train_gpus)
         cfg.trainer.data.port = cfg.orchestrator.trainer.port
     wb = cfg.trainer.weight_broadcast
-    if wb.type == "nccl" and "port" not in wb.model_fields_set:
+    if wb.type in ("nccl", "nixl") and "port" not in wb.model_fields_set:
         wb.port = free_port()
     if "dtype" not in wb.model_fields_set:
         wb.dtype = served_dtype(cfg)

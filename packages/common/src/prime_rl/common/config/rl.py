@@ -112,7 +112,7 @@ class RLConfig(BaseConfig):
                 f"tcp://127.0.0.1:{server.resolved_control_port + i}" for i in range(replicas)
             ]
         wb = self.trainer.weight_broadcast
-        if wb.type == "nccl" and not wb.inference_addresses:
+        if wb.type in ("nccl", "nixl") and not wb.inference_addresses:
             wb.inference_addresses = [f"tcp://127.0.0.1:{server.resolved_control_port + i}" for i in range(replicas)]
         self.trainer.data.host = "127.0.0.1"
         self.trainer.data.port = self.orchestrator.trainer.port

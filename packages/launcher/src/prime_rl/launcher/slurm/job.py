@@ -134,6 +134,9 @@ def load_job(kind: str, argv: list[str]) -> SlurmJob:
     trainer = process_configs.get("trainer")
     if kind == "rl" and trainer is not None:
         extra["weight_broadcast"] = trainer.weight_broadcast.type
+        if trainer.weight_broadcast.type == "nixl":
+            extra["nixl_port"] = trainer.weight_broadcast.port
+            extra["launch_metadata_service"] = config.slurm.launch_modelexpress
     inference = process_configs.get("inference")
     if inference is not None and hasattr(inference, "router"):
         extra["router_policy"] = inference.router.policy

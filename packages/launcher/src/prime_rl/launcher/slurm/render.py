@@ -74,6 +74,8 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "router_policy": None,
         "replica_port_stride": 1,
         "weight_broadcast": None,
+        "nixl_port": None,
+        "launch_metadata_service": False,
         "ready_timeout_s": 1800,
         **job.extra,
     }
