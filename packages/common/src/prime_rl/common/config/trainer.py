@@ -133,8 +133,7 @@ class ModelConfig(BaseConfig):
             raise ValueError(f'model.ep={self.ep} must be >= 1 or "auto"')
         if isinstance(self.fused_lm_head_token_chunk_size, int) and self.fused_lm_head_token_chunk_size < 1:
             raise ValueError(
-                f"model.fused_lm_head_token_chunk_size={self.fused_lm_head_token_chunk_size} must be >= 1 "
-                'or "disabled"'
+                f'model.fused_lm_head_token_chunk_size={self.fused_lm_head_token_chunk_size} must be >= 1 or "disabled"'
             )
         return self
 

@@ -1,0 +1,50 @@
+"""Regenerate BENCHMARKS.md: the summary below, then every benchmarks/results/*.md in a fixed order.
+
+    python benchmarks/build_benchmarks_md.py
+
+Each results file is written by the engineer who ran the benchmark (command, date, hardware, numbers);
+this script only puts them in one page so the numbers are never retyped.
+"""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ORDER = ["trainer", "lm_head", "scaling", "weight_transfer", "nixl", "transport"]
+
+SUMMARY = """# Benchmarks
+
+Scripts in `benchmarks/` print JSON; each section below gives the command, date and hardware it was
+measured with. GPU numbers come from one NVIDIA H200 (or two, where said), torch 2.11; the anchor is
+`../shared/bench/anchor_hf_train.py` (plain Hugging Face + PyTorch) run in the same device call.
+CPU numbers come from the shared 2-core development machine and carry its load.
+
+| what | result | goal |
+|---|---|---|
+| SFT trainer, Qwen3-1.7B shape, seq 8192, 1x H200 | 32,727 tokens/s = **1.43x** the anchor (22,915), **52.8% MFU**, 38.9 GiB peak (anchor 69.1) | >= 1.35x, >= 50% MFU |
+| SFT trainer, 2x H200 per-GPU scaling | 30,419 tokens/s per GPU = **92.1%** of one GPU (33,012 in the same call) | >= 90% |
+| Fused LM head, T=16384, V=151936, bf16, fwd+bwd | **75.7 ms, 1.27 GiB** extra vs anchor 120.7 ms, 55.8 GiB (1.59x faster); T=65536: 307.9 ms, 1.87 GiB (vanilla OOM) | <= 2 GiB, no slower |
+| NCCL weight broadcast, 3.44 GB bf16, 2x H200 | **10.29 ms, 334.6 GB/s = 86%** of the 386.9 GB/s GPU copy | >= 80%, < 12 ms |
+| ZeroMQ batch transport, 256 MiB, tcp loopback | 1.6-3.5 GB/s, **12-18x pickle** (large micro-batches); 0.55-0.96 GB/s, 3.3-4.4x (8k-token micro-batches) | >= 1 GB/s, >= 2x pickle |
+| Scaling knobs, Qwen3-0.6B, seq 4096 | see the scaling section (AC, selective AC, AC offload, full offload; EP/CP not measured) | table |
+| NIXL weight transfer (CPU, UCX host memory) | 1 GiB: **0.92 s (1.17 GB/s)** vs filesystem 1.28 s, gloo 1.38 s; tiny model: 125 ms vs 31/32 ms | measured |
+| RL example on CPU (`examples/arithmetic`, 2 cores) | mean reward 0.23 -> 0.6 in 60 steps; whole run (model, SFT, RL) in minutes | rises clearly, <= 10 min |
+
+"""
+
+
+def main() -> None:
+    parts = [SUMMARY]
+    results = ROOT / "benchmarks" / "results"
+    names = [n for n in ORDER if (results / f"{n}.md").exists()]
+    names += sorted(p.stem for p in results.glob("*.md") if p.stem not in ORDER)
+    for name in names:
+        text = (results / f"{name}.md").read_text().strip()
+        # demote the file's headings one level so they nest under this page's title
+        text = "\n".join("#" + line if line.startswith("#") else line for line in text.splitlines())
+        parts.append(f"<!-- from benchmarks/results/{name}.md -->\n{text}\n")
+    (ROOT / "BENCHMARKS.md").write_text("\n".join(parts))
+    print(f"wrote BENCHMARKS.md from {len(names)} result files")
+
+
+if __name__ == "__main__":
+    main()
