@@ -256,7 +256,7 @@ def test_submit_without_sbatch_says_so(tmp_path: Path, capsys, monkeypatch: pyte
     assert (tmp_path / "out" / "r" / "launcher" / "sft.sbatch").is_file()
 
 
-@pytest.mark.parametrize("broadcast", ["filesystem", "nccl"])
+@pytest.mark.parametrize("broadcast", ["filesystem", "nccl", "nixl"])
 def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path, broadcast: str) -> None:
     from prime_rl.common.config.orchestrator import OrchestratorConfig
     from prime_rl.common.config.rl_trainer import RLTrainerConfig
@@ -271,13 +271,22 @@ def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path
     load_config(OrchestratorConfig, ["@", str(configs / "orchestrator.toml")])
     # "localhost" is the inference node, so the stand-in router can really answer the readiness check.
     proc, calls = run_script(
-        launcher / "rl.sbatch", tmp_path, ["localhost", "t1", "t2"], FAKE_SERVE="router", FAKE_HANG="inference"
-    )
+        launcher / "rl.sbatch", tmp_path, ["localhost", "t1", "t2"], FAKE_SERVE="router",
+        FAKE_HANG="inference,nixl-metadata",  # services run until the mains are done
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     names = [c["name"] for c in calls]
     assert names.index("router") < names.index("orchestrator")  # started only once the router answered
     by_name = {c["name"]: c["argv"] for c in calls}
-    assert sorted(by_name) == ["inference-node0", "orchestrator", "router", "trainer-node0", "trainer-node1"]
+    services = ["nixl-metadata"] if broadcast == "nixl" else []  # the job-scoped NIXL metadata service
+    assert sorted(by_name) == sorted(
+        ["inference-node0", "orchestrator", "router", "trainer-node0", "trainer-node1", *services]
+    )
+    if broadcast == "nixl":
+        assert (
+            "--nodelist=t1" in by_name["nixl-metadata"] and "prime_rl.common.nixl_metadata" in by_name["nixl-metadata"]
+        )
+        assert names.index("nixl-metadata") < names.index("trainer-node0")
     assert "--nodelist=localhost" in by_name["inference-node0"] and "--nodelist=localhost" in by_name["router"]
     assert arg_after(by_name["router"], "--worker-urls") == "http://localhost:9100"
     orch = by_name["orchestrator"]
@@ -292,8 +301,8 @@ def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path
         argv = by_name[f"trainer-node{rank}"]
         assert f"--nodelist={node}" in argv and arg_after(argv, "--node-rank") == str(rank)
         assert arg_after(argv, "--rdzv-endpoint") == "t1:29777" and arg_after(argv, "--data.host") == "t1"
-        assert ("--weight-broadcast.host" in argv) == (broadcast == "nccl")
-        if broadcast == "nccl":
+        assert ("--weight-broadcast.host" in argv) == (broadcast in ("nccl", "nixl"))
+        if broadcast in ("nccl", "nixl"):
             assert arg_after(argv, "--weight-broadcast.inference-addresses") == "tcp://localhost:9200"
     assert not any(pid_alive(c["pid"]) for c in calls)  # the router was stopped when the mains finished
 
