@@ -28,8 +28,7 @@ from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.ckpt import CheckpointManager, resolve_resume_step
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import load_model_config, model_flops_per_token
-from prime_rl.trainer.optim import OptimizerOffload, build_optimizer, build_scheduler, clip_grad_norm
-from prime_rl.trainer.optim.full_offload import FullOffloadOptimizer
+from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
 from prime_rl.trainer.perf import StepTimer, perf_metrics
@@ -112,16 +111,8 @@ def train(cfg: RLTrainerConfig) -> None:
     torch.manual_seed(cfg.seed)
     mesh = dims.build_mesh(world.device.type)
     model = build_training_model(cfg.model, dims, mesh, world.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    full_offload = cfg.model.offload == "full"
-    if full_offload:
-        optimizer = FullOffloadOptimizer(params, cfg.optim)
-        if cfg.optim.max_norm is not None:
-            logger.warning("model.offload='full' disables gradient clipping: optim.max_norm is ignored")
-    else:
-        optimizer = build_optimizer(cfg.optim, params)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.max_steps)
-    offload = OptimizerOffload(optimizer, world.device, enabled=cfg.model.offload == "optimizer")
+    optim = build_optimization(cfg.model, cfg.optim, cfg.scheduler, cfg.max_steps, model, world.device, logger)
+    optimizer, scheduler, offload = optim.optimizer, optim.scheduler, optim.offload
     ckpt = CheckpointManager(run_dir, cfg.ckpt.keep_last, world.is_main)
     publisher = build_publisher(cfg.weight_broadcast, run_dir, model, world)
     settings = LossSettings(cfg.loss.token_mask_low, cfg.loss.token_mask_high)
@@ -140,7 +131,7 @@ def train(cfg: RLTrainerConfig) -> None:
         batches, _ = source.get(step)
         timer.start()
         stats = train_step(model, batches, dims, world, settings)
-        grad_norm = optimizer.grad_norm() if full_offload else clip_grad_norm(params, cfg.optim.max_norm)
+        grad_norm = optim.grad_norm(cfg.optim.max_norm)
         lr = scheduler.get_last_lr()[0]
         offload.load()
         optimizer.step()

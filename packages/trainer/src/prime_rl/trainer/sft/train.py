@@ -32,8 +32,7 @@ from prime_rl.trainer.data import DataLoader, MicroBatch, build_data_loader
 from prime_rl.trainer.logs import redirect_rank_output
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import load_model_config, model_flops_per_token
-from prime_rl.trainer.optim import OptimizerOffload, build_optimizer, build_scheduler, clip_grad_norm
-from prime_rl.trainer.optim.full_offload import FullOffloadOptimizer
+from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.context import shard_micro_batch
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
@@ -107,16 +106,8 @@ def train(cfg: SFTConfig) -> None:
     torch.manual_seed(cfg.seed)
     mesh = dims.build_mesh(world.device.type)
     model = build_training_model(cfg.model, dims, mesh, world.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    full_offload = cfg.model.offload == "full"
-    if full_offload:
-        optimizer = FullOffloadOptimizer(params, cfg.optim)
-        if cfg.optim.max_norm is not None:
-            logger.warning("model.offload='full' disables gradient clipping: optim.max_norm is ignored")
-    else:
-        optimizer = build_optimizer(cfg.optim, params)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.max_steps)
-    offload = OptimizerOffload(optimizer, world.device, enabled=cfg.model.offload == "optimizer")
+    optim = build_optimization(cfg.model, cfg.optim, cfg.scheduler, cfg.max_steps, model, world.device, logger)
+    optimizer, scheduler, offload = optim.optimizer, optim.scheduler, optim.offload
     ckpt = CheckpointManager(run_dir, cfg.ckpt.keep_last, world.is_main)
 
     start = resolve_resume_step(run_dir, cfg.ckpt.resume_step) or 0
@@ -134,7 +125,7 @@ def train(cfg: SFTConfig) -> None:
         # no host sync until the optimizer step is queued: the CPU-side clip / optimizer dispatch overlaps
         # the tail of backward instead of running while the GPU idles
         stats = forward_backward(model, micro_batches, dims, world)
-        grad_norm = optimizer.grad_norm() if full_offload else clip_grad_norm(params, cfg.optim.max_norm)
+        grad_norm = optim.grad_norm(cfg.optim.max_norm)
         lr = scheduler.get_last_lr()[0]
         offload.load()
         optimizer.step()

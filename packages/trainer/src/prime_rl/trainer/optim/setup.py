@@ -1,0 +1,54 @@
+"""Everything that steps the parameters, built the same way for SFT and RL.
+
+`model.offload` decides the optimizer: "full" runs it on CPU during backward (no gradient clipping,
+which needs every gradient at once), otherwise AdamW / SignSGD on the parameters' device, with
+"optimizer" moving its state to CPU between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from prime_rl.common.config.trainer import ModelConfig, OptimizerConfig, SchedulerConfig
+from prime_rl.trainer.optim.full_offload import FullOffloadOptimizer
+from prime_rl.trainer.optim.offload import OptimizerOffload
+from prime_rl.trainer.optim.optimizer import build_optimizer, clip_grad_norm
+from prime_rl.trainer.optim.scheduler import build_scheduler
+
+
+@dataclass
+class Optimization:
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    offload: OptimizerOffload
+    full_offload: bool
+
+    def grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """The global gradient norm, clipping to ``max_norm`` unless the optimizer runs fully offloaded."""
+        return self.optimizer.grad_norm() if self.full_offload else clip_grad_norm(self.params, max_norm)
+
+
+def build_optimization(
+    model_cfg: ModelConfig,
+    optim_cfg: OptimizerConfig,
+    scheduler_cfg: SchedulerConfig,
+    max_steps: int,
+    model: torch.nn.Module,
+    device: torch.device,
+    logger: logging.Logger,
+) -> Optimization:
+    params = [p for p in model.parameters() if p.requires_grad]
+    full_offload = model_cfg.offload == "full"
+    if full_offload:
+        optimizer = FullOffloadOptimizer(params, optim_cfg)
+        if optim_cfg.max_norm is not None:
+            logger.warning("model.offload='full' disables gradient clipping: optim.max_norm is ignored")
+    else:
+        optimizer = build_optimizer(optim_cfg, params)
+    scheduler = build_scheduler(scheduler_cfg, optimizer, max_steps)
+    offload = OptimizerOffload(optimizer, device, enabled=model_cfg.offload == "optimizer")
+    return Optimization(params, optimizer, scheduler, offload, full_offload)
