@@ -126,3 +126,26 @@ def test_context_parallel_matches_one_process(tiny_model, tmp_path):
     assert b["loss/tokens"] == a["loss/tokens"]
     assert abs(b["entropy/mean"] - a["entropy/mean"]) < 2e-2 * abs(a["entropy/mean"])
     assert abs(b["optim/grad_norm"] - a["optim/grad_norm"]) < 5e-2 * a["optim/grad_norm"]
+
+
+def test_trainer_env_vars_expand_and_apply(monkeypatch):
+    """scaling.md's [trainer.env_vars] block: PATH = "/usr/local/cuda-13.0/bin:${PATH}"."""
+    import os
+
+    from prime_rl.common.config import load_config
+    from prime_rl.common.config.rl import RLConfig
+    from prime_rl.trainer.rl.train import apply_env_vars
+
+    monkeypatch.setenv("PATH", "/usr/bin")
+    cfg = load_config(
+        RLConfig,
+        [
+            "--model.name",
+            "/m",
+            "--trainer.env-vars",
+            '{"CUDA_HOME": "/usr/local/cuda-13.0", "PATH": "/usr/local/cuda-13.0/bin:${PATH}"}',
+        ],
+    )
+    apply_env_vars(cfg.trainer.env_vars)
+    assert os.environ["CUDA_HOME"] == "/usr/local/cuda-13.0"
+    assert os.environ["PATH"] == "/usr/local/cuda-13.0/bin:/usr/bin"

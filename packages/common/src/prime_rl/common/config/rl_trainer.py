@@ -140,6 +140,8 @@ class RLTrainerConfig(BaseConfig):
     """Seed for any randomness in training."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Console log level (rank 0)."""
+    env_vars: dict[str, str] = {}
+    """Environment variables every trainer rank sets at start-up (e.g. CUDA_HOME); ${VAR} expands."""
     dry_run: bool = False
     """Write the resolved config to <run_dir>/configs/trainer.toml and exit."""
 

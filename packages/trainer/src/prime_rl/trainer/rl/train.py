@@ -15,6 +15,7 @@ Per step s (0-based; the batch for step s was sampled with policy versions >= s 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import torch
@@ -83,7 +84,14 @@ def train_step(
     }
 
 
+def apply_env_vars(env_vars: dict[str, str]) -> None:
+    """Set ``trainer.env_vars`` before anything reads them (CUDA, JIT compilers); ``${VAR}`` expands."""
+    for key, value in env_vars.items():
+        os.environ[key] = os.path.expandvars(value)
+
+
 def train(cfg: RLTrainerConfig) -> None:
+    apply_env_vars(cfg.env_vars)
     run_dir = RunDir(cfg.output_dir, cfg.run_name)
     world = init_world()
     _setup_output(run_dir, world)
