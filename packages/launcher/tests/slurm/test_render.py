@@ -286,7 +286,8 @@ def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path
         assert (
             "--nodelist=t1" in by_name["nixl-metadata"] and "prime_rl.common.nixl_metadata" in by_name["nixl-metadata"]
         )
-        assert names.index("nixl-metadata") < names.index("trainer-node0")
+        script = (launcher / "rl.sbatch").read_text()  # steps start in the background: check the script's order
+        assert script.index("start_component nixl-metadata") < script.index('start_component "trainer-node$i"')
     assert "--nodelist=localhost" in by_name["inference-node0"] and "--nodelist=localhost" in by_name["router"]
     assert arg_after(by_name["router"], "--worker-urls") == "http://localhost:9100"
     orch = by_name["orchestrator"]
