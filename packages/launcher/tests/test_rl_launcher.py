@@ -102,3 +102,11 @@ def test_scaling_page_placement_flags_parse(model_dir):
     )  # fmt: skip
     assert cfg.deployment.num_infer_gpus == 6 and cfg.inference.vllm.data_parallel_size == 6
     assert cfg.orchestrator.num_train_ranks == 2
+
+
+def test_shared_ckpt_resumes_trainer_and_orchestrator_together(model_dir):
+    cfg = load_config(
+        RLConfig, ["--model.name", str(model_dir), "--ckpt.interval", "5", "--ckpt.resume-step", "latest"]
+    )
+    assert cfg.trainer.ckpt.interval == 5 and cfg.orchestrator.ckpt.interval == 5
+    assert cfg.trainer.ckpt.resume_step == "latest" and cfg.orchestrator.ckpt.resume_step == "latest"

@@ -4,14 +4,14 @@
 
 Shared settings are written once at the top and copied into each component's section unless that
 section sets its own: `[model] name`, `output_dir`, `[run] name`, `max_steps`, `seq_len`,
-`[weight_broadcast]`. The endpoints that wire the components together (inference URL and control
+`[weight_broadcast]`, `[ckpt]` (so trainer and orchestrator checkpoint and resume at the same step). The endpoints that wire the components together (inference URL and control
 addresses, the orchestrator's batch port) are derived from `[inference.server]` unless set.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -45,6 +45,17 @@ def _section(data: dict, *path: str) -> dict:
     return node
 
 
+class SharedCheckpointConfig(BaseConfig):
+    """Checkpoint trainer and orchestrator together, and resume both from the same step."""
+
+    interval: int | None = Field(None, ge=1)
+    """Save both every this many steps; None saves none."""
+    resume_step: int | Literal["latest"] | None = None
+    """Resume both from checkpoints/step_<N>/; "latest" picks the newest complete one."""
+    keep_last: int | None = Field(None, ge=1)
+    """Keep only the newest this many trainer checkpoints."""
+
+
 class RLConfig(BaseConfig):
     """RL: vLLM inference + orchestrator + FSDP2 trainer."""
 
@@ -64,6 +75,8 @@ class RLConfig(BaseConfig):
     """Submit through sbatch (`[slurm]`); None runs locally."""
     weight_broadcast: WeightBroadcastConfig = FilesystemBroadcastConfig()
     """How new weights reach inference (copied into the trainer)."""
+    ckpt: SharedCheckpointConfig | None = None
+    """Checkpoint/resume trainer and orchestrator together (copied into both sections)."""
     trainer: RLTrainerConfig
     """The RL trainer."""
     orchestrator: OrchestratorConfig = OrchestratorConfig()
@@ -99,6 +112,10 @@ class RLConfig(BaseConfig):
             orch.setdefault("seq_len", data["seq_len"])
         if "weight_broadcast" in data:
             trainer.setdefault("weight_broadcast", data["weight_broadcast"])
+        for key, value in (data.get("ckpt") or {}).items():
+            _section(trainer, "ckpt").setdefault(key, value)
+            if key != "keep_last":  # the orchestrator's state is tiny: it keeps every step
+                _section(orch, "ckpt").setdefault(key, value)
         return data
 
     @model_validator(mode="after")
