@@ -105,3 +105,12 @@ def test_decoder_can_be_narrowed_to_some_types():
     data = wire.encode(wire.HealthRequest())
     with pytest.raises(wire.WireError):
         wire.decode(data, types=(wire.ControlReply, wire.HealthReply))
+
+
+def test_weight_spec_sizes_include_bfloat16():
+    """Weight specs carry torch dtype names; numpy has no bfloat16, the size table does."""
+    from prime_rl.common.wire import TensorSpec
+
+    assert TensorSpec(name="w", dtype="bfloat16", shape=[3, 4]).num_bytes == 24
+    assert TensorSpec(name="w", dtype="float8_e4m3fn", shape=[5]).num_bytes == 5
+    assert TensorSpec(name="w", dtype="float32", shape=[3]).num_bytes == 12

@@ -21,26 +21,13 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from prime_rl.common.wire import NixlLayout, TensorSpec
+from prime_rl.common.wire import DTYPE_ITEMSIZE, NixlLayout, TensorSpec
 
 ALIGNMENT = 256
 """Every tensor (and every slice) starts at a multiple of this many bytes."""
 DEFAULT_GROUP_BYTES = 256 << 20
 
-ITEMSIZE = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
+ITEMSIZE = DTYPE_ITEMSIZE  # one table for every transport, in prime_rl.common.wire
 
 READY = "R"
 CREDIT = "C"

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from prime_rl.common.wire import DTYPE_ITEMSIZE
+
 # safetensors dtype codes -> torch dtype names (the names used in wire.TensorSpec.dtype).
 SAFETENSORS_DTYPES = {
     "F64": "float64",
@@ -31,20 +33,7 @@ SAFETENSORS_DTYPES = {
     "U8": "uint8",
     "BOOL": "bool",
 }
-ITEMSIZE = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
+ITEMSIZE = DTYPE_ITEMSIZE  # one table for every transport, in prime_rl.common.wire
 FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16"}
 BUCKET_ALIGNMENT = 256
 """Every tensor starts at a multiple of this many bytes inside a broadcast bucket."""
