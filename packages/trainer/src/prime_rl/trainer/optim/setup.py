@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from prime_rl.common.config.trainer import ModelConfig, OptimizerConfig, SchedulerConfig
+from prime_rl.trainer.ckpt import CheckpointManager
 from prime_rl.trainer.optim.full_offload import FullOffloadOptimizer
 from prime_rl.trainer.optim.offload import OptimizerOffload
 from prime_rl.trainer.optim.optimizer import build_optimizer, clip_grad_norm
@@ -26,6 +28,16 @@ class Optimization:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     offload: OptimizerOffload
     full_offload: bool
+
+    def load_checkpoint(self, ckpt: CheckpointManager, step: int, model: torch.nn.Module) -> None:
+        ckpt.load(step, model, self.optimizer, self.scheduler)
+        self.offload.offload()
+
+    def save_checkpoint(self, ckpt: CheckpointManager, step: int, model: torch.nn.Module) -> Path:
+        self.offload.load()  # DCP reads the state where the parameters live
+        path = ckpt.save(step, model, self.optimizer, self.scheduler)
+        self.offload.offload()
+        return path
 
     def grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """The global gradient norm, clipping to ``max_norm`` unless the optimizer runs fully offloaded."""

@@ -127,8 +127,7 @@ def train(cfg: RLTrainerConfig) -> None:
 
     start = resolve_resume_step(run_dir, cfg.ckpt.resume_step) or 0
     if start:
-        ckpt.load(start, model, optimizer, scheduler)
-        offload.offload()
+        optim.load_checkpoint(ckpt, start, model)
         logger.info(f"resumed from {run_dir.trainer_checkpoint_dir(start)}")
 
     flops_per_token = model_flops_per_token(model_config, cfg.data.seq_len)
@@ -165,9 +164,7 @@ def train(cfg: RLTrainerConfig) -> None:
             f"Peak Mem. {metrics['perf/peak_memory']:.2f} GiB | Step time {step_time:.2f}s"
         )
         if cfg.ckpt.interval and (done % cfg.ckpt.interval == 0 or done == cfg.max_steps):
-            offload.load()
-            path = ckpt.save(done, model, optimizer, scheduler)
-            offload.offload()
+            path = optim.save_checkpoint(ckpt, done, model)
             logger.info(f"saved checkpoint {path}")
 
     logger.info("Finished training")

@@ -112,8 +112,7 @@ def train(cfg: SFTConfig) -> None:
 
     start = resolve_resume_step(run_dir, cfg.ckpt.resume_step) or 0
     if start:
-        ckpt.load(start, model, optimizer, scheduler)
-        offload.offload()
+        optim.load_checkpoint(ckpt, start, model)
         logger.info(f"resumed from {run_dir.trainer_checkpoint_dir(start)}")
 
     flops_per_token = model_flops_per_token(model_config, cfg.data.seq_len)
@@ -151,9 +150,7 @@ def train(cfg: SFTConfig) -> None:
             f"Peak Mem. {metrics['perf/peak_memory']:.2f} GiB | Step time {metrics['time/step']:.2f}s"
         )
         if cfg.ckpt.interval and (done % cfg.ckpt.interval == 0 or done == cfg.max_steps):
-            offload.load()  # DCP reads the state where the parameters live
-            path = ckpt.save(done, model, optimizer, scheduler)
-            offload.offload()
+            path = optim.save_checkpoint(ckpt, done, model)
             logger.info(f"saved checkpoint {path}")
 
     if cfg.ckpt.export_hf:
