@@ -15,8 +15,12 @@ EP). Their gradient is reduced by hand in backward: summed over the ranks that h
 other gradient. When the FSDP island is larger than ep this replicates experts across EP groups instead
 of also FSDP-sharding them (the torchtitan "dp_shard_mod_ep" layout is left out).
 
-Left out: DeepEP and Mega MoE dispatch (the config is validated, the kernels are not bundled), FP8
-expert compute, and token-dropping capacity limits (dispatch is dropless).
+`[model.moe.dispatch] type = "deepep"` replaces the whole MoE forward instead (DeepEP dispatches
+routing, not permuted tokens): see `deepep.py`. It keeps these expert parameters and their gradient
+convention.
+
+Left out: Mega MoE dispatch (the config is validated, the kernels are not bundled), FP8 expert compute,
+and token-dropping capacity limits (dispatch is dropless).
 """
 
 import importlib
@@ -29,8 +33,15 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from prime_rl.common.config.trainer import DeepEPDispatchConfig, MegaMoEDispatchConfig, MoEConfig
+from prime_rl.common.config.trainer import (
+    DeepEPDispatchConfig,
+    MegaMoEDispatchConfig,
+    MoEConfig,
+    MoEDispatchConfig,
+    TorchDispatchConfig,
+)
 from prime_rl.kernels.grouped_gemm import grouped_swiglu
+from prime_rl.trainer.parallel.deepep import DeepEPDispatcher, apply_deepep_moe
 
 MAX_AUTO_EP = 8
 
@@ -66,12 +77,21 @@ def check_dispatch(moe: MoEConfig, ep: int) -> None:
             else '[model.moe.dispatch] type = "mega_moe" is not wired into this trainer yet; use type = "torch"'
         )
     if isinstance(dispatch, DeepEPDispatchConfig):
+        if ep < 2:
+            raise ValueError(
+                f'[model.moe.dispatch] type = "deepep" needs model.ep > 1, got ep={ep}; '
+                'set model.ep to 2, 4 or 8 or use type = "torch"'
+            )
+        if dispatch.num_sms % 2:
+            raise ValueError(
+                f"[model.moe.dispatch] num_sms={dispatch.num_sms} must be even (DeepEP pairs send and receive "
+                f"SMs); use {dispatch.num_sms - 1} or {dispatch.num_sms + 1}"
+            )
         if _missing_attrs("deep_ep", ("Buffer",)):
             raise ImportError(
                 '[model.moe.dispatch] type = "deepep" needs the `deep_ep` package (DeepEP), which is not '
                 'importable; install DeepEP or use type = "torch"'
             )
-        raise ValueError('[model.moe.dispatch] type = "deepep" is not wired into this trainer yet; use type = "torch"')
 
 
 def _missing_attrs(module: str, attrs: tuple[str, ...]) -> list[str]:
@@ -125,6 +145,11 @@ class ExpertParallelExperts(nn.Module):
         w = _ReduceExpertGrad.apply(param.to_local(), self.replicate_group, self.world_size)
         return w.to(dtype)
 
+    def run_local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The local experts only: x (M, H) grouped by local expert, counts (E_local,) -> (M, H)."""
+        w_gate, w_up, w_down = (self._local_weight(p, x.dtype) for p in (self.gate_proj, self.up_proj, self.down_proj))
+        return grouped_swiglu(x, counts, w_gate, w_up, w_down)
+
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x (M, H) sorted by global expert id, tokens_per_expert (E,) -> (M, H) in the same order."""
         ep, num_local = self.ep, self.num_experts // self.ep
@@ -141,21 +166,31 @@ class ExpertParallelExperts(nn.Module):
             torch.arange(num_local, device=x.device).repeat(ep), recv_counts.reshape(-1).to(x.device)
         )
         order = torch.argsort(expert_of_row, stable=True)
-        w_gate, w_up, w_down = (self._local_weight(p, x.dtype) for p in (self.gate_proj, self.up_proj, self.down_proj))
-        y_local = grouped_swiglu(recv[order], recv_counts.sum(0), w_gate, w_up, w_down)  # (M_recv, H)
+        y_local = self.run_local(recv[order], recv_counts.sum(0))  # (M_recv, H)
         y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)  # back to arrival order
         return all_to_all_single_autograd(y_recv, send_splits, recv_splits, self.group)
 
 
-def apply_ep(blocks: nn.ModuleList, mesh: DeviceMesh) -> list[nn.Parameter]:
-    """Swap every MoE layer's experts for their EP version; returns the expert params (FSDP ignores them)."""
+def apply_ep(
+    blocks: nn.ModuleList, mesh: DeviceMesh, dispatch: MoEDispatchConfig = TorchDispatchConfig()
+) -> list[nn.Parameter]:
+    """Swap every MoE layer's experts for their EP version (and, for DeepEP, the MoE forward);
+    returns the expert params (FSDP ignores them)."""
     params: list[nn.Parameter] = []
+    dispatcher: DeepEPDispatcher | None = None  # one DeepEP buffer for all layers
     for block in blocks:
         experts = getattr(block.mlp, "experts", None)
         if experts is None:
             continue
-        if experts.gate_proj.shape[0] % mesh["ep"].size():
-            raise ValueError(f"ep={mesh['ep'].size()} must divide num_experts={experts.gate_proj.shape[0]}")
-        block.mlp.experts = ExpertParallelExperts(experts, mesh)
-        params.extend(block.mlp.experts.parameters())
+        num_experts, _, hidden = experts.gate_proj.shape
+        if num_experts % mesh["ep"].size():
+            raise ValueError(f"ep={mesh['ep'].size()} must divide num_experts={num_experts}")
+        ep_experts = ExpertParallelExperts(experts, mesh)
+        if isinstance(dispatch, DeepEPDispatchConfig):
+            if dispatcher is None:
+                dispatcher = DeepEPDispatcher(mesh["ep"].get_group(), mesh.device_type, num_experts, hidden, dispatch)
+            apply_deepep_moe(block.mlp, ep_experts, dispatcher)
+        else:
+            block.mlp.experts = ep_experts
+        params.extend(ep_experts.parameters())
     return params

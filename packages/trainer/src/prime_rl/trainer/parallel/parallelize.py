@@ -26,7 +26,8 @@ def parallelize_model(
     """`root` is the module whose forward runs a whole micro-batch; `blocks` its transformer layers."""
     expert_params: list[nn.Parameter] = []
     if dims.ep_enabled:  # 0. expert parallel: module swap, before AC / compile wrap the blocks
-        expert_params = apply_ep(blocks, build_ep_mesh(dims.world_size, dims.ep, mesh.device_type))
+        ep_mesh = build_ep_mesh(dims.world_size, dims.ep, mesh.device_type)
+        expert_params = apply_ep(blocks, ep_mesh, cfg.moe.dispatch)
     if dims.cp_enabled:  # 1. context parallel (Ulysses) around each block's attention kernel
         apply_cp(blocks, build_cp_mesh(dims.world_size, dims.cp, mesh.device_type))
     if cfg.ac is not None:  # 2. activation checkpointing wraps blocks; must precede compile
