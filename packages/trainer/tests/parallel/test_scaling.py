@@ -31,9 +31,9 @@ def models(tmp_path_factory):
     }
 
 
-def _run(out: Path, nproc: int, variants: list[dict]) -> dict:
+def _run(out: Path, nproc: int, variants: list[dict], worker: Path = WORKER) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(WORKER), str(out), json.dumps(variants)]  # fmt: skip
+           str(worker), str(out), json.dumps(variants)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out)
