@@ -6,7 +6,7 @@ Design:
   `experts.{e}.gate_proj.weight`; `weights.py` stacks / unstacks on load / save.
 - The forward is route -> permute (group token copies by expert) -> experts -> unpermute. Expert
   parallelism replaces the permute/unpermute pair with an all-to-all dispatch/combine; a grouped
-  GEMM replaces `Experts.forward` (same inputs: tokens sorted by expert and per-expert counts).
+  GEMM runs `Experts.forward` (tokens sorted by expert and per-expert counts).
 - Routing matches HF Qwen3-MoE: softmax in fp32 over all experts, top-k, optional renormalization
   (`norm_topk_prob`), weights cast back to the activation dtype. No load-balancing loss (aux-free);
   the last forward's tokens-per-expert count is kept for logging.
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prime_rl.kernels.grouped_gemm import grouped_swiglu
 from prime_rl.trainer.models.config import ModelConfig
 
 
@@ -40,7 +41,7 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """SwiGLU experts over tokens already grouped by expert. Plain torch: one matmul triple per expert."""
+    """SwiGLU experts over tokens already grouped by expert, as one grouped GEMM per projection."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -51,15 +52,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x (M, H) sorted by expert, tokens_per_expert (E_local,) -> (M, H)."""
-        outputs = []
-        for e, chunk in enumerate(torch.split(x, tokens_per_expert.tolist(), dim=0)):
-            if chunk.numel() == 0:
-                continue
-            hidden = F.silu(chunk @ self.gate_proj[e].t()) * (chunk @ self.up_proj[e].t())  # (m, I)
-            outputs.append(hidden @ self.down_proj[e].t())  # (m, H)
-        # Each stacked weight gets a gradient as soon as any expert saw a token, so FSDP sees the same
-        # set of gradients on every rank.
-        return torch.cat(outputs, dim=0) if outputs else x.new_zeros(x.shape)
+        # Triton grouped GEMM on GPU (no host sync, one op per projection), a per-expert loop elsewhere.
+        # Every stacked weight gets a gradient whatever the routing, so FSDP sees the same gradients
+        # on every rank.
+        return grouped_swiglu(x, tokens_per_expert, self.gate_proj, self.up_proj, self.down_proj)
 
 
 def permute_tokens(
@@ -72,7 +68,8 @@ def permute_tokens(
     """
     flat_idx = topk_idx.reshape(-1)
     order = torch.argsort(flat_idx, stable=True)
-    tokens_per_expert = torch.bincount(flat_idx, minlength=num_experts)
+    # scatter_add, not bincount: a static (E,) shape keeps torch.compile(fullgraph=True) whole
+    tokens_per_expert = flat_idx.new_zeros(num_experts).scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
     return x[order // topk_idx.shape[1]], order, tokens_per_expert
 
 
