@@ -72,6 +72,9 @@ def _norm_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
+GRAD_REL_TOL = 1e-2  # bf16 compute; observed <= 2.4e-3 (EP=2 vs one process)
+
+
 def _assert_close(ref: dict, got: dict, grads: bool = True, loss1_tol: float = 5e-3) -> None:
     # bf16 compute: sharding, all-to-alls and recompute change rounding order only slightly
     assert got["loss0"] == pytest.approx(ref["loss0"], abs=2e-3)
@@ -85,6 +88,10 @@ def _assert_close(ref: dict, got: dict, grads: bool = True, loss1_tol: float = 5
     for name, g in ref_grads.items():
         err = (got_grads[name] - g).abs().max().item()
         assert err <= 2e-3 + 2e-2 * g.abs().max().item(), f"{name}: max abs error {err}"
+        # the absolute floor above exceeds every router / expert gradient of the tiny MoE (<= 1e-3), so
+        # each tensor is also held to a relative error in norm
+        rel = ((got_grads[name] - g).norm() / g.norm().clamp_min(1e-12)).item()
+        assert rel <= GRAD_REL_TOL, f"{name}: relative error in norm {rel:.2e} > {GRAD_REL_TOL}"
 
 
 def test_cp2_matches_single_process(single, pair):
