@@ -1,10 +1,12 @@
 """Scaling knobs benchmark: the real `sft` entrypoint (fake data) with each knob on / off; prints JSON lines.
 
-    python benchmarks/scaling.py --kind dense --seq-len 4096 --nproc 1
+    python benchmarks/scaling.py --kind dense --seq-len 8192 --nproc 1
 
-Variants: base (no AC, no offload), ac=full, ac=selective, ac+ac_offloading, offload=full, and with
---nproc 2 cp=2 (dense) or ep=2 (MoE). Medians over the steps after `--warmup`: tokens/s, MFU, peak memory.
-The MoE shape is a small Qwen3-MoE (64 experts, top-8); the dense one Qwen3-0.6B.
+Variants: base (no AC, no AC offloading, offload "none", compile per block with fullgraph=false), then
+one knob on at a time: ac=full, ac=selective, ac=full+ac_offloading, offload="optimizer", offload="full",
+compile fullgraph=true; with --nproc 2: base (FSDP over 2 GPUs), cp=2, and for the MoE ep=2.
+Medians over the steps after `--warmup`: tokens/s (all GPUs), MFU, peak memory (max over ranks).
+The dense shape is Qwen3-1.7B (the anchor's shape); the MoE one a small Qwen3-MoE (64 experts, top-8).
 """
 
 import argparse
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 
 SHAPES = {
-    "dense": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
+    "dense": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=2048, intermediate_size=6144,
                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                   tie_word_embeddings=True),
     "moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=1024,
@@ -45,19 +47,20 @@ def make_model_dir(kind: str, out: Path) -> Path:
 
 
 def variants(kind: str, nproc: int) -> dict[str, list[str]]:
-    v = {
+    if nproc == 2:
+        v = {"base": [*PLAIN, "--model.ep", "1"], "cp2": [*PLAIN, "--model.ep", "1", "--model.cp", "2"]}
+        if kind == "moe":
+            v["ep2"] = [*PLAIN, "--model.ep", "2"]
+        return v
+    return {
         "base": PLAIN,
         "ac_full": ["--model.ac-offloading", "None", "--model.offload", "none"],
         "ac_selective": ["--model.ac.mode", "selective", "--model.ac-offloading", "None", "--model.offload", "none"],
         "ac_full+offloading": ["--model.offload", "none"],
-        "offload_full": ["--model.ac", "None", "--model.ac-offloading", "None", "--model.offload", "full"],
+        "offload_optimizer": ["--model.ac", "None", "--model.ac-offloading", "None", "--model.offload", "optimizer"],
+        "compile_fullgraph": [*PLAIN, "--model.compile.fullgraph", "true"],
+        "offload_full": ["--model.ac", "None", "--model.ac-offloading", "None", "--model.offload", "full"],  # slowest
     }
-    if nproc == 2:
-        v = {"base": [*PLAIN, "--model.ep", "1"] if kind == "moe" else PLAIN}
-        v["ep2" if kind == "moe" else "cp2"] = (
-            [*PLAIN, "--model.ep", "2"] if kind == "moe" else [*PLAIN, "--model.cp", "2"]
-        )
-    return v
 
 
 def main() -> None:
