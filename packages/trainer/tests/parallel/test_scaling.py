@@ -15,6 +15,7 @@ from prime_rl.common.config import load_config
 from prime_rl.common.config.trainer import MegaMoEDispatchConfig, MoEConfig, SFTConfig
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_loop
+from prime_rl.trainer.parallel.checkpointing import DEFAULT_SELECTIVE_TARGETS, selective_policy
 from prime_rl.trainer.parallel.context import validate_cp
 from prime_rl.trainer.parallel.expert import check_dispatch, resolve_ep
 
@@ -193,3 +194,19 @@ def test_grouped_mm_matches_loop_on_gpu():
     out = grouped_swiglu(x, counts, *ws)
     ref = grouped_swiglu_loop(x, counts, *ws)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_selective_ac_keeps_grouped_gemm_and_collectives_and_recomputes_elementwise():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    pytest.importorskip("triton")
+    import prime_rl.kernels.grouped_gemm.op  # noqa: F401  (registers prime_rl::grouped_mm)
+
+    policy = selective_policy(DEFAULT_SELECTIVE_TARGETS)
+    kept = [
+        torch.ops.prime_rl.grouped_mm.default,
+        torch.ops.aten.mm.default,
+        torch.ops._c10d_functional.all_to_all_single.default,
+    ]
+    assert all(policy(None, op) == CheckpointPolicy.MUST_SAVE for op in kept)
+    assert policy(None, torch.ops.aten.silu.default) == CheckpointPolicy.PREFER_RECOMPUTE

@@ -24,6 +24,7 @@ DEFAULT_SELECTIVE_TARGETS = (
     "aten::addmm",
     "aten::bmm",
     "aten::_grouped_mm",
+    "prime_rl::grouped_mm",  # the routed experts' Triton grouped GEMM (prime_rl.kernels.grouped_gemm)
     "aten::linear",
     "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_flash_attention",
