@@ -21,6 +21,7 @@ from prime_rl.trainer.parallel.expert import check_dispatch, resolve_ep
 
 WORKER = Path(__file__).with_name("scaling_worker.py")
 PLAIN = ["--model.ac", "None", "--model.ac-offloading", "None", "--model.offload", "none"]
+FULLGRAPH = ["--model.compile", "--model.compile.fullgraph", "true"]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,10 @@ def single(models, tmp_path_factory):
         {"name": "ac_offloading", "model_dir": d, "flags": ["--model.ac", "None"]},  # default offload=optimizer
         {"name": "full_offload", "model_dir": d, "flags": [*PLAIN, "--model.offload", "full"]},
         {"name": "sign_sgd", "model_dir": d, "flags": [*PLAIN, "--optim.type", "sign_sgd", "--optim.lr", "1e-3"]},
+        # compiled references for the fullgraph pairs (inductor's fusions round bf16 differently from eager)
+        {"name": "moe_fullgraph", "model_dir": m, "flags": [*PLAIN, *FULLGRAPH]},
+        {"name": "dense_ac_fullgraph", "model_dir": d, "flags": ["--model.ac-offloading", "None", "--model.offload",
+                                                                 "none", *FULLGRAPH]},
         {"name": "sign_sgd_full_offload", "model_dir": d,
          "flags": [*PLAIN, "--optim.type", "sign_sgd", "--optim.lr", "1e-3", "--model.offload", "full"]},
     ])  # fmt: skip
@@ -66,6 +71,11 @@ def pair(models, tmp_path_factory):
         {"name": "ep2_cp2_ac", "model_dir": m, "flags": ["--model.cp", "2", "--model.ac.mode", "selective",
                                                          "--model.ac-offloading", "None"]},  # ep auto -> 2
         {"name": "hsdp_ac", "model_dir": d, "flags": ["--model.dp-replicate", "2", "--model.ac-offloading", "None"]},
+        # fullgraph where the graph cannot be one piece: EP dispatch (compiled around the experts), and
+        # CP under AC (the full sequence is built by a pre-hook, outside the checkpointed block)
+        {"name": "ep2_fullgraph", "model_dir": m, "flags": [*PLAIN, "--model.ep", "2", *FULLGRAPH]},
+        {"name": "cp2_ac_fullgraph", "model_dir": d, "flags": ["--model.cp", "2", "--model.ac-offloading", "None",
+                                                               "--model.offload", "none", *FULLGRAPH]},
     ])  # fmt: skip
 
 
@@ -108,6 +118,11 @@ def test_ep2_matches_single_process(single, pair):
 def test_ep2_with_cp2_and_selective_ac_matches_single_process(single, pair):
     assert pair["ep2_cp2_ac"]["dims"] == (1, 2, 2)
     _assert_close(single["moe"], pair["ep2_cp2_ac"])
+
+
+def test_fullgraph_compile_with_ep2_or_cp2_matches_single_process(single, pair):
+    _assert_close(single["moe_fullgraph"], pair["ep2_fullgraph"])
+    _assert_close(single["dense_ac_fullgraph"], pair["cp2_ac_fullgraph"])
 
 
 def test_hsdp_with_ac_matches_single_process(single, pair):

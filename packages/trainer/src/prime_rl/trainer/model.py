@@ -51,7 +51,7 @@ def build_training_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh,
     model = build_model(cfg.name, attn=cfg.attn, dtype=dtype, device="meta")
     chunk = None if cfg.fused_lm_head_token_chunk_size == "disabled" else cfg.fused_lm_head_token_chunk_size
     root = CausalLM(model, chunk)
-    parallelize_model(root, model.layers, dims, mesh, cfg)
+    parallelize_model(root, model, dims, mesh, cfg)
     root.to_empty(device=device)
     model.tie_weights()
     load_hf_weights(model, Path(cfg.name))

@@ -89,12 +89,14 @@ class MoE(nn.Module):
         self.num_experts = config.num_experts
         self.router = Router(config)
         self.experts = Experts(config)
-        self.last_tokens_per_expert: torch.Tensor | None = None  # router stats of the last forward
+        self.last_tokens_per_expert: torch.Tensor | None = None  # router stats of the last eager forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, H) -> (N, H)."""
         topk_weights, topk_idx = self.router(x)
         x_sorted, order, tokens_per_expert = permute_tokens(x, topk_idx, self.num_experts)
         y_sorted = self.experts(x_sorted, tokens_per_expert)
-        self.last_tokens_per_expert = tokens_per_expert.detach()
+        if not torch.compiler.is_compiling():  # a Python-state write inside a compiled (or checkpointed
+            # and compiled) block is a side effect Dynamo refuses under fullgraph: compiled blocks skip it
+            self.last_tokens_per_expert = tokens_per_expert.detach()
         return unpermute_tokens(y_sorted, order, topk_weights, x.shape[0])

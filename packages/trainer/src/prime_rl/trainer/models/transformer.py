@@ -156,7 +156,8 @@ class Transformer(nn.Module):
                     nn.init.normal_(weight, mean=0.0, std=std)
 
     def router_stats(self) -> dict[int, torch.Tensor]:
-        """Tokens routed to each expert in the last forward, per MoE layer index."""
+        """Tokens routed to each expert in the last forward, per MoE layer index (not recorded by compiled
+        blocks)."""
         return {
             layer.layer_idx: layer.mlp.last_tokens_per_expert
             for layer in self.layers

@@ -6,8 +6,10 @@ backend runs on the full sequence for its heads, and a second all-to-all shards 
 Everything else (norms, MLPs, MoE, RoPE with each token's own position) is per-token.
 
 Packed documents: the local slice's position_ids are not enough to find document boundaries after the
-all-to-all, so the full position_ids are all-gathered once per forward and cached on the `PackedSeqs`
-(every layer, and AC recompute, reuses them).
+all-to-all, so a forward pre-hook on the model all-gathers the full position_ids once per forward,
+builds the full sequence's `PackedSeqs` (and its attention masks) and hands it to every Ulysses
+wrapper. That happens before and outside the blocks: a compiled or checkpointed block only reads it
+(building it inside would break `compile.fullgraph` and mutate state from inside the AC region).
 
 GQA: with fewer KV heads than cp the KV heads are replicated (`repeat_interleave`) up to cp heads, so
 each rank gets exactly one KV head and the query heads that use it; cp must then be a multiple of
@@ -23,6 +25,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from prime_rl.trainer.models.attention import prepare_masks
 from prime_rl.trainer.models.packing import PackedSeqs
 
 
@@ -84,14 +87,12 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.T
     return x.reshape(tokens // cp, cp * heads_local, dim)
 
 
-def full_sequence(seqs: PackedSeqs, group: dist.ProcessGroup, cp: int) -> PackedSeqs:
-    """Document boundaries of the whole sequence, from the all-gathered position_ids (cached per forward)."""
-    if "cp_full_seqs" not in seqs.cache:
-        local = seqs.position_ids.contiguous()
-        parts = [torch.empty_like(local) for _ in range(cp)]
-        dist.all_gather(parts, local, group=group)
-        seqs.cache["cp_full_seqs"] = PackedSeqs.from_position_ids(torch.cat(parts).unsqueeze(0))
-    return seqs.cache["cp_full_seqs"]
+def full_sequence(position_ids: torch.Tensor, group: dist.ProcessGroup, cp: int) -> PackedSeqs:
+    """Document boundaries of the whole sequence from this rank's (1, T/cp) slice of position_ids."""
+    local = position_ids.reshape(-1).contiguous()
+    parts = [torch.empty_like(local) for _ in range(cp)]
+    dist.all_gather(parts, local, group=group)
+    return PackedSeqs.from_position_ids(torch.cat(parts).unsqueeze(0))
 
 
 class UlyssesAttention(nn.Module):
@@ -102,23 +103,38 @@ class UlyssesAttention(nn.Module):
         self.inner = inner
         self.group = mesh.get_group()
         self.cp = mesh.size()
+        self.full_seqs: PackedSeqs | None = None  # the whole sequence, set by apply_cp's pre-hook per forward
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs) -> torch.Tensor:
-        """q (T/cp, Hq, D), k/v (T/cp, Hkv, D) -> (T/cp, Hq, D)."""
+        """q (T/cp, Hq, D), k/v (T/cp, Hkv, D) -> (T/cp, Hq, D); `seqs` (the local slice) is unused."""
+        if self.full_seqs is None:
+            raise RuntimeError("UlyssesAttention ran without the full sequence: install it with apply_cp(model, mesh)")
         if k.shape[1] < self.cp:  # GQA: one KV head per rank after replication
             rep = self.cp // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        full = full_sequence(seqs, self.group, self.cp)
         q, k, v = (_seq_to_heads(t, self.group, self.cp) for t in (q, k, v))
-        out = self.inner(q, k, v, full)  # (T, Hq/cp, D)
+        out = self.inner(q, k, v, self.full_seqs)  # (T, Hq/cp, D)
         return _heads_to_seq(out, self.group, self.cp)
 
 
-def apply_cp(blocks: nn.ModuleList, mesh: DeviceMesh) -> None:
-    """Swap every block's `self_attn.core_attention` for its Ulysses wrapper."""
-    for block in blocks:
+def apply_cp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Swap every block's `self_attn.core_attention` for its Ulysses wrapper, and give them the full
+    sequence from a pre-hook on `model` (a Transformer: forward(input_ids, position_ids), `.layers`, `.attn`)."""
+    wrappers = []
+    for block in model.layers:
         attn = block.self_attn
         attn.core_attention = UlyssesAttention(attn.core_attention, mesh)
+        wrappers.append(attn.core_attention)
+    group, cp = mesh.get_group(), mesh.size()
+
+    def set_full_sequence(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+        full = full_sequence(position_ids, group, cp)
+        prepare_masks(full, module.attn)
+        for wrapper in wrappers:
+            wrapper.full_seqs = full
+
+    model.register_forward_pre_hook(set_full_sequence, with_kwargs=True)
 
 
 def shard_micro_batch(mb: Any, cp_rank: int, cp: int) -> Any:

@@ -226,7 +226,8 @@ class ExpertParallelMoE(MoE):
         """x (N, H) -> (N, H)."""
         topk_weights, topk_idx = self.router(x)
         y, tokens_per_expert = self.dispatcher(x, topk_idx, topk_weights, self.experts.run_local)
-        self.last_tokens_per_expert = tokens_per_expert.detach()
+        if not torch.compiler.is_compiling():  # as in MoE.forward: no Python-state write in a compiled region
+            self.last_tokens_per_expert = tokens_per_expert.detach()
         return y
 
 

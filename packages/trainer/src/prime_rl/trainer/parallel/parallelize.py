@@ -21,21 +21,25 @@ from prime_rl.trainer.parallel.offload import apply_ac_offloading
 
 
 def parallelize_model(
-    root: nn.Module, blocks: nn.ModuleList, dims: ParallelDims, mesh: DeviceMesh, cfg: ModelConfig
+    root: nn.Module, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: ModelConfig
 ) -> None:
-    """`root` is the module whose forward runs a whole micro-batch; `blocks` its transformer layers."""
+    """`root` is the module whose forward runs a whole micro-batch; `model` the transformer inside it
+    (`model.layers` are the blocks)."""
+    blocks = model.layers
     expert_params: list[nn.Parameter] = []
     if dims.ep_enabled:  # 0. expert parallel: module swap, before AC / compile wrap the blocks
         ep_mesh = build_ep_mesh(dims.world_size, dims.ep, mesh.device_type)
         expert_params = apply_ep(blocks, ep_mesh, cfg.moe.dispatch)
     if dims.cp_enabled:  # 1. context parallel (Ulysses) around each block's attention kernel
-        apply_cp(blocks, build_cp_mesh(dims.world_size, dims.cp, mesh.device_type))
+        apply_cp(model, build_cp_mesh(dims.world_size, dims.cp, mesh.device_type))
     if cfg.ac is not None:  # 2. activation checkpointing wraps blocks; must precede compile
         apply_ac(blocks, cfg.ac)
     if cfg.ac_offloading is not None:  # offload what autograd saves outside the checkpoints
         apply_ac_offloading(root, cfg.ac_offloading.max_inflight_activations)
     if cfg.compile is not None:  # 3. compile after AC wrapping, before FSDP
-        apply_compile(blocks, fullgraph=cfg.compile.fullgraph)
+        # one graph per MoE block only with the Triton grouped GEMM (CUDA) and no EP dispatch
+        moe_is_one_graph = mesh.device_type == "cuda" and not dims.ep_enabled
+        apply_compile(blocks, fullgraph=cfg.compile.fullgraph, moe_is_one_graph=moe_is_one_graph)
     apply_fsdp(  # 4. FSDP last
         root,
         blocks,
