@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from packages.trainer.tests.parallel import deep_ep_double
-from packages.trainer.tests.parallel.test_scaling import PLAIN, _assert_close, _norm_name, _run
+from packages.trainer.tests.parallel.test_scaling import PLAIN, _assert_close, _run
 from prime_rl.common.config.trainer import DeepEPDispatchConfig, MoEConfig
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.trainer.parallel.deepep import check_deepep_runtime
@@ -43,26 +43,14 @@ def runs(tmp_path_factory):
     return single, pair
 
 
-def _assert_grads_rel(ref: dict, got: dict, rel: float) -> None:
-    """Per-tensor relative error in norm. _assert_close's absolute floor (2e-3) exceeds every MoE gradient
-    of the tiny model (router / expert grads are <= 1e-3), so it alone would not see a wrong gradient."""
-    ref_grads = {_norm_name(k): v for k, v in ref["grads"].items()}
-    got_grads = {_norm_name(k): v for k, v in got["grads"].items()}
-    assert got_grads.keys() == ref_grads.keys()
-    for name, g in ref_grads.items():
-        err = ((got_grads[name] - g).norm() / g.norm()).item()
-        assert err <= rel, f"{name}: relative error {err:.2e} > {rel:.0e}"
-
-
 def test_deepep_matches_single_process_and_torch_dispatch(runs):
     single, pair = runs
     assert pair["deepep"]["dims"] == (2, 1, 2)  # (dp, cp, ep)
-    _assert_close(single["moe"], pair["deepep"])
-    _assert_grads_rel(single["moe"], pair["deepep"], rel=1e-2)  # seen: 2.4e-3, the same as torch dispatch
+    _assert_close(single["moe"], pair["deepep"])  # gradients seen: 2.4e-3 relative, the same as torch dispatch
     # same math as the torch path up to bf16 summation order (seen: bit-identical)
     assert pair["deepep"]["loss0"] == pytest.approx(pair["torch"]["loss0"], abs=1e-6)
     assert pair["deepep"]["loss1"] == pytest.approx(pair["torch"]["loss1"], abs=1e-4)
-    _assert_grads_rel(pair["torch"], pair["deepep"], rel=1e-3)
+    _assert_close(pair["torch"], pair["deepep"], grad_rel=1e-3)
 
 
 def test_deepep_ran_dispatch_and_combine_both_ways(runs):
@@ -80,14 +68,12 @@ def test_deepep_ran_dispatch_and_combine_both_ways(runs):
 def test_deepep_token_chunks(runs):
     single, pair = runs
     _assert_close(single["moe"], pair["deepep_chunked"])
-    _assert_grads_rel(single["moe"], pair["deepep_chunked"], rel=1e-2)
     assert pair["deepep_chunked"]["deep_ep"]["dispatch"] == 3 * pair["deepep"]["deep_ep"]["dispatch"]
 
 
 def test_deepep_with_selective_ac(runs):
     single, pair = runs
     _assert_close(single["moe"], pair["deepep_selective_ac"])
-    _assert_grads_rel(single["moe"], pair["deepep_selective_ac"], rel=1e-2)
     # DeepEP calls are not aten ops, so selective AC recomputes them: dispatch twice per layer and step
     assert pair["deepep_selective_ac"]["deep_ep"]["dispatch"] == 2 * pair["deepep"]["deep_ep"]["dispatch"]
 

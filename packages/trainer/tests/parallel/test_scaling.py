@@ -86,7 +86,9 @@ def _norm_name(name: str) -> str:
 GRAD_REL_TOL = 1e-2  # bf16 compute; observed <= 2.4e-3 (EP=2 vs one process)
 
 
-def _assert_close(ref: dict, got: dict, grads: bool = True, loss1_tol: float = 5e-3) -> None:
+def _assert_close(
+    ref: dict, got: dict, grads: bool = True, loss1_tol: float = 5e-3, grad_rel: float = GRAD_REL_TOL
+) -> None:
     # bf16 compute: sharding, all-to-alls and recompute change rounding order only slightly
     assert got["loss0"] == pytest.approx(ref["loss0"], abs=2e-3)
     assert got["loss1"] == pytest.approx(ref["loss1"], abs=loss1_tol)
@@ -102,7 +104,7 @@ def _assert_close(ref: dict, got: dict, grads: bool = True, loss1_tol: float = 5
         # the absolute floor above exceeds every router / expert gradient of the tiny MoE (<= 1e-3), so
         # each tensor is also held to a relative error in norm
         rel = ((got_grads[name] - g).norm() / g.norm().clamp_min(1e-12)).item()
-        assert rel <= GRAD_REL_TOL, f"{name}: relative error in norm {rel:.2e} > {GRAD_REL_TOL}"
+        assert rel <= grad_rel, f"{name}: relative error in norm {rel:.2e} > {grad_rel}"
 
 
 def test_cp2_matches_single_process(single, pair):
