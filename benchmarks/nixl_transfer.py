@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,15 +30,11 @@ for pkg in ("common", "trainer", "inference"):
 
 import torch  # noqa: E402
 
+from prime_rl.common.net import free_port  # noqa: E402
+
 ITERS = 5
 SYNTH_TENSORS, SYNTH_SHAPE = 32, (4096, 4096)  # 32 x 32 MiB bf16 = 1 GiB
 GROUP_BYTES = 256 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def median(xs: list[float]) -> float:
@@ -55,38 +49,17 @@ def bench_tiny(iters: int = ITERS) -> dict:
 
     from prime_rl.common.testing import make_tiny_model
     from prime_rl.common.transport import ControlClient
-    from prime_rl.common.wire import HealthRequest, LoadWeightsRequest
+    from prime_rl.common.wire import LoadWeightsRequest
+    from prime_rl.inference.testing import start_server, stop_server
     from prime_rl.trainer.weights.broadcast import WeightBroadcaster
     from prime_rl.trainer.weights.nixl import NixlWeightSender
 
     tmp = Path(tempfile.mkdtemp(prefix="nixl-bench-"))
     model = make_tiny_model(tmp / "tiny", dtype="float32", tie_word_embeddings=True)
-    port, control_port = free_port(), free_port()
-    cfg = tmp / "infer.toml"
-    cfg.write_text(
-        f'[model]\nname = "{model}"\n[server]\nhost = "127.0.0.1"\nport = {port}\ncontrol_host = "127.0.0.1"\n'
-        f'control_port = {control_port}\n[vllm]\nenforce_eager = true\ndtype = "float32"\nmax_model_len = 256\n'
-    )
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(cfg)],
-        stdout=open(tmp / "server.log", "w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    endpoint = f"tcp://127.0.0.1:{control_port}"
+    server = start_server(tmp, model)  # returns once control plane and HTTP answer
+    endpoint = server.control
     result: dict = {}
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with ControlClient(endpoint, timeout_s=2) as c:
-                    if c.request(HealthRequest()).ok:
-                        break
-            except TimeoutError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError((tmp / "server.log").read_text()[-3000:]) from None
         sd = load_file(model / "model.safetensors")
         total = sum(t.numel() * t.element_size() for t in sd.values())
         result["model"] = {"tensors": len(sd), "bytes": total, "dtype": "float32"}
@@ -135,8 +108,7 @@ def bench_tiny(iters: int = ITERS) -> dict:
             }
             sender.close()
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_server(server.proc)
     return result
 
 

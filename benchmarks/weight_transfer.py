@@ -12,8 +12,6 @@ broadcast + unpack views), not vLLM's load into its parameters.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import statistics
 import sys
 import time
@@ -25,6 +23,7 @@ for pkg in ("common", "trainer", "inference"):
 
 import torch  # noqa: E402
 
+from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.trainer.weights.broadcast import (  # noqa: E402
     Spec,
     build_weight_group,
@@ -32,13 +31,6 @@ from prime_rl.trainer.weights.broadcast import (  # noqa: E402
     receive_buckets,
     send_buckets,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # -- gpu ------------------------------------------------------------------------------------------
 
@@ -178,43 +170,21 @@ def bench_gpu(iters: int = 5) -> dict:
 
 
 def bench_cpu(iters: int = 5) -> dict:
-    import subprocess
     import tempfile
 
     from safetensors.torch import load_file, save_file
 
     from prime_rl.common.testing import make_tiny_model
     from prime_rl.common.transport import ControlClient
-    from prime_rl.common.wire import HealthRequest, LoadWeightsRequest
+    from prime_rl.common.wire import LoadWeightsRequest
+    from prime_rl.inference.testing import start_server, stop_server
     from prime_rl.trainer.weights.broadcast import WeightBroadcaster
 
     tmp = Path(tempfile.mkdtemp(prefix="wt-bench-"))
     model = make_tiny_model(tmp / "tiny", dtype="float32", tie_word_embeddings=True)
-    port, control_port = free_port(), free_port()
-    cfg = tmp / "infer.toml"
-    cfg.write_text(
-        f'[model]\nname = "{model}"\n[server]\nhost = "127.0.0.1"\nport = {port}\ncontrol_host = "127.0.0.1"\n'
-        f'control_port = {control_port}\n[vllm]\nenforce_eager = true\ndtype = "float32"\nmax_model_len = 256\n'
-    )
-    env = dict(os.environ, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(cfg)],
-        stdout=open(tmp / "server.log", "w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    endpoint = f"tcp://127.0.0.1:{control_port}"
+    server = start_server(tmp, model)  # returns once control plane and HTTP answer
+    endpoint = server.control
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with ControlClient(endpoint, timeout_s=2) as c:
-                    if c.request(HealthRequest()).ok:
-                        break
-            except TimeoutError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError((tmp / "server.log").read_text()[-3000:]) from None
         sd = load_file(model / "model.safetensors")
         total = sum(t.numel() * t.element_size() for t in sd.values())
         write_s, load_s = [], []
@@ -239,8 +209,7 @@ def bench_cpu(iters: int = 5) -> dict:
             push_s.append(time.perf_counter() - start)
         b.close()
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_server(server.proc)
     fs = statistics.median(write_s) + statistics.median(load_s)
     return {
         "mode": "cpu",

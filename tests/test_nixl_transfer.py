@@ -8,12 +8,12 @@ The vLLM end to end lives in packages/inference/tests/test_nixl.py.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
+from prime_rl.common.net import free_port
 from prime_rl.common.nixl_layout import (
     ALIGNMENT,
     NixlProtocolError,
@@ -28,12 +28,6 @@ from prime_rl.common.wire import TensorSpec
 pytest.importorskip("nixl_cu13", reason="needs the nixl extra (nixl-cu13)")
 
 TIMEOUT = 30
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def state_dict(seed: int) -> dict[str, torch.Tensor]:

@@ -6,114 +6,12 @@ embeddings (the case where the LM head's packed copy must be rebuilt after a rel
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from prime_rl.common.testing import make_tiny_model
-from prime_rl.common.transport import ControlClient
-from prime_rl.common.wire import HealthReply, HealthRequest
-
-STARTUP_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
-    return env
-
-
-class Server:
-    def __init__(self, model_dir: Path, port: int, control_port: int, proc: subprocess.Popen, log: Path) -> None:
-        self.model_dir = model_dir
-        self.url = f"http://127.0.0.1:{port}"
-        self.control = f"tcp://127.0.0.1:{control_port}"
-        self.proc = proc
-        self.log = log
-
-    def client(self, timeout_s: float = 120.0) -> ControlClient:
-        return ControlClient(self.control, timeout_s=timeout_s)
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-
-def write_config(path: Path, model_dir: Path, port: int, control_port: int, extra: str = "") -> Path:
-    path.write_text(
-        f"""
-[model]
-name = "{model_dir}"
-[server]
-host = "127.0.0.1"
-port = {port}
-control_host = "127.0.0.1"
-control_port = {control_port}
-[vllm]
-enforce_eager = true
-dtype = "float32"
-max_model_len = 256
-max_num_seqs = 16
-{extra}
-"""
-    )
-    return path
-
-
-def wait_ready(server: Server, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"inference server exited with {server.proc.returncode}:\n{server.log_tail()}")
-        try:
-            with ControlClient(server.control, timeout_s=2.0) as c:
-                reply = c.request(HealthRequest())
-            if isinstance(reply, HealthReply) and reply.ok and httpx.get(f"{server.url}/health").status_code == 200:
-                return
-        except (TimeoutError, httpx.HTTPError):
-            time.sleep(1.0)
-    raise RuntimeError(f"inference server not ready after {timeout_s}s:\n{server.log_tail()}")
-
-
-def start_server(tmp: Path, model_dir: Path) -> Server:
-    port, control_port = free_port(), free_port()
-    config = write_config(tmp / "infer.toml", model_dir, port, control_port)
-    log = tmp / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(config)],
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        env=cpu_env(),
-        start_new_session=True,
-    )
-    server = Server(model_dir, port, control_port, proc, log)
-    try:
-        wait_ready(server)
-    except Exception:
-        stop_server(proc)
-        raise
-    return server
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()  # SIGTERM: vLLM shuts its engine processes down
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # our own session only (start_new_session=True)
-            proc.wait()
+from prime_rl.inference.testing import Server, start_server, stop_server
 
 
 @pytest.fixture(scope="session")

@@ -16,19 +16,12 @@ import pytest
 
 from prime_rl.common.config import parse_config
 from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.common.net import free_port
 from prime_rl.common.transport import ControlClient
 from prime_rl.common.wire import HealthRequest, LoadWeightsRequest
 from prime_rl.inference.router import replica_endpoints
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm_router")]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _successes(url: str) -> float:
@@ -39,7 +32,7 @@ def _successes(url: str) -> float:
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("router")
-    port = _free_port()
+    port = free_port()
     config_path = tmp / "infer.toml"
     config_path.write_text(
         f'[model]\nname = "{tiny_model}"\n[server]\nhost = "127.0.0.1"\nport = {port}\ncontrol_host = "127.0.0.1"\n'

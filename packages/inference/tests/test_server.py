@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from prime_rl.common.net import free_port
 from prime_rl.common.wire import (
     ControlReply,
     HealthReply,
@@ -33,12 +33,6 @@ pytestmark = pytest.mark.xdist_group("vllm_server")
 
 PROMPT = [5, 17, 42, 99, 120, 7, 300, 64, 11, 250]
 TOL = 1e-4  # fp32 model: vLLM and transformers agree to ~1e-6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_logprobs(server, ids: list[int] = PROMPT) -> list[float]:

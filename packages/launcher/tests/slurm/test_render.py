@@ -14,6 +14,7 @@ import pytest
 
 from prime_rl.common.config import load_config
 from prime_rl.common.config.trainer import SFTConfig
+from prime_rl.common.net import free_port
 from prime_rl.launcher.slurm import load_job, render_job
 from prime_rl.launcher.slurm.__main__ import main
 
@@ -308,14 +309,6 @@ def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path
         if broadcast in ("nccl", "nixl"):
             assert arg_after(argv, "--weight-broadcast.inference-addresses") == "tcp://localhost:9200"
     assert not any(pid_alive(c["pid"]) for c in calls)  # the router was stopped when the mains finished
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_help_lists_component_deployment_and_slurm_options(capsys) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from prime_rl.common.config import parse_config, write_toml
 from prime_rl.common.config.deployment import SingleNodeDeployment
 from prime_rl.common.config.rl import RLConfig
+from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
 from prime_rl.launcher.dashboard.status import write_status
 from prime_rl.launcher.supervisor import Component, Supervisor
@@ -60,12 +61,6 @@ def place(deployment: SingleNodeDeployment, gpus: list[str]) -> tuple[list[str],
             "set CUDA_VISIBLE_DEVICES"
         )
     return gpus[: deployment.num_infer_gpus], gpus[deployment.num_infer_gpus : need]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def served_dtype(cfg: RLConfig) -> str:

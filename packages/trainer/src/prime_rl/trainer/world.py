@@ -5,11 +5,12 @@ so single-process runs take the exact same code path as distributed ones (FSDP o
 """
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from prime_rl.common.net import free_port
 
 
 @dataclass(frozen=True)
@@ -22,12 +23,6 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_world() -> World:
