@@ -5,6 +5,13 @@ from prime_rl.kernels.grouped_gemm.swiglu import (
     grouped_swiglu_loop,
     grouped_swiglu_triton,
     triton_grouped_available,
+    triton_grouped_enabled,
 )
 
-__all__ = ["grouped_swiglu", "grouped_swiglu_loop", "grouped_swiglu_triton", "triton_grouped_available"]
+__all__ = [
+    "grouped_swiglu",
+    "grouped_swiglu_loop",
+    "grouped_swiglu_triton",
+    "triton_grouped_available",
+    "triton_grouped_enabled",
+]

@@ -18,8 +18,13 @@ except ImportError:  # no triton: the loop is the only path
     grouped_mm = tile_map = None
 
 
+def triton_grouped_enabled(device_type: str) -> bool:
+    """Whether routed experts on this device type run the Triton grouped GEMM (given bf16/fp16 operands)."""
+    return device_type == "cuda" and grouped_mm is not None
+
+
 def triton_grouped_available(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and grouped_mm is not None
+    return triton_grouped_enabled(x.device.type) and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def grouped_swiglu_loop(

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.common.config.trainer import ModelConfig
+from prime_rl.kernels.grouped_gemm import triton_grouped_enabled
 from prime_rl.trainer.parallel.checkpointing import apply_ac
 from prime_rl.trainer.parallel.compile import apply_compile
 from prime_rl.trainer.parallel.context import apply_cp, build_cp_mesh
@@ -37,8 +38,8 @@ def parallelize_model(
     if cfg.ac_offloading is not None:  # offload what autograd saves outside the checkpoints
         apply_ac_offloading(root, cfg.ac_offloading.max_inflight_activations)
     if cfg.compile is not None:  # 3. compile after AC wrapping, before FSDP
-        # one graph per MoE block only with the Triton grouped GEMM (CUDA) and no EP dispatch
-        moe_is_one_graph = mesh.device_type == "cuda" and not dims.ep_enabled
+        # one graph per MoE block only with the Triton grouped GEMM (bf16 compute on CUDA) and no EP dispatch
+        moe_is_one_graph = triton_grouped_enabled(mesh.device_type) and not dims.ep_enabled
         apply_compile(blocks, fullgraph=cfg.compile.fullgraph, moe_is_one_graph=moe_is_one_graph)
     apply_fsdp(  # 4. FSDP last
         root,
