@@ -18,6 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from prime_rl.common.net import free_port
+
 EOS = 2
 OFFSET = 3
 
@@ -109,9 +111,7 @@ def openai_server():
 
 def closed_port() -> int:
     """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def free_port_range(n: int) -> int:
