@@ -91,6 +91,51 @@ def test_discriminated_union_switch(tmp_path):
     assert load_config(Config, ["--optim.betas", "0.5", "0.6"]).optim.betas == [0.5, 0.6]
 
 
+class Single(BaseConfig):
+    type: Literal["single"] = "single"
+    num_gpus: int = 1
+
+
+class Multi(BaseConfig):
+    type: Literal["multi"] = "multi"
+    num_nodes: int = 1
+    gpus_per_node: int = 8
+
+
+class Placement(BaseConfig):
+    deployment: Annotated[Single | Multi, Field(discriminator="type")] = Single()
+    optim: Annotated[AdamW | SignSGD, Field(discriminator="type")] = SignSGD()
+
+
+class Run2(BaseConfig):
+    placement: Placement = Placement()
+    optim: Annotated[AdamW | SignSGD, Field(discriminator="type")] = AdamW()
+
+
+def test_overlay_switching_type_replaces_a_table_that_left_type_at_its_default(tmp_path):
+    """scaling.md's thin overlay: the base sets keys of the default variant without naming it."""
+    base = write(tmp_path, "base.toml", "[placement.deployment]\nnum_gpus = 2\n[optim]\nlr = 3e-4\n")
+    overlay = write(tmp_path, "slurm.toml", '[placement.deployment]\ntype = "multi"\nnum_nodes = 2\n')
+    cfg = load_config(Run2, ["@", base, "@", overlay])
+    assert cfg.placement.deployment == Multi(num_nodes=2)
+    # the same through a flag, and a flag naming the variant already in effect keeps its keys
+    cfg = load_config(Run2, ["@", base, "--placement.deployment.type", "multi"])
+    assert cfg.placement.deployment == Multi()
+    assert load_config(Run2, ["@", base, "--placement.deployment.type", "single"]).placement.deployment.num_gpus == 2
+    # the default variant is the enclosing field's: placement.optim defaults to sign_sgd, optim to adamw
+    a = write(tmp_path, "a.toml", "[placement.optim]\nlr = 0.5\n")
+    assert load_config(Run2, ["@", a, "--placement.optim.type", "sign_sgd"]).placement.optim.lr == 0.5
+    assert load_config(Run2, ["@", base, "--optim.type", "sign_sgd"]).optim == SignSGD()
+    assert load_config(Run2, ["@", base, "--optim.type", "adamw"]).optim.lr == 3e-4
+
+
+def test_keys_of_a_replaced_variant_are_not_blamed_on_its_file(tmp_path):
+    base = write(tmp_path, "base.toml", "[placement.deployment]\nnum_gpus = 2\n")
+    overlay = write(tmp_path, "overlay.toml", '[placement.deployment]\ntype = "multi"\nnum_nodes = "x"\n')
+    with pytest.raises(ConfigError, match="overlay.toml"):
+        load_config(Run2, ["@", base, "@", overlay])
+
+
 def test_union_of_int_and_literal():
     assert (
         load_config(Config, ["--model.fused-lm-head-token-chunk-size", "disabled"]).model.fused_lm_head_token_chunk_size

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import pydantic
 import tomli_w
 from pydantic import BaseModel, ConfigDict
+from pydantic_core import PydanticUndefined
 
 CLI = "command line"
 T = TypeVar("T", bound=BaseModel)
@@ -120,15 +121,68 @@ def _null_strings(value: Any) -> Any:
     return None if value == "None" else value
 
 
-def _merge(base: dict, override: dict, sources: dict[str, str], source: str, prefix: str = "") -> dict:
-    """Deep-merge ``override`` into ``base`` (in place), recording the source of every leaf."""
+def _variants(annotation: Any) -> dict[str, type[BaseModel]]:
+    """``{type tag: model}`` of a discriminated union on ``type``; empty for anything else."""
+    out = {}
+    for model in _models_in(annotation):
+        tag = model.model_fields.get("type")
+        if tag is None or not isinstance(tag.default, str):
+            return {}
+        out[tag.default] = model
+    return out if len(out) > 1 else {}
+
+
+def _field_default(models: list[type[BaseModel]], default: Any, name: str) -> Any:
+    """The default of field ``name``: from the enclosing default object if there is one, else the field's."""
+    if isinstance(default, BaseModel) and name in type(default).model_fields:
+        return getattr(default, name)
+    for model in models:
+        field = model.model_fields.get(name)
+        if field is not None:
+            value = field.get_default(call_default_factory=True)
+            return None if value is PydanticUndefined else value
+    return None
+
+
+def _merge(
+    base: dict,
+    override: dict,
+    sources: dict[str, str],
+    source: str,
+    prefix: str = "",
+    models: list[type[BaseModel]] | None = None,
+    default: Any = None,
+) -> dict:
+    """Deep-merge ``override`` into ``base`` (in place), recording the source of every leaf.
+
+    ``models`` (the schema at this level) makes the merge union-aware: when ``override`` names a
+    ``type`` other than the one in effect (set earlier, or the default variant), the earlier table is
+    dropped instead of merged, since its keys belong to another variant.
+    """
+    models = models or []
     for key, value in override.items():
         path = f"{prefix}{key}"
         old = base.get(key)
+        field = next((m.model_fields[key] for m in models if key in m.model_fields), None)
+        child_default = _field_default(models, default, key)
+        child_models = _models_in(field.annotation) if field is not None else []
+        variants = _variants(field.annotation) if field is not None else {}
         if isinstance(value, dict) and isinstance(old, dict):
-            if "type" in value and "type" in old and value["type"] != old["type"]:
-                base[key] = {}
-            _merge(base[key], value, sources, source, f"{path}.")
+            if variants:
+                current = old.get("type", getattr(child_default, "type", None))
+                new = value.get("type", current)
+                if current is not None and new != current:
+                    base[key] = {}
+                if new in variants:
+                    child_models = [variants[new]]
+            elif field is None and "type" in value and "type" in old and value["type"] != old["type"]:
+                base[key] = {}  # no schema to go by: a changed `type` still means another variant
+            if base[key] is not old:
+                for stale in [k for k in sources if k.startswith(f"{path}.")]:
+                    del sources[stale]
+            if not any(isinstance(child_default, m) for m in child_models):
+                child_default = None
+            _merge(base[key], value, sources, source, f"{path}.", child_models, child_default)
         else:
             base[key] = value
             _record(value, sources, source, path)
@@ -355,8 +409,8 @@ def load_config(cls: type[T], argv: list[str]) -> T:
     data: dict = {}
     sources: dict[str, str] = {}
     for file in files:
-        _merge(data, _null_strings(_load_toml(file)), sources, file)
-    _merge(data, flags, sources, CLI)
+        _merge(data, _null_strings(_load_toml(file)), sources, file, models=[cls])
+    _merge(data, flags, sources, CLI, models=[cls])
     sources.update(cli_sources)
     _fill_union_tags(cls, data, None)
     try:
