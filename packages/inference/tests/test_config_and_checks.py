@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from prime_rl.common.config import load_config
@@ -44,6 +47,23 @@ def test_vllm_args_mapping_and_unknown_key():
     cfg.vllm.__pydantic_extra__["max_num_seq"] = 3
     with pytest.raises(ValueError, match="max_num_seq"):
         build_vllm_args(cfg)
+
+
+def test_logprobs_are_those_of_the_sampled_distribution():
+    from prime_rl.inference.server import build_vllm_args
+
+    args = build_vllm_args(load_config(InferenceConfig, ["--model.name", "m"]))
+    assert args.logprobs_mode == "processed_logprobs"  # vLLM's default, raw_logprobs, ignores temperature
+
+
+def test_logprobs_mode_override_is_one_line_and_exit_2(tmp_path):
+    toml = tmp_path / "infer.toml"
+    toml.write_text('[vllm]\nlogprobs_mode = "raw_logprobs"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(toml)], capture_output=True, text=True
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "vllm.logprobs_mode" in out.stderr and str(toml) in out.stderr
 
 
 @pytest.fixture(scope="module")

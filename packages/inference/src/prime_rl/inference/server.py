@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.common.config.inference import PROCESSED_LOGPROBS, InferenceConfig
 from prime_rl.inference.control import Controller, ControlThread
 from prime_rl.inference.weights.manifest import Manifest
 
@@ -51,6 +51,10 @@ def build_vllm_args(config: InferenceConfig, port: int | None = None) -> argpars
             f"extension {WORKER_EXTENSION}; remove it"
         )
     args.worker_extension_cls = WORKER_EXTENSION
+    # Logprobs of the distribution actually sampled (after temperature etc.), not of the raw model:
+    # the trainer's importance ratio is only right against those. The config refuses other values.
+    if args.logprobs_mode != PROCESSED_LOGPROBS:
+        raise ValueError(f"[vllm] logprobs_mode={args.logprobs_mode!r} must be {PROCESSED_LOGPROBS!r}; remove it")
     validate_parsed_serve_args(args)
     return args
 

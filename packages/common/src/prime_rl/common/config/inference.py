@@ -8,6 +8,10 @@ Design decisions:
   (``max_num_seqs = 64`` -> ``--max-num-seqs 64``), so any vLLM option works without a schema change.
   The options almost every deployment sets are typed fields of that same table (validated and shown in
   ``--help``); the rest are extra keys (TOML only: the command line knows typed fields alone).
+- Logprobs are always those of the distribution sampled from (``logprobs_mode = "processed_logprobs"``:
+  after temperature and any other processing). vLLM's default returns the raw model's, which the RL
+  trainer (which divides its logits by the temperature) would compare against the wrong distribution;
+  another value in ``[vllm]`` is refused.
 - The HTTP API is vLLM's own OpenAI-compatible server; the control plane (pause / resume / load weights /
   broadcast / health) is a separate ZeroMQ endpoint speaking ``prime_rl.common.wire`` messages.
 - ``[router]`` with ``replicas > 1`` starts that many independent servers on this node behind one
@@ -19,9 +23,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from prime_rl.common.config.base import BaseConfig
+
+PROCESSED_LOGPROBS = "processed_logprobs"
+"""vLLM's logprobs_mode for logprobs after temperature, penalties, top-k/top-p: what was sampled from."""
 
 
 class InferenceModelConfig(BaseConfig):
@@ -68,6 +75,18 @@ class VLLMConfig(BaseConfig):
     """Weight / activation dtype ("auto" keeps the checkpoint's; "bfloat16", "float32" ...)."""
     enforce_eager: bool = False
     """Skip CUDA-graph capture / compilation (faster start, slower decode; needed on CPU tests)."""
+    logprobs_mode: str = PROCESSED_LOGPROBS
+    """Always "processed_logprobs": returned logprobs are those of the distribution sampled from (RL needs them)."""
+
+    @field_validator("logprobs_mode")
+    @classmethod
+    def _processed_logprobs_only(cls, value: str) -> str:
+        if value != PROCESSED_LOGPROBS:
+            raise ValueError(
+                f"logprobs_mode={value!r}: RL compares the trainer's logprobs with those of the distribution "
+                f"vLLM sampled from (after temperature), which only {PROCESSED_LOGPROBS!r} returns; remove the key"
+            )
+        return value
 
     def engine_args(self) -> dict[str, Any]:
         """Every option, typed and extra, as ``{snake_case_name: value}``."""
