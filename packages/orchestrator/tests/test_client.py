@@ -25,6 +25,26 @@ def test_sample_returns_token_ids_and_logprobs(openai_server):
         assert len(c.token_ids) == len(c.logprobs) and c.finish_reason == "stop"
 
 
+def test_every_sampling_parameter_is_sent_explicitly(openai_server):
+    """Left out, vLLM would take top_k / top_p / min_p / penalties from the model's generation_config.json."""
+    from prime_rl.common.config.orchestrator import SamplingConfig
+
+    sampling = SamplingArgs.from_config(SamplingConfig(temperature=0.7, max_tokens=12, stop=["\n\n"], seed=5))
+
+    async def go():
+        client = InferenceClient(openai_server.base_url, "tiny")
+        try:
+            return await client.sample(MESSAGES, 2, sampling)
+        finally:
+            await client.aclose()
+
+    asyncio.run(go())
+    body = openai_server.requests[0]
+    expected = dict(temperature=0.7, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                    frequency_penalty=0.0, max_tokens=12, stop=["\n\n"], seed=5)  # fmt: skip
+    assert {k: body[k] for k in expected} == expected
+
+
 def test_unreachable_server_retries_with_backoff_then_names_the_url(ports):
     url = f"http://127.0.0.1:{ports.closed()}/v1"
 

@@ -2,6 +2,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.orchestrator.entrypoint import main
 
@@ -36,7 +38,46 @@ def test_bad_sizes_rejected_with_fix():
     with pytest.raises(ValidationError, match="multiple of group_size"):
         OrchestratorConfig(batch_size=10, group_size=4)
     with pytest.raises(ValidationError, match="below seq_len"):
-        OrchestratorConfig(max_tokens=512, seq_len=512)
+        OrchestratorConfig(sampling={"max_tokens": 512}, seq_len=512)
+
+
+def test_old_top_level_sampling_keys_move_into_sampling():
+    import pytest
+    from pydantic import ValidationError
+
+    cfg = OrchestratorConfig(temperature=0.7, max_tokens=8, seq_len=64)
+    assert (cfg.sampling.temperature, cfg.sampling.max_tokens) == (0.7, 8)
+    assert "temperature" not in cfg.model_dump()  # the resolved config speaks only [sampling]
+    with pytest.raises(ValidationError, match="keep only sampling.temperature"):
+        OrchestratorConfig(temperature=0.7, sampling={"temperature": 1.0})
+
+
+def test_sampling_the_trainer_cannot_model_needs_an_opt_in():
+    import pytest
+    from pydantic import ValidationError
+
+    for key, value in [("top_p", 0.8), ("top_k", 20), ("min_p", 0.1), ("repetition_penalty", 1.1),
+                       ("presence_penalty", 0.5), ("frequency_penalty", -0.5)]:  # fmt: skip
+        with pytest.raises(ValidationError, match=f"{key}={value} reshapes the sampled distribution"):
+            OrchestratorConfig(sampling={key: value})
+        assert getattr(OrchestratorConfig(sampling={key: value, "allow_unmodeled": True}).sampling, key) == value
+    for off in ({"top_k": 0}, {"top_k": -1}, {"top_p": 1}, {"temperature": 0.3}):
+        OrchestratorConfig(sampling=off)
+
+
+@pytest.mark.parametrize(
+    "flags, key",
+    [
+        (["--group-size", "1", "--batch-size", "4"], "group_size"),
+        (["--sampling.top-k", "20"], "sampling.top_k"),
+        (["--sampling.top-p", "0.9"], "sampling.top_p"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_key_and_exit_2(flags, key):
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_rl.orchestrator.entrypoint", *flags], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith(f"orchestrator: error: {key}:")
 
 
 def test_dry_run_writes_resolved_config(tmp_path, capsys):

@@ -90,7 +90,7 @@ def make_config(tmp_path: Path, base_url: str, port: int, **overrides) -> Orches
         batch_size=8,
         group_size=4,
         seq_len=256,
-        max_tokens=16,
+        sampling={"max_tokens": 16, "temperature": 0.7},
         max_steps=3,
         num_train_ranks=2,
         trainer={"port": port, "send_timeout": 30},
@@ -139,7 +139,7 @@ def test_rollouts_to_trainer_batches_end_to_end(tmp_path, make_server, ports):
             assert batch.policy_version <= step
             for mb in batch.micro_batches:
                 a = micro_batch_arrays(mb, arrays)
-                assert a["input_ids"].shape == (256,) and mb.temperature == config.temperature
+                assert a["input_ids"].shape == (256,) and mb.temperature == 0.7
                 assert a["position_ids"][0] == 0
                 assert not a["advantages"][~a["loss_mask"]].any()
                 assert (a["inference_logprobs"][a["loss_mask"]] < 0).all()
@@ -155,8 +155,9 @@ def test_rollouts_to_trainer_batches_end_to_end(tmp_path, make_server, ports):
             assert control.calls[i - 1] == ("pause", "keep") and control.calls[i + 1] == ("resume",)
             assert call[1] == f"step_{call[2]}"
 
+    # a batch's row is the trainer's: optimizer steps done once it is trained (= policy version published)
     metrics = read_metrics(run_dir.metrics_path)
-    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert [m["step"] for m in metrics] == [b.step + 1 for b, _ in trainer.received[0]] == [1, 2, 3]
     for m in metrics:
         # one BOOM completion per group, two groups per step: counted, scored 0, the run went on
         assert m["env/failed"] == 2
@@ -170,6 +171,11 @@ def test_rollouts_to_trainer_batches_end_to_end(tmp_path, make_server, ports):
     # requests were tagged: after step 1 was published, batch 2 used version >= 1
     assert metrics[2]["policy/batch_version"] >= 1
     assert all(body["return_token_ids"] for body in server.requests)
+    # the whole [sampling] table goes out with every request, so generation_config.json never applies
+    for body in server.requests:
+        assert body["temperature"] == 0.7 and body["max_tokens"] == 16 and body["seed"] is None
+        assert (body["top_p"], body["top_k"], body["min_p"]) == (1.0, -1, 0.0)
+        assert (body["repetition_penalty"], body["presence_penalty"], body["frequency_penalty"]) == (1.0, 0.0, 0.0)
 
     # orchestrator state checkpointed each step, and a resumed orchestrator continues from it
     saved = load_state(run_dir.orchestrator_checkpoint_dir(3))
@@ -180,6 +186,55 @@ def test_rollouts_to_trainer_batches_end_to_end(tmp_path, make_server, ports):
     assert resumed.scheduler.tasks_drawn == saved.tasks_drawn
     assert resumed.scheduler.rng.bit_generator.state == saved.rng_state
     assert orchestrator.step == 3
+
+
+class FlatOnShortTasksEnv(ReverseTextEnv):
+    """reverse_text, except that tasks of 3 letters score 1 whatever the completion: zero-advantage groups."""
+
+    def score(self, task, completion_text):
+        return 1.0 if len(task["answer"]) == 3 else super().score(task, completion_text)
+
+
+def _trained_samples(received: list[tuple[TrainingBatch, dict]]) -> list[int]:
+    """Loss tokens per step in one rank's batches."""
+    return [
+        sum(int(micro_batch_arrays(mb, arrays)["loss_mask"].sum()) for mb in batch.micro_batches)
+        for batch, arrays in received
+    ]
+
+
+def test_zero_advantage_groups_are_left_out_and_counted(tmp_path, make_server, ports):
+    server = make_server()
+    port = ports.free_range(1)
+    steps = 4
+    config = make_config(tmp_path, server.base_url, port, num_train_ranks=1, max_steps=steps, batch_size=16,
+                         env={"type": "reverse_text", "min_len": 3, "max_len": 4}, ckpt={})  # fmt: skip
+    trainer = FakeTrainer(RunDir(tmp_path, "run"), port, num_ranks=1, num_steps=steps)
+    orchestrator = run_orchestrator(config, FlatOnShortTasksEnv(min_len=3, max_len=4), RecordingControl())
+    trainer.join()
+    metrics = read_metrics(RunDir(tmp_path, "run").metrics_path)
+    # the fake server answers the same completions to the same task: a task's loss tokens are fixed
+    flat = [m["batch/zero_advantage_groups"] for m in metrics]
+    assert 0 < sum(flat) < steps * 4, flat  # both kinds of task were drawn
+    for m, tokens in zip(metrics, _trained_samples(trainer.received[0])):
+        assert m["batch/trained_groups"] == 4 - m["batch/zero_advantage_groups"]
+        assert m["batch/zero_advantage_fraction"] == m["batch/zero_advantage_groups"] / 4
+        assert (tokens == 0) == (m["batch/trained_groups"] == 0)
+        assert m["reward/mean"] > 0  # metrics still cover every group sampled
+    assert orchestrator.step == steps
+
+    # switched off, every group trains
+    run = tmp_path / "unfiltered"
+    config = make_config(run, server.base_url, port, num_train_ranks=1, max_steps=steps, batch_size=16,
+                         env={"type": "reverse_text", "min_len": 3, "max_len": 4}, ckpt={},
+                         advantage={"filter_zero_advantage": False}, sampling={"max_tokens": 16, "seed": 100})  # fmt: skip
+    server.requests.clear()
+    trainer = FakeTrainer(RunDir(run, "run"), port, num_ranks=1, num_steps=steps)
+    run_orchestrator(config, FlatOnShortTasksEnv(min_len=3, max_len=4), RecordingControl())
+    trainer.join()
+    assert all(m["batch/trained_groups"] == 4 for m in read_metrics(RunDir(run, "run").metrics_path))
+    # a sampling seed makes every request reproducible without two groups sharing seeds (vLLM uses seed + i)
+    assert sorted(body["seed"] for body in server.requests) == [100 + 4 * t for t in range(len(server.requests))]
 
 
 def test_stale_rollouts_are_dropped_and_counted(tmp_path, make_server, ports):

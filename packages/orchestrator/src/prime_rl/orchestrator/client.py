@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from prime_rl.common.config.orchestrator import SamplingConfig
 from prime_rl.orchestrator.envs.base import Messages
 from prime_rl.orchestrator.rollout import Completion
 
@@ -47,11 +48,37 @@ class ChatResult:
     completions: list[Completion]
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingArgs:
+    """Every sampling parameter vLLM would otherwise take from the model's generation_config.json."""
+
     max_tokens: int
     temperature: float
     chat_template: str | None = None
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @classmethod
+    def from_config(cls, sampling: SamplingConfig, chat_template: str | None = None) -> SamplingArgs:
+        return cls(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            chat_template=chat_template,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            stop=tuple(sampling.stop),
+            seed=sampling.seed,
+        )
 
 
 class InferenceClient:
@@ -87,8 +114,17 @@ class InferenceClient:
             "model": self.model,
             "messages": messages,
             "n": n,
+            # All of them, always: a parameter left out is taken from generation_config.json.
             "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "min_p": sampling.min_p,
+            "repetition_penalty": sampling.repetition_penalty,
+            "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty,
+            "stop": list(sampling.stop),
+            "seed": sampling.seed,
             "logprobs": True,
             "top_logprobs": 0,
             # vLLM extensions: token ids of prompt and completion, and tokens spelled "token_id:<id>"

@@ -4,9 +4,16 @@
    (loading newer published weights as they appear; a poller does so in the background too);
 2. take finished groups from the rollout scheduler (which keeps requests in flight all along),
    dropping and counting stale ones, until the step has `batch_size // group_size` groups;
-3. pack the samples into `[seq_len]` micro-batches balanced over trainer ranks and send one
-   `TrainingBatch` per rank (in a thread: rollouts keep flowing while a busy trainer blocks the send);
+3. leave out groups whose rewards are all equal (zero advantage: no signal, but their tokens would
+   count in the loss normalization and dilute the gradient), unless `advantage.filter_zero_advantage`
+   is off; pack the rest into `[seq_len]` micro-batches balanced over trainer ranks and send one
+   `TrainingBatch` per rank (in a thread: rollouts keep flowing while a busy trainer blocks the send).
+   A step whose groups are all filtered still sends (all-padding) batches: the trainer steps in lockstep;
 4. log metrics to monitors/file/metrics.jsonl and checkpoint the orchestrator state when due.
+
+Step convention: batch `step` (0-based, as in the wire message) is logged as row `step + 1`, the number
+of optimizer steps done once the trainer has trained on it, which is the row the trainer logs for the
+same batch, the checkpoint directory and the policy version it publishes.
 
 All components are injected, so tests drive the real loop with a fake control plane, a local
 HTTP server for inference and a ZeroMQ receiver for the trainer.
@@ -65,6 +72,11 @@ def resolve_resume_step(run_dir: RunDir, resume_step: int | str | None) -> int |
             f"available: {available or 'none'}; use one of them, 'latest' or None"
         )
     return int(resume_step)
+
+
+def has_signal(group: Group) -> bool:
+    """False when every reward in the group is equal: all advantages are zero, there is nothing to learn."""
+    return max(group.rewards) != min(group.rewards)
 
 
 def batch_metrics(groups: list[Group]) -> dict[str, float]:
@@ -131,7 +143,7 @@ class Orchestrator:
             client,
             self.policy,
             rng,
-            SamplingArgs(config.max_tokens, config.temperature, config.model.chat_template),
+            SamplingArgs.from_config(config.sampling, config.model.chat_template),
             group_size=config.group_size,
             groups_per_step=config.groups_per_step,
             max_off_policy_steps=config.max_off_policy_steps,
@@ -175,10 +187,15 @@ class Orchestrator:
         waited = time.perf_counter() - start
         groups = await self.collect(step)
         collected = time.perf_counter() - start
-        samples = [s for g in groups for s in g.samples()]
+        trained = [g for g in groups if has_signal(g)] if cfg.advantage.filter_zero_advantage else groups
+        samples = [s for g in trained for s in g.samples()]
         per_rank, packing = pack_batch(samples, cfg.seq_len, cfg.num_train_ranks)
 
-        metrics = batch_metrics(groups)
+        metrics = batch_metrics(groups)  # rewards etc. over everything sampled, trained on or not
+        num_zero = sum(not has_signal(g) for g in groups)
+        metrics["batch/zero_advantage_groups"] = float(num_zero)
+        metrics["batch/zero_advantage_fraction"] = num_zero / len(groups)
+        metrics["batch/trained_groups"] = float(len(trained))
         metrics.update(self.off_policy.pop_metrics())
         counters = self.scheduler.pop_counters()
         # env/failed counts this batch's rollouts whose scoring raised (they train with reward 0).
@@ -194,7 +211,9 @@ class Orchestrator:
         metrics["weights/updates"] = float(self.updater.num_updates)
 
         batches = [
-            build_training_batch(step, mbs, temperature=cfg.temperature, policy_version=policy_version, metrics=metrics)
+            build_training_batch(
+                step, mbs, temperature=cfg.sampling.temperature, policy_version=policy_version, metrics=metrics
+            )
             for mbs in per_rank
         ]
         await asyncio.to_thread(self.send, batches)
@@ -210,10 +229,10 @@ class Orchestrator:
             }
         )
         if self.monitor is not None:
-            self.monitor.log(step, metrics)
+            self.monitor.log(step + 1, metrics)  # the trainer's row for this batch (see the module docstring)
         logger.info(
-            "step %d | reward %.3f | seq_len %.0f | dropped %d | failed %d | %.0f tok/s | %.2fs",
-            step, metrics["reward/mean"], metrics["seq_len/mean"], metrics["off_policy/dropped"],
+            "step %d | reward %.3f | zero-adv groups %d | seq_len %.0f | dropped %d | failed %d | %.0f tok/s | %.2fs",
+            step + 1, metrics["reward/mean"], num_zero, metrics["seq_len/mean"], metrics["off_policy/dropped"],
             metrics["env/failed"], metrics["perf/rollout_throughput"], elapsed,
         )  # fmt: skip
         self.step = step + 1

@@ -20,6 +20,7 @@ inference server staying unreachable (the exception ends up in the queue and sto
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import Counter
 
@@ -111,7 +112,10 @@ class RolloutScheduler:
             self.counters["env/prompt_failed"] += 1
             return None
         version = await self.policy.wait_for(target_step - self.max_off_policy_steps)
-        result = await self.client.sample(messages, self.group_size, self.sampling)
+        sampling = self.sampling
+        if sampling.seed is not None:  # vLLM seeds the group's n samples seed, seed + 1, ...
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + ticket * self.group_size)
+        result = await self.client.sample(messages, self.group_size, sampling)
         if any(c.finish_reason == "abort" for c in result.completions):
             self.counters["rollouts/aborted"] += 1
             return None

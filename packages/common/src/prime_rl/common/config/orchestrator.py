@@ -10,14 +10,22 @@ Steps and versions: batch `step` (0-based) is trained by trainer step `step`, st
 version `step` (= weights after `step` optimizer updates). After that update the trainer publishes
 version `step + 1` under `<run_dir>/broadcasts/step_<step + 1>/` (marker file STABLE written last).
 A rollout sampled with version `v` is `step - v` steps off-policy in batch `step`; more than `max_off_policy_steps` and it is dropped.
+Everything a user sees counts completed optimizer steps: batch `step` is row `step + 1` in metrics.jsonl
+(trainer and orchestrator alike), and its checkpoints are `checkpoints/step_<step + 1>/`.
+
+Sampling (`[sampling]`) is sent in full with every request, so a checkpoint's generation_config.json
+(Qwen's sets top_k, top_p, ...) never changes what is sampled. The trainer recomputes logprobs as
+log_softmax(logits / temperature): settings that reshape the distribution otherwise (top_p, top_k,
+min_p, penalties) make its logprobs differ from the sampler's, so they are refused unless
+`sampling.allow_unmodeled = true`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from prime_rl.common.config.base import BaseConfig
 
@@ -102,6 +110,54 @@ class AdvantageConfig(BaseConfig):
     """Divide (reward - group mean) by the group's reward std (Dr. GRPO leaves this off)."""
     eps: float = Field(default=1e-6, gt=0)
     """Added to the std before dividing."""
+    filter_zero_advantage: bool = True
+    """Leave groups whose rewards are all equal (zero advantage: no signal) out of the training batch."""
+
+
+_UNMODELED_WHY = (
+    "the trainer computes log_softmax(logits / temperature) and cannot model it, so its logprobs would "
+    "differ from the sampler's (biased gradient, large mismatch_kl)"
+)
+
+
+class SamplingConfig(BaseConfig):
+    """Sampling parameters, sent explicitly with every request (the model's generation_config.json never applies)."""
+
+    allow_unmodeled: bool = False
+    """Accept top_p < 1, top_k, min_p and penalties although the trainer cannot model them (biased gradient)."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature (sent to the trainer too, which scales its logits by it)."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling; 1 = off (the only value the trainer models)."""
+    top_k: int = Field(default=-1, ge=-1)
+    """Sample among the k most likely tokens; -1 (or 0) = off (the only value the trainer models)."""
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    """Drop tokens below min_p times the top token's probability; 0 = off."""
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    """vLLM's repetition penalty; 1 = off."""
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    """OpenAI presence penalty; 0 = off."""
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    """OpenAI frequency penalty; 0 = off."""
+    max_tokens: int = Field(default=256, ge=1)
+    """Most completion tokens per sample."""
+    stop: list[str] = []
+    """Strings that end a completion (its tokens so far are kept and trained on)."""
+    seed: int | None = None
+    """Base seed of the sampler: request i gets seed + i * group_size (reproducible); None = vLLM's own randomness."""
+
+    @field_validator("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _modeled(cls, value: float, info: ValidationInfo) -> float:
+        off = {"top_p": (1.0,), "top_k": (-1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,)}.get(
+            info.field_name, (0.0,)
+        )
+        if value not in off and not info.data.get("allow_unmodeled", False):
+            raise ValueError(
+                f"{info.field_name}={value} reshapes the sampled distribution: {_UNMODELED_WHY}; "
+                f"use {off[0]}, or set sampling.allow_unmodeled = true to accept the bias"
+            )
+        return value
 
 
 class TrainerEndpointConfig(BaseConfig):
@@ -154,17 +210,15 @@ class OrchestratorConfig(BaseConfig):
     """Inference control plane for weight updates."""
     ckpt: CheckpointConfig = CheckpointConfig()
     """Checkpointing of the orchestrator's own state."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling parameters sent with every request."""
 
     batch_size: int = Field(default=128, ge=1)
     """Samples (completions) per training step; a multiple of group_size."""
-    group_size: int = Field(default=8, ge=1)
-    """Completions sampled per task; advantages are relative to the group."""
+    group_size: int = 8
+    """Completions sampled per task (>= 2); advantages are relative to the group."""
     seq_len: int = Field(default=2048, ge=2)
     """Tokens per packed micro-batch (samples are packed back to back, positions restart per sample)."""
-    max_tokens: int = Field(default=256, ge=1)
-    """Most completion tokens per sample."""
-    temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature (sent to the trainer too, which scales its logits by it)."""
     max_off_policy_steps: int = Field(default=1, ge=0)
     """Most policy versions a rollout may lag the step it is trained in; older rollouts are dropped."""
     max_concurrent_groups: int | None = Field(default=None, ge=1)
@@ -184,6 +238,38 @@ class OrchestratorConfig(BaseConfig):
     dry_run: bool = False
     """Write the resolved config to <run_dir>/configs/orchestrator.toml and exit."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _move_legacy_sampling_keys(cls, data: Any) -> Any:
+        """`temperature` / `max_tokens` used to sit at the top level: still accepted there, moved into [sampling]."""
+        if not isinstance(data, dict) or not ({"temperature", "max_tokens"} & data.keys()):
+            return data
+        data = dict(data)
+        sampling = data.get("sampling", {})
+        sampling = sampling.model_dump(exclude_unset=True) if isinstance(sampling, BaseConfig) else dict(sampling)
+        for key in ("temperature", "max_tokens"):
+            if key not in data:
+                continue
+            value = data.pop(key)
+            if key in sampling and sampling[key] != value:
+                raise ValueError(
+                    f"{key}={value!r} and sampling.{key}={sampling[key]!r} disagree; {key} is the old name "
+                    f"of sampling.{key}: keep only sampling.{key}"
+                )
+            sampling[key] = value
+        data["sampling"] = sampling
+        return data
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_of_at_least_two(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(
+                f"group_size={value}: advantages are relative to the group, so a group of {value} has zero "
+                "advantage and learns nothing; use group_size >= 2 (8 is common)"
+            )
+        return value
+
     @model_validator(mode="after")
     def _check_sizes(self) -> OrchestratorConfig:
         if self.batch_size % self.group_size:
@@ -191,10 +277,10 @@ class OrchestratorConfig(BaseConfig):
                 f"batch_size={self.batch_size} must be a multiple of group_size={self.group_size}; "
                 f"use {max(1, self.batch_size // self.group_size) * self.group_size}"
             )
-        if self.max_tokens >= self.seq_len:
+        if self.sampling.max_tokens >= self.seq_len:
             raise ValueError(
-                f"max_tokens={self.max_tokens} must be below seq_len={self.seq_len} so a prompt fits beside it; "
-                "raise seq_len or lower max_tokens"
+                f"sampling.max_tokens={self.sampling.max_tokens} must be below seq_len={self.seq_len} so a prompt "
+                "fits beside it; raise seq_len or lower sampling.max_tokens"
             )
         if isinstance(self.env, ReverseTextEnvConfig) and self.env.min_len > self.env.max_len:
             raise ValueError(f"env.min_len={self.env.min_len} must be <= env.max_len={self.env.max_len}")
