@@ -2,8 +2,9 @@
 
     python examples/arithmetic/make_example.py    # writes outputs/arithmetic/{model,sft.jsonl}
 
-The SFT conversations are built by the orchestrator's own `reverse_text` environment (same prompt,
-same answers), so the warm-up teaches exactly the format RL then samples and scores. The warm-up is
+The SFT conversations are built by the orchestrator's own `arithmetic` environment (same prompt, and
+the bare number as the answer, which is the only format its scorer rewards), so the warm-up teaches
+exactly the format RL then samples and scores. The warm-up is
 short on purpose: the model ends it right on some sums and unsure on others, and RL sharpens it.
 """
 

@@ -5,7 +5,7 @@ import pytest
 
 from prime_rl.common.config.orchestrator import ArithmeticEnvConfig, ReasoningGymEnvConfig, ReverseTextEnvConfig
 from prime_rl.orchestrator.envs import Environment, build_environment, score_safely
-from prime_rl.orchestrator.envs.arithmetic import last_integer
+from prime_rl.orchestrator.envs.arithmetic import parse_answer
 from prime_rl.orchestrator.envs.reverse_text import edit_distance, similarity
 
 
@@ -34,10 +34,14 @@ def test_arithmetic_exact_match():
     env = build_environment(ArithmeticEnvConfig(num_terms=3, max_value=9))
     (task,) = env.sample_tasks(1, np.random.default_rng(3))
     assert task["answer"] == sum(task["terms"])
-    assert env.score(task, f"The answer is {task['answer']}") == 1.0
-    assert env.score(task, f"{task['answer'] + 1}") == 0.0
-    assert env.score(task, "no idea") == 0.0
-    assert last_integer("1,234 then -5") == -5
+    answer = task["answer"]
+    assert env.score(task, f"{answer}") == 1.0 and env.score(task, f" {answer}\n") == 1.0
+    assert env.score(task, f"{answer + 1}") == 0.0
+    # the answer only: no junk before or after it, no second number, no other spelling
+    for loose in (f"The answer is {answer}", f"xx{answer}", f"3 {answer}", f"{answer} {answer}", f"{answer}.",
+                  f"0{answer}", f"+{answer}", "no idea", ""):  # fmt: skip
+        assert env.score(task, loose) == 0.0, loose
+    assert parse_answer("-5") == -5 and parse_answer("0") == 0 and parse_answer("1,234") is None
 
 
 class Exploding(Environment):

@@ -1,4 +1,10 @@
-"""arithmetic: small integer sums; reward 1 if the last integer in the completion is the sum."""
+"""arithmetic: small integer sums; reward 1 if the completion is exactly the sum, else 0.
+
+The prompt asks for "the number only", and the score holds the model to it: the completion, stripped
+of surrounding whitespace, must be the answer written in plain decimal (``-?[0-9]+``, no leading
+zeros, no words, no second number). Looser parsing (e.g. the last integer in the text) pays for
+answers like "3 4 9" or "junk 7", and RL then learns to exploit the parser instead of adding.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,13 @@ import numpy as np
 
 from prime_rl.orchestrator.envs.base import Environment, Messages, Task
 
-_INTEGER = re.compile(r"-?\d+")
+_ANSWER = re.compile(r"-?(0|[1-9][0-9]*)")
 
 
-def last_integer(text: str) -> int | None:
-    """The last integer written in `text` (models often explain first, answer last)."""
-    found = _INTEGER.findall(text.replace(",", ""))
-    return int(found[-1]) if found else None
+def parse_answer(text: str) -> int | None:
+    """The integer `text` is, or None unless it is exactly one plain decimal integer (whitespace around allowed)."""
+    text = text.strip()
+    return int(text) if _ANSWER.fullmatch(text) else None
 
 
 class ArithmeticEnv(Environment):
@@ -34,4 +40,4 @@ class ArithmeticEnv(Environment):
         return [{"role": "user", "content": f"What is {expression}? Reply with the number only."}]
 
     def score(self, task: Task, completion_text: str) -> float:
-        return 1.0 if last_integer(completion_text) == task["answer"] else 0.0
+        return 1.0 if parse_answer(completion_text) == task["answer"] else 0.0
