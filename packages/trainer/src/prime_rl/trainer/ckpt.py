@@ -4,6 +4,10 @@ Layout: <run_dir>/checkpoints/step_<n>/trainer/ holds model + optimizer + schedu
 is the number of optimizer steps done. Data needs no state (the loader is a function of the step).
 A checkpoint is complete once rank 0 has written its `.done` marker after everyone finished, so a
 crash mid-save never leaves a "latest" checkpoint that cannot be loaded.
+
+Pruning (`keep_last`) removes only the trainer's part of old steps: `step_<n>/orchestrator/` belongs to
+the orchestrator, which keeps every step (its state is a few bytes) and resumes from it. A step
+directory is removed once nothing is left in it.
 """
 
 import shutil
@@ -88,7 +92,11 @@ class CheckpointManager:
         if self.keep_last is None:
             return
         for step in list_checkpoints(self.run_dir)[: -self.keep_last]:
-            shutil.rmtree(self.run_dir.checkpoint_dir(step), ignore_errors=True)
+            shutil.rmtree(self.run_dir.trainer_checkpoint_dir(step), ignore_errors=True)
+            try:
+                self.run_dir.checkpoint_dir(step).rmdir()  # only if no other component saved there
+            except OSError:
+                pass
 
 
 def export_hf(model: torch.nn.Module, inner: torch.nn.Module, out_dir: Path, is_main: bool) -> None:
