@@ -437,6 +437,28 @@ class NixlWeightsRequest(Message):
     """Policy version to pull; must be newer than the served one."""
 
 
+# ---------------------------------------------------------------------------------------------
+# Trainer -> orchestrator
+# ---------------------------------------------------------------------------------------------
+
+
+class WeightsPublished(Message):
+    """The trainer announces a new, complete policy version (``prime_rl.common.weight_sync.announce``).
+
+    Sent once per version, only when it is whole: with the filesystem transport after the directory
+    was written and atomically renamed into place (``path`` names it; the orchestrator has inference
+    load it), with nccl/nixl after every inference server serves it (``path`` is None)."""
+
+    version: int
+    """Policy version (= optimizer steps taken)."""
+    path: str | None = None
+    """Complete ``broadcasts/step_<version>`` directory to load; None when inference already serves it."""
+    publish_s: float = 0.0
+    """Seconds the training loop was blocked publishing this version."""
+    write_s: float = 0.0
+    """Seconds the background part took (write + rename, or waiting for the servers' reload)."""
+
+
 # Append new messages above this line and add them here; the union decoder needs the closed set.
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     TrainingBatch,
@@ -455,6 +477,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     MetadataReply,
     InitNixlRequest,
     NixlWeightsRequest,
+    WeightsPublished,
 )
 
 

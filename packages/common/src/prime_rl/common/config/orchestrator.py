@@ -169,6 +169,9 @@ class TrainerEndpointConfig(BaseConfig):
     """Port for trainer rank 0; rank r uses port + r (the trainer's data.port)."""
     send_timeout: float = Field(default=3600.0, gt=0)
     """Seconds to wait for a trainer rank to take a batch before failing."""
+    weights_port: int = Field(default=29599, ge=1, le=65535)
+    """Port the orchestrator binds (on `address`) for the trainer's WeightsPublished announcements (the
+    trainer's weight_broadcast.announce); the only way it learns of new policy versions."""
 
 
 class InferenceControlConfig(BaseConfig):

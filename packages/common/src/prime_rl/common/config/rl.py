@@ -131,6 +131,8 @@ class RLConfig(BaseConfig):
         wb = self.trainer.weight_broadcast
         if wb.type in ("nccl", "nixl") and not wb.inference_addresses:
             wb.inference_addresses = [f"tcp://127.0.0.1:{server.resolved_control_port + i}" for i in range(replicas)]
+        if wb.announce is None:  # trainer rank 0 runs beside the orchestrator (SLURM: on TRAIN_HEAD)
+            wb.announce = f"tcp://127.0.0.1:{self.orchestrator.trainer.weights_port}"
         self.trainer.data.host = "127.0.0.1"
         self.trainer.data.port = self.orchestrator.trainer.port
         if isinstance(self.deployment, SingleNodeDeployment):

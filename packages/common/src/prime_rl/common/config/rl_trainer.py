@@ -60,8 +60,19 @@ class LossConfig(BaseConfig):
     """Mask loss tokens whose trainer/inference probability ratio is above this."""
 
 
-class FilesystemBroadcastConfig(BaseConfig):
-    """Publish weights as safetensors under <run_dir>/broadcasts/step_<n>/ with an atomic marker."""
+class _PublishConfig(BaseConfig):
+    """What every weight transport shares: announcing each complete version to the orchestrator."""
+
+    announce: str | None = None
+    """Orchestrator's version socket (tcp://host:port, its trainer.weights_port): rank 0 sends a WeightsPublished
+    message there once each version is complete. `rl` sets it; None announces nothing (benchmarks)."""
+    announce_timeout: float = Field(600.0, gt=0)
+    """Seconds to wait for the orchestrator to take an announcement before failing."""
+
+
+class FilesystemBroadcastConfig(_PublishConfig):
+    """Publish weights as safetensors under <run_dir>/broadcasts/step_<n>/, written in the background and
+    renamed into place atomically (memory: one pinned host copy of the weights in `dtype` on rank 0)."""
 
     type: Literal["filesystem"] = "filesystem"
     keep_last: int = Field(2, ge=1)
@@ -70,7 +81,7 @@ class FilesystemBroadcastConfig(BaseConfig):
     """Dtype of the published tensors: must be the dtype inference serves the model in."""
 
 
-class NCCLBroadcastConfig(BaseConfig):
+class NCCLBroadcastConfig(_PublishConfig):
     """Broadcast weights from trainer rank 0 into the inference workers (NCCL on GPU, gloo on CPU)."""
 
     type: Literal["nccl"] = "nccl"
@@ -86,7 +97,7 @@ class NCCLBroadcastConfig(BaseConfig):
     """Control endpoints (tcp://host:port) of the inference servers to push to."""
 
 
-class NixlBroadcastConfig(BaseConfig):
+class NixlBroadcastConfig(_PublishConfig):
     """Inference workers read the weights from every trainer rank over NIXL (UCX), group by group."""
 
     type: Literal["nixl"] = "nixl"
