@@ -1,6 +1,7 @@
 """The real orchestrator loop end to end: a local OpenAI-compatible HTTP server for inference, ZeroMQ
-receivers standing in for trainer ranks (publishing broadcasts/step_<n+1> after each batch like the
-trainer does), and a recording fake for the inference control plane."""
+receivers standing in for trainer ranks (publishing broadcasts/step_<n+1> after each batch and
+announcing it with a WeightsPublished message, like the trainer does), and a recording fake for the
+inference control plane."""
 
 import asyncio
 import threading
@@ -11,9 +12,10 @@ import numpy as np
 
 from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.monitor import FileMonitor, read_metrics
+from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
-from prime_rl.common.transport import Receiver
-from prime_rl.common.wire import TrainingBatch, micro_batch_arrays
+from prime_rl.common.transport import Receiver, Sender
+from prime_rl.common.wire import TrainingBatch, WeightsPublished, micro_batch_arrays
 from prime_rl.orchestrator.batch import BatchSender
 from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.envs.reverse_text import ReverseTextEnv
@@ -51,8 +53,16 @@ class RecordingControl:
 class FakeTrainer:
     """One thread per rank pulls TrainingBatches; after each step rank 0 publishes the next weights."""
 
-    def __init__(self, run_dir: RunDir, port: int, num_ranks: int, num_steps: int, publish_delay: float = 0.0):
-        self.run_dir, self.publish_delay = run_dir, publish_delay
+    def __init__(
+        self,
+        run_dir: RunDir,
+        port: int,
+        num_ranks: int,
+        num_steps: int,
+        weights_port: int,
+        publish_delay: float = 0.0,
+    ):
+        self.run_dir, self.publish_delay, self.weights_port = run_dir, publish_delay, weights_port
         self.received: list[list[tuple[TrainingBatch, dict]]] = [[] for _ in range(num_ranks)]
         self.errors: list[BaseException] = []
         self.threads = [
@@ -63,6 +73,7 @@ class FakeTrainer:
 
     def _run(self, rank: int, port: int, num_steps: int) -> None:
         try:
+            announcer = Sender(f"tcp://127.0.0.1:{self.weights_port}", timeout_s=30) if rank == 0 else None
             with Receiver(f"tcp://127.0.0.1:{port + rank}", bind=False, timeout_s=30) as receiver:
                 for _ in range(num_steps):
                     message, arrays = receiver.recv()
@@ -72,6 +83,9 @@ class FakeTrainer:
                         d = self.run_dir.broadcast_dir(message.step + 1)
                         d.mkdir(parents=True)
                         (d / BROADCAST_MARKER).touch()
+                        announcer.send(WeightsPublished(version=message.step + 1, path=str(d)))
+            if announcer is not None:
+                announcer.close()
         except BaseException as e:
             self.errors.append(e)
 
@@ -93,7 +107,7 @@ def make_config(tmp_path: Path, base_url: str, port: int, **overrides) -> Orches
         sampling={"max_tokens": 16, "temperature": 0.7},
         max_steps=3,
         num_train_ranks=2,
-        trainer={"port": port, "send_timeout": 30},
+        trainer={"port": port, "send_timeout": 30, "weights_port": free_port()},
         ckpt={"interval": 1},
         weights_poll_interval=0.01,
         weights_timeout=30,
@@ -124,7 +138,7 @@ def test_rollouts_to_trainer_batches_end_to_end(tmp_path, make_server, ports):
     port = ports.free_range(2)
     config = make_config(tmp_path, server.base_url, port)
     run_dir = RunDir(tmp_path, "run")
-    trainer = FakeTrainer(run_dir, port, num_ranks=2, num_steps=3)
+    trainer = FakeTrainer(run_dir, port, num_ranks=2, num_steps=3, weights_port=config.trainer.weights_port)
     control = RecordingControl()
     orchestrator = run_orchestrator(config, BoomEnv(min_len=3, max_len=6), control)
     trainer.join()
@@ -209,7 +223,7 @@ def test_zero_advantage_groups_are_left_out_and_counted(tmp_path, make_server, p
     steps = 4
     config = make_config(tmp_path, server.base_url, port, num_train_ranks=1, max_steps=steps, batch_size=16,
                          env={"type": "reverse_text", "min_len": 3, "max_len": 4}, ckpt={})  # fmt: skip
-    trainer = FakeTrainer(RunDir(tmp_path, "run"), port, num_ranks=1, num_steps=steps)
+    trainer = FakeTrainer(RunDir(tmp_path, "run"), port, 1, steps, config.trainer.weights_port)
     orchestrator = run_orchestrator(config, FlatOnShortTasksEnv(min_len=3, max_len=4), RecordingControl())
     trainer.join()
     metrics = read_metrics(RunDir(tmp_path, "run").metrics_path)
@@ -217,6 +231,7 @@ def test_zero_advantage_groups_are_left_out_and_counted(tmp_path, make_server, p
     flat = [m["batch/zero_advantage_groups"] for m in metrics]
     assert 0 < sum(flat) < steps * 4, flat  # both kinds of task were drawn
     for m, tokens in zip(metrics, _trained_samples(trainer.received[0])):
+        assert m["batch/loss_tokens"] == tokens
         assert m["batch/trained_groups"] == 4 - m["batch/zero_advantage_groups"]
         assert m["batch/zero_advantage_fraction"] == m["batch/zero_advantage_groups"] / 4
         assert (tokens == 0) == (m["batch/trained_groups"] == 0)
@@ -229,7 +244,7 @@ def test_zero_advantage_groups_are_left_out_and_counted(tmp_path, make_server, p
                          env={"type": "reverse_text", "min_len": 3, "max_len": 4}, ckpt={},
                          advantage={"filter_zero_advantage": False}, sampling={"max_tokens": 16, "seed": 100})  # fmt: skip
     server.requests.clear()
-    trainer = FakeTrainer(RunDir(run, "run"), port, num_ranks=1, num_steps=steps)
+    trainer = FakeTrainer(RunDir(run, "run"), port, 1, steps, config.trainer.weights_port)
     run_orchestrator(config, FlatOnShortTasksEnv(min_len=3, max_len=4), RecordingControl())
     trainer.join()
     assert all(m["batch/trained_groups"] == 4 for m in read_metrics(RunDir(run, "run").metrics_path))
@@ -243,7 +258,7 @@ def test_stale_rollouts_are_dropped_and_counted(tmp_path, make_server, ports):
     server = make_server(slow_requests={0: 1.0})
     port = ports.free_range(1)
     config = make_config(tmp_path, server.base_url, port, num_train_ranks=1, max_steps=6, max_off_policy_steps=1)
-    trainer = FakeTrainer(RunDir(tmp_path, "run"), port, num_ranks=1, num_steps=6, publish_delay=0.3)
+    trainer = FakeTrainer(RunDir(tmp_path, "run"), port, 1, 6, config.trainer.weights_port, publish_delay=0.3)
     run_orchestrator(config, ReverseTextEnv(min_len=3, max_len=6), RecordingControl())
     trainer.join()
     metrics = read_metrics(RunDir(tmp_path, "run").metrics_path)

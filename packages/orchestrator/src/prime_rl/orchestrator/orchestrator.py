@@ -42,7 +42,7 @@ from prime_rl.orchestrator.policy import PolicyState
 from prime_rl.orchestrator.rollout import Group
 from prime_rl.orchestrator.scheduler import RolloutScheduler
 from prime_rl.orchestrator.state import OrchestratorState, load_state, save_state
-from prime_rl.orchestrator.weights import InferenceControl, WeightUpdater
+from prime_rl.orchestrator.weights import InferenceControl, VersionListener, WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class Orchestrator:
             logger.info("resumed from step %d (%d tasks drawn so far)", self.start_step, tasks_drawn)
         self.policy = PolicyState(version=0)
         self.updater = WeightUpdater(
-            self.run_dir.broadcasts_dir,
+            VersionListener(f"tcp://{config.trainer.address}:{config.trainer.weights_port}"),
             control,
             self.policy,
             pause_mode=config.inference.pause_mode,
@@ -160,6 +160,7 @@ class Orchestrator:
 
     async def run(self) -> None:
         """Run until max_steps (forever if None); every background task stops with it."""
+        await self.updater.recover(self.run_dir.broadcasts_dir, max_version=self.start_step)
         self.scheduler.start()
         poller = asyncio.create_task(self.updater.run(), name="weight-poller")
         try:
@@ -203,6 +204,8 @@ class Orchestrator:
         for key in ("env/prompt_failed", "rollouts/aborted"):
             metrics[key] = float(counters.get(key, 0))
         metrics.update(packing.metrics(cfg.seq_len))
+        # the trainer logs the same count as loss/tokens in this batch's row: a check that both rows match
+        metrics["batch/loss_tokens"] = float(sum(mb.num_loss_tokens for mbs in per_rank for mb in mbs))
         rank_tokens = [sum(mb.num_tokens for mb in mbs) for mbs in per_rank]
         metrics["packing/rank_tokens_max_over_mean"] = max(rank_tokens) / max(1e-9, float(np.mean(rank_tokens)))
         policy_version = max(g.version for g in groups)
