@@ -2,13 +2,14 @@
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Literal
 
 import pytest
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
-from prime_rl.common.config import BaseConfig, ConfigError, load_config, parse_config, write_toml
+from prime_rl.common.config import BaseConfig, ConfigError, ConfigWarning, load_config, parse_config, write_toml
 
 
 class AdamW(BaseConfig):
@@ -182,8 +183,135 @@ def test_help_lists_options_with_defaults(capsys):
         parse_config(Config, ["--help"], prog="sft")
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "--model.seq-len  (default: 2048)" in out and "tokens per micro-batch" in out
-    assert "--optim.lr" in out and "[type=sign_sgd]" in out
+    assert "--model.seq-len INT" in out and "(default: 2048) tokens per micro-batch" in out
+    assert "--optim.lr" in out and 'type = "sign_sgd":' in out
+
+
+class Data(BaseConfig):
+    """Training data."""
+
+    path: Path
+    """A .jsonl file with one chat per line. This second sentence used to be cut from --help: it is the one
+    that says which column holds the messages, so it has to be shown in full."""
+
+
+class WithRequired(BaseConfig):
+    """A config with a required table."""
+
+    data: Data
+    """The data (no default)."""
+    model: Model = Model()
+    """The model."""
+    optim: Annotated[AdamW | SignSGD, Field(discriminator="type")] = AdamW()
+    """The optimizer."""
+
+
+def test_help_is_grouped_by_table_with_required_fields_and_whole_help_texts(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(WithRequired, ["--help"], prog="sft")
+    out = capsys.readouterr().out
+    assert "PydanticUndefined" not in out
+    assert "[data]  The data (no default). (required)" in out
+    assert "--data.path PATH" in out and "(required) A .jsonl file" in out
+    assert "so it has to be shown in full." in " ".join(out.split())
+    assert out.index("[model]") < out.index("--model.seq-len") < out.index("[model.ac]") < out.index("--model.ac.freq")
+    assert '--optim.type {adamw,sign_sgd}  (default: "adamw")' in out
+    # one table only
+    with pytest.raises(SystemExit) as e:
+        parse_config(WithRequired, ["--help", "model"], prog="sft")
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--model.ac.freq" in out and "--data.path" not in out and "--optim.lr" not in out
+
+
+class Engine(BaseConfig):
+    """Passed verbatim: any key."""
+
+    model_config = ConfigDict(extra="allow")
+    dtype: str = "auto"
+
+
+class Server(BaseConfig):
+    vllm: Engine = Engine()
+
+
+def test_any_key_of_an_open_table_is_accepted_on_the_command_line_as_toml_reads_it(tmp_path):
+    cfg = load_config(
+        Server,
+        ["--vllm.max-num-seqs", "8", "--vllm.enable-prefix-caching", "--vllm.kv-cache-dtype", "fp8",
+         "--vllm.gpu-memory-utilization=0.5", "--no-vllm.enable-chunked-prefill", "--vllm.dtype", "float32",
+         "--vllm.hf-overrides", '{"rope_theta": 1e6}'],
+    )  # fmt: skip
+    assert cfg.vllm.model_extra == {
+        "max_num_seqs": 8,
+        "enable_prefix_caching": True,
+        "kv_cache_dtype": "fp8",
+        "gpu_memory_utilization": 0.5,
+        "enable_chunked_prefill": False,
+        "hf_overrides": {"rope_theta": 1e6},
+    }
+    assert cfg.vllm.dtype == "float32"
+    toml = write(tmp_path, "v.toml", "[vllm]\nmax_num_seqs = 8\n")
+    assert load_config(Server, ["@", toml]).vllm.model_extra == {"max_num_seqs": 8}
+    with pytest.raises(ConfigError, match="unknown option --vllmm.max-num-seqs"):
+        load_config(Server, ["--vllmm.max-num-seqs", "8"])
+
+
+class Batch(BaseConfig):
+    batch_size: int = 8
+    group_size: int = 4
+
+    @model_validator(mode="after")
+    def _check(self) -> "Batch":
+        if self.batch_size % self.group_size:
+            raise ValueError(f"batch_size={self.batch_size} must be a multiple of group_size={self.group_size}")
+        return self
+
+
+class Outer(BaseConfig):
+    orchestrator: Batch = Batch()
+
+
+def test_a_validator_error_names_who_set_each_key_it_mentions(tmp_path):
+    """The value that breaks the rule came from a flag: the error says so instead of blaming the file."""
+    base = write(tmp_path, "base.toml", "[orchestrator]\ngroup_size = 4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(Outer, ["@", base, "--orchestrator.batch-size", "10"])
+    assert str(e.value) == (
+        "orchestrator: batch_size=10 must be a multiple of group_size=4 (orchestrator.batch_size from "
+        f"--orchestrator.batch-size on the command line, orchestrator.group_size in {base})"
+    )
+    # a key that kept its default is not listed
+    with pytest.raises(
+        ConfigError, match=r"\(orchestrator.group_size from --orchestrator.group-size on the command line\)$"
+    ):
+        load_config(Outer, ["--orchestrator.group-size", "3"])
+
+
+def test_a_key_of_another_variant_says_which_type_it_belongs_to():
+    with pytest.raises(ConfigError) as e:
+        load_config(Run2, ["--placement.deployment.num-nodes", "2"])
+    assert 'num_nodes belongs to placement.deployment.type = "multi", not "single"' in str(e.value)
+    assert "'placement.deployment.num_nodes'" in str(e.value)  # the key as written, without the union tag
+
+
+def test_checks_after_loading_report_keys_with_their_source_and_warnings_in_one_line(tmp_path, capsys):
+    def check(cfg: Config) -> None:
+        if cfg.model.seq_len > 1024:
+            warnings.warn("model.seq_len above 1024 is slow here", ConfigWarning, stacklevel=1)
+        if cfg.max_steps == 3:
+            raise ConfigError("max_steps=3 is unlucky", keys=["max_steps", "model.seq_len"])
+
+    a = write(tmp_path, "a.toml", "max_steps = 3\n")
+    with pytest.raises(SystemExit) as e:
+        parse_config(Config, ["@", a, "--model.seq-len", "4096"], prog="rl", check=check)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"rl: error: max_steps=3 is unlucky (max_steps in {a}, model.seq_len from --model.seq-len on the command line)"
+    ]
+    assert parse_config(Config, ["--model.seq-len", "4096"], prog="rl", check=check).model.seq_len == 4096
+    assert capsys.readouterr().err == "rl: warning: model.seq_len above 1024 is slow here\n"
 
 
 def test_write_toml_round_trips(tmp_path):

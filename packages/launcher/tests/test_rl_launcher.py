@@ -110,3 +110,46 @@ def test_shared_ckpt_resumes_trainer_and_orchestrator_together(model_dir):
     )
     assert cfg.trainer.ckpt.interval == 5 and cfg.orchestrator.ckpt.interval == 5
     assert cfg.trainer.ckpt.resume_step == "latest" and cfg.orchestrator.ckpt.resume_step == "latest"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--trainer.model.cp", "7"], "rl: error: trainer.model.cp=7 must divide the 1 rank of an FSDP island"),
+        (["--trainer.model.cp", "3", "--deployment.num-train-gpus", "3"], "num_attention_heads=4; use 1, 2 or 4"),
+        (["--trainer.model.dp-replicate", "2"], "deployment.num_train_gpus=1 must be divisible by"),
+        (["--trainer.model.cp", "2", "--deployment.num-train-gpus", "2"], "not supported yet"),
+    ],
+)
+def test_dry_run_refuses_a_layout_the_trainer_would_refuse(model_dir, tmp_path, flags, message):
+    out = _rl("--model.name", str(model_dir), "--output-dir", str(tmp_path), *flags, "--dry-run")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert message in out.stderr and "from --trainer.model." in out.stderr
+    assert not (tmp_path / "rl" / "configs").exists()
+
+
+def test_dry_run_warns_about_ep_on_a_dense_model_and_a_missing_model_is_an_error(model_dir, tmp_path):
+    out = _rl("--model.name", str(model_dir), "--output-dir", str(tmp_path), "--trainer.model.ep", "2",
+              "--deployment.num-train-gpus", "2", "--dry-run")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [f"rl: warning: trainer.model.ep=2 has no effect: {model_dir} is a dense model "
+                                       "(no experts); remove it"]  # fmt: skip
+    out = _rl("--model.name", str(tmp_path / "nope"), "--inference.vllm.dtype", "float32", "--dry-run")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "is not a local Hugging Face model directory (no config.json)" in out.stderr
+    assert "(from --model.name on the command line)" in out.stderr
+
+
+def test_any_vllm_key_on_the_command_line(model_dir, tmp_path):
+    out = _rl("--model.name", str(model_dir), "--output-dir", str(tmp_path), "--inference.vllm.max-num-seqs", "8",
+              "--inference.vllm.enable-prefix-caching", "--dry-run")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    vllm = tomllib.loads((tmp_path / "rl" / "configs" / "inference.toml").read_text())["vllm"]
+    assert vllm["max_num_seqs"] == 8 and vllm["enable_prefix_caching"] is True
+
+
+def test_help_is_grouped_and_shows_required_fields():
+    out = _rl("--help")
+    assert out.returncode == 0 and "PydanticUndefined" not in out.stdout
+    assert "[trainer.model]" in out.stdout and "--trainer.model.name STR          (required)" in out.stdout
+    assert '--deployment.type {single_node,multi_node}  (default: "single_node")' in out.stdout

@@ -42,7 +42,7 @@ FAKE_SCONTROL = """#!/bin/sh
 
 def write_config(tmp_path: Path, kind: str = "sft", extra: str = "", deployment: str = "") -> Path:
     body = {
-        "sft": 'run_name = "r"\n[model]\nname = "/models/tiny"\n[data]\ntype = "fake"\nseq_len = 64\n',
+        "sft": 'run_name = "r"\n[model]\nname = "/models/tiny"\n[data]\ntype = "fake"\nseq_len = 64\nbatch_size = 48\n',
         "inference": 'run_name = "r"\n[model]\nname = "/models/tiny"\n',
         "rl": '[run]\nname = "r"\n[model]\nname = "/models/tiny"\n[orchestrator]\nmax_tokens = 8\n',
     }[kind]

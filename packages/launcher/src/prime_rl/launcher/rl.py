@@ -21,10 +21,12 @@ import socket
 import subprocess
 import sys
 import urllib.request
+import warnings
 from pathlib import Path
 
-from prime_rl.common.config import parse_config, write_toml
+from prime_rl.common.config import ConfigError, ConfigWarning, parse_config, write_toml
 from prime_rl.common.config.deployment import SingleNodeDeployment
+from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
@@ -61,6 +63,39 @@ def place(deployment: SingleNodeDeployment, gpus: list[str]) -> tuple[list[str],
             "set CUDA_VISIBLE_DEVICES"
         )
     return gpus[: deployment.num_infer_gpus], gpus[deployment.num_infer_gpus : need]
+
+
+def num_train_ranks(cfg: RLConfig) -> tuple[int, str]:
+    """Trainer ranks of this run and the key that sets them."""
+    if isinstance(cfg.deployment, SingleNodeDeployment):
+        return cfg.deployment.num_train_gpus, "deployment.num_train_gpus"
+    return cfg.deployment.num_train_nodes * cfg.deployment.gpus_per_node, "deployment.num_train_nodes"
+
+
+def check_run(cfg: RLConfig) -> None:
+    """What can be known before anything starts (and at --dry-run): the model directory, the trainer's
+    parallel layout against its ranks and the model's config.json. Raises ConfigError naming the keys."""
+    model_dir = Path(cfg.trainer.model.name)
+    if not (model_dir / "config.json").is_file():
+        message = (
+            f"model.name={cfg.trainer.model.name!r} is not a local Hugging Face model directory (no config.json); "
+            "give a directory with config.json, *.safetensors and tokenizer files"
+        )
+        if cfg.slurm is None:
+            raise ConfigError(message, keys=["trainer.model.name"])
+        warnings.warn(f"{message} (not found here; it must exist on the cluster)", ConfigWarning, stacklevel=2)
+    world, world_key = num_train_ranks(cfg)
+    try:
+        check_layout(cfg.trainer.model, world, read_model_shape(model_dir), "trainer.", world_key)
+    except LayoutError as e:
+        raise ConfigError(str(e), keys=e.keys) from None
+    if cfg.trainer.model.cp > 1:
+        raise ConfigError(
+            f"trainer.model.cp={cfg.trainer.model.cp}: context parallelism with orchestrator data is not supported "
+            "yet (each orchestrator socket feeds one rank); use cp=1 for rl, or benchmark cp with "
+            "`trainer --data.fake`",
+            keys=["trainer.model.cp"],
+        )
 
 
 def served_dtype(cfg: RLConfig) -> str:
@@ -174,7 +209,7 @@ def submit_slurm(run_dir: RunDir, configs: dict[str, Path], dry_run: bool) -> in
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S")
-    cfg = parse_config(RLConfig, argv, prog="rl")
+    cfg = parse_config(RLConfig, argv, prog="rl", check=check_run)
     run_dir = RunDir(cfg.output_dir, cfg.run.name)
     if cfg.slurm is not None:
         configs = write_configs(cfg, run_dir)

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
+import re
 import sys
 import tomllib
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,7 +48,19 @@ class BaseConfig(BaseModel):
 
 
 class ConfigError(Exception):
-    """A bad config input: the message is one line naming the key and where it came from."""
+    """A bad config input: the message is one line naming the key and where it came from.
+
+    Checks that run after loading (``parse_config(check=...)``) pass the dotted ``keys`` the message is
+    about; ``parse_config`` then appends where each of them was set (file, flag or default).
+    """
+
+    def __init__(self, message: str, keys: tuple[str, ...] | list[str] = ()) -> None:
+        super().__init__(message)
+        self.keys = tuple(keys)
+
+
+class ConfigWarning(UserWarning):
+    """A setting that is valid but has no effect here (``ep`` on a dense model, ...): printed as one line."""
 
 
 # --------------------------------------------------------------------------- annotations
@@ -83,18 +98,23 @@ def _is_list(annotation: Any) -> bool:
     return any(typing.get_origin(a) in (list, tuple, set) for a in _union_args(annotation))
 
 
+class _Extra:
+    """Annotation of a key under a table that accepts any key (``extra="allow"``, e.g. ``[vllm]``)."""
+
+
 def _lookup(cls: type[BaseModel], path: list[str]) -> Any | None:
     """The annotation of a dotted field path, searching every variant of a union; None if unknown."""
     annotation: Any = cls
     for part in path:
         found = None
-        for model in _models_in(annotation):
+        models = _models_in(annotation)
+        for model in models:
             field = model.model_fields.get(part)
             if field is not None:
                 found = field.annotation
                 break
         if found is None:
-            return None
+            return _Extra if any(m.model_config.get("extra") == "allow" for m in models) else None
         annotation = found
     return annotation
 
@@ -222,12 +242,25 @@ def _load_toml(path: str) -> dict:
 def _parse_value(raw: str, annotation: Any) -> Any:
     if raw == "None":
         return None
+    if annotation is _Extra:  # no schema: read the value as TOML would (8 -> int, true -> bool, "x" -> str)
+        try:
+            return tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            return json.loads(raw) if raw[:1] in "[{" and _is_json(raw) else raw
     if raw[:1] in "[{" or (_is_list(annotation) and raw[:1] == "["):
         try:
             return json.loads(raw)
         except json.JSONDecodeError:
             return raw
     return raw  # pydantic's lax mode coerces "3" -> 3, "true" -> True, "1e-4" -> 1e-4
+
+
+def _is_json(raw: str) -> bool:
+    try:
+        json.loads(raw)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _split_argv(cls: type[BaseModel], argv: list[str]) -> tuple[list[str], dict, dict[str, str]]:
@@ -272,9 +305,12 @@ def _split_argv(cls: type[BaseModel], argv: list[str]) -> tuple[list[str], dict,
         path = dotted.split(".")
         has_value = bool(eq) or (i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] != "@")
         if negated:
-            if not (_is_bool(annotation) or _is_optional_model(annotation)):
+            if not (_is_bool(annotation) or _is_optional_model(annotation) or annotation is _Extra):
                 raise ConfigError(f"--no-{path[-1]} only applies to booleans and optional sections (command line)")
-            value: Any = False if _is_bool(annotation) else None
+            value: Any = None if _is_optional_model(annotation) else False
+            i += 1
+        elif annotation is _Extra and not has_value:
+            value = True
             i += 1
         elif _is_bool(annotation) and not eq and not (has_value and argv[i + 1].lower() in ("true", "false", "none")):
             value = True
@@ -299,74 +335,118 @@ def _split_argv(cls: type[BaseModel], argv: list[str]) -> tuple[list[str], dict,
         else:
             raise ConfigError(f"option --{key} needs a value (command line)")
         _set(flags, path, value)
-        _record(value, sources, CLI, dotted)
+        _record(value, sources, f"--{key}", dotted)
     return files, flags, sources
 
 
 # --------------------------------------------------------------------------- errors
 
 
-def _source_of(loc: tuple, sources: dict[str, str]) -> str | None:
-    """Find who set a pydantic error location; union tags in ``loc`` are skipped."""
-    parts = [str(p) for p in loc]
-    for end in range(len(parts), 0, -1):
-        for key, src in sources.items():
-            kparts = key.split(".")
-            if kparts[-1] == parts[end - 1] and _is_subsequence(kparts, parts[:end]):
-                return src
+def display_key(cls: type[BaseModel], loc: tuple | list) -> str:
+    """A pydantic error location as the dotted key users write: union tags (``multi_node``) dropped."""
+    parts: list[str] = []
+    annotation: Any = cls
+    for part in (str(p) for p in loc):
+        variants = _variants(annotation)
+        if part in variants:
+            annotation = variants[part]
+            continue
+        parts.append(part)
+        annotation = _lookup_one(annotation, part)
+    return ".".join(parts)
+
+
+def _lookup_one(annotation: Any, name: str) -> Any:
+    for model in _models_in(annotation):
+        if name in model.model_fields:
+            return model.model_fields[name].annotation
     return None
 
 
-def _is_subsequence(short: list[str], long: list[str]) -> bool:
-    it = iter(long)
-    return all(p in it for p in short)
+def _variant_owning(cls: type[BaseModel], loc: tuple | list) -> str | None:
+    """For an unknown key inside one variant of a union: the fix, when another variant has that key."""
+    annotation: Any = cls
+    parts = [str(p) for p in loc]
+    for i, part in enumerate(parts):
+        variants = _variants(annotation)
+        if part in variants:
+            rest = parts[i + 1 :]
+            table = display_key(cls, parts[:i])
+            for tag, model in variants.items():
+                if tag != part and _lookup(model, rest) not in (None, _Extra):
+                    return (
+                        f'{".".join(rest)} belongs to {table}.type = "{tag}", not "{part}"; set {table}.type = "{tag}"'
+                    )
+            return None
+        annotation = _lookup_one(annotation, part)
+    return None
+
+
+def source_of(key: str, sources: dict[str, str]) -> str | None:
+    """Who set ``key`` (a file path or ``--flag``): the key itself, a table above it, or a shared top-level
+    key it was copied from (``trainer.max_steps`` <- ``max_steps``); None if it kept its default."""
+    parts = key.split(".")
+    # Only the key itself or a suffix of it: a table above it was maybe set as a whole by one file, but a key
+    # inside that no source names kept its default (or was copied from a shared top-level key).
+    for start in range(len(parts)):
+        src = sources.get(".".join(parts[start:]))
+        if src is not None:
+            return src
+    return None
+
+
+def where(src: str | None) -> str:
+    """``in a.toml`` / ``from --x.y on the command line`` / ``default``."""
+    if src is None:
+        return "default"
+    return f"from {src} on the command line" if src.startswith("--") else f"in {src}"
+
+
+def explain(message: str, keys: tuple[str, ...] | list[str], sources: dict[str, str]) -> str:
+    """``message`` + where each key got its value: ``(cp from --trainer.model.cp on the command line, ...)``."""
+    found = [(key, source_of(key, sources)) for key in keys]
+    set_somewhere = [(k, s) for k, s in found if s is not None]
+    if not found:
+        return message
+    if len({s for _, s in found}) == 1:
+        return f"{message} ({where(found[0][1])})"
+    shown = set_somewhere or found
+    return f"{message} ({', '.join(f'{k} {where(s)}' for k, s in shown)})"
+
+
+_MENTION = re.compile(r"(?<![\w.])([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)=")
+
+
+def _mentioned_keys(message: str, key: str, cls: type[BaseModel]) -> list[str]:
+    """Dotted keys a validator's message names (``batch_size=10 must ...`` under ``orchestrator``)."""
+    out = []
+    for name in _MENTION.findall(message):
+        for candidate in (f"{key}.{name}" if key else name, name):
+            if _lookup(cls, candidate.split(".")) not in (None, _Extra):
+                out.append(candidate)
+                break
+    return list(dict.fromkeys(out))
 
 
 def _format_validation_error(err: pydantic.ValidationError, sources: dict[str, str], cls: type[BaseModel]) -> str:
     first = err.errors()[0]
-    loc = tuple(first["loc"])
-    key = ".".join(str(p) for p in loc) or "<root>"
-    src = _source_of(loc, sources) or "defaults"
+    key = display_key(cls, first["loc"])
     if first["type"] == "extra_forbidden":
+        other = _variant_owning(cls, first["loc"])
         near = difflib.get_close_matches(key, _all_paths(cls), n=1)
-        hint = f"; did you mean {near[0]}?" if near else ""
-        msg = f"unknown key {key!r} (in {src}){hint}"
+        hint = f"; {other}" if other else (f"; did you mean {near[0]}?" if near and near[0] != key else "")
+        msg = f"unknown key {key!r} ({where(source_of(key, sources))}){hint}"
+    elif first["type"] == "value_error" and isinstance(first.get("input"), dict):
+        # a model validator: its message names the keys it is about; find who set each of them
+        text = first["msg"].removeprefix("Value error, ")
+        keys = _mentioned_keys(text, key, cls) or [key]
+        msg = explain(f"{key}: {text}" if key else text, keys, sources)
     else:
         value = first.get("input")
         shown = f", got {value!r}" if not isinstance(value, dict) else ""
-        msg = f"{key}: {first['msg']}{shown} (in {src})"
+        msg = f"{key or '<root>'}: {first['msg']}{shown} ({where(source_of(key, sources))})"
     more = err.error_count() - 1
     return msg + (f" [+{more} more error{'s' if more > 1 else ''}]" if more else "")
-
-
-# --------------------------------------------------------------------------- help
-
-
-def _help_lines(cls: type[BaseModel], prefix: str = "", variant: str = "") -> list[str]:
-    lines = []
-    for name, field in cls.model_fields.items():
-        flag = f"--{prefix}{name}".replace("_", "-")
-        models = _models_in(field.annotation)
-        default = field.get_default(call_default_factory=True)
-        doc = (field.description or "").strip().splitlines()[0] if field.description else ""
-        if models:
-            for model in models:
-                tag = model.model_fields.get("type")
-                tag_value = tag.default if tag is not None and len(models) > 1 else ""
-                lines.extend(_help_lines(model, f"{prefix}{name}.", f" [type={tag_value}]" if tag_value else ""))
-            if _is_optional_model(field.annotation):
-                state = "off" if default is None else "on"
-                lines.append(f"  {flag} / --no-{flag[2:]}  (default: {state}){variant}  {doc}")
-            continue
-        shown = "None" if default is None else (default if not isinstance(default, Path) else str(default))
-        lines.append(f"  {flag}  (default: {shown!r}){variant}  {doc}")
-    return lines
-
-
-def format_help(cls: type[BaseModel], prog: str) -> str:
-    doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-    head = [f"usage: {prog} [@ config.toml ...] [--section.key-name value ...]", "", doc, "", "options:"]
-    return "\n".join(head + _help_lines(cls)) + "\n"
 
 
 # --------------------------------------------------------------------------- entry points
@@ -403,8 +483,8 @@ def _fill_union_tags(cls: type[BaseModel], data: dict, defaults: BaseModel | Non
             _fill_union_tags(chosen, value, default if isinstance(default, chosen) else None)
 
 
-def load_config(cls: type[T], argv: list[str]) -> T:
-    """Resolve ``argv`` into a validated config; raise ConfigError on bad input."""
+def load_config_with_sources(cls: type[T], argv: list[str]) -> tuple[T, dict[str, str]]:
+    """``load_config`` that also returns who set each dotted key (a file path or ``--flag``)."""
     files, flags, cli_sources = _split_argv(cls, argv)
     data: dict = {}
     sources: dict[str, str] = {}
@@ -414,23 +494,54 @@ def load_config(cls: type[T], argv: list[str]) -> T:
     sources.update(cli_sources)
     _fill_union_tags(cls, data, None)
     try:
-        return cls.model_validate(data)
+        return cls.model_validate(data), sources
     except pydantic.ValidationError as e:
         raise ConfigError(_format_validation_error(e, sources, cls)) from None
 
 
-def parse_config(cls: type[T], argv: list[str] | None = None, prog: str | None = None) -> T:
-    """CLI front door: ``--help`` prints options and exits 0; bad input prints one line and exits 2."""
+def load_config(cls: type[T], argv: list[str]) -> T:
+    """Resolve ``argv`` into a validated config; raise ConfigError on bad input."""
+    return load_config_with_sources(cls, argv)[0]
+
+
+def parse_config(
+    cls: type[T],
+    argv: list[str] | None = None,
+    prog: str | None = None,
+    check: typing.Callable[[T], None] | None = None,
+) -> T:
+    """CLI front door: ``--help [section]`` prints options and exits 0; bad input prints one line, exits 2.
+
+    ``check(cfg)`` runs further checks that need more than the schema (GPU count, the model's
+    config.json): it raises ConfigError naming the keys, which is reported with where they were set.
+    ConfigWarnings (from validators or ``check``) are printed as one ``prog: warning:`` line each.
+    """
     argv = sys.argv[1:] if argv is None else argv
     prog = prog or Path(sys.argv[0]).name
     if "-h" in argv or "--help" in argv:
-        sys.stdout.write(format_help(cls, prog))
+        from prime_rl.common.config.cli_help import format_help
+
+        at = argv.index("-h" if "-h" in argv else "--help")
+        section = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else None
+        sys.stdout.write(format_help(cls, prog, section))
         raise SystemExit(0)
-    try:
-        return load_config(cls, argv)
-    except ConfigError as e:
-        sys.stderr.write(f"{prog}: error: {e}\n")
-        raise SystemExit(2) from None
+    sources: dict[str, str] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigWarning)
+        try:
+            cfg, sources = load_config_with_sources(cls, argv)
+            if check is not None:
+                check(cfg)
+        except ConfigError as e:
+            message = explain(str(e), e.keys, sources) if e.keys else str(e)
+            sys.stderr.write(f"{prog}: error: {message}\n")
+            raise SystemExit(2) from None
+    for w in caught:
+        if not issubclass(w.category, ConfigWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        elif os.environ.get("RANK", "0") == "0":  # once per run, not once per trainer rank
+            sys.stderr.write(f"{prog}: warning: {w.message}\n")
+    return cfg
 
 
 def _toml_ready(value: Any) -> Any:

@@ -7,7 +7,7 @@ Design decisions:
 - ``[vllm]`` is handed to vLLM verbatim: every key becomes the engine flag of the same name
   (``max_num_seqs = 64`` -> ``--max-num-seqs 64``), so any vLLM option works without a schema change.
   The options almost every deployment sets are typed fields of that same table (validated and shown in
-  ``--help``); the rest are extra keys (TOML only: the command line knows typed fields alone).
+  ``--help``); the rest are extra keys, in TOML or on the command line (``--vllm.max-num-seqs 64``).
 - Logprobs are always those of the distribution sampled from (``logprobs_mode = "processed_logprobs"``:
   after temperature and any other processing). vLLM's default returns the raw model's, which the RL
   trainer (which divides its logits by the temperature) would compare against the wrong distribution;

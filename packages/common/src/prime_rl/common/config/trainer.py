@@ -7,6 +7,7 @@ Names follow the user docs (scaling.md): `model.dp_replicate`, `model.reshard_af
 directory, the tokenizer) run at trainer start-up, before any heavy work.
 """
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -306,6 +307,29 @@ class SFTConfig(BaseConfig):
     dry_run: bool = False
     """Write the resolved config to <run_dir>/configs/trainer.toml and exit."""
 
+    @model_validator(mode="after")
+    def _check_layout(self) -> "SFTConfig":
+        """The parallel layout and batch split, against the rank count when it is known and config.json."""
+        from prime_rl.common.config.layout import check_batch, check_layout, read_model_shape
+
+        world, world_key = _world_size(self.deployment)
+        check_layout(self.model, world, read_model_shape(self.model.name), world_key=world_key)
+        if world is not None:
+            check_batch(self.data.batch_size, self.data.micro_batch_size, world // self.model.cp, world_key=world_key)
+        return self
+
     @property
     def run_dir(self) -> Path:
         return self.output_dir / self.run_name
+
+
+def _world_size(deployment: BaseConfig) -> tuple[int | None, str]:
+    """Trainer ranks and the key that sets them; None when only the launch will know (no num_gpus, no
+    $WORLD_SIZE: `sft` then starts one process, but a SLURM job's per-node config must not assume that)."""
+    if getattr(deployment, "type", None) == "multi_node":  # the SLURM job's schema (prime_rl.launcher.slurm)
+        return deployment.num_train_nodes * deployment.gpus_per_node, "deployment.gpus_per_node"
+    if getattr(deployment, "num_gpus", None) is not None:
+        return deployment.num_gpus, "deployment.num_gpus"
+    if os.environ.get("WORLD_SIZE", "").isdigit():
+        return int(os.environ["WORLD_SIZE"]), "deployment.num_gpus"
+    return None, "deployment.num_gpus"

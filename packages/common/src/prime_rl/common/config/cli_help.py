@@ -1,0 +1,178 @@
+"""``--help``: every option of a config, grouped by TOML table, with its type, default and full help text.
+
+Each table is one section headed by its TOML name (``[trainer.model]``) and the field's docstring, so a
+flag and the TOML key it sets read the same. A discriminated union lists its ``type`` choices and then
+each variant's options under ``type = "...":``. Required fields say ``(required)``; help texts are the
+fields' whole docstrings, wrapped, never cut. ``CMD --help trainer.model`` prints one subtree only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from prime_rl.common.config.base import _is_bool, _is_optional_model, _models_in, _union_args, _variants
+
+OPTION_COLUMN = 34
+
+
+@dataclass
+class _Section:
+    path: str
+    """dotted path of the table ("" for the top level)"""
+    title: str
+    lines: list[str] = field(default_factory=list)
+
+
+def _flag(path: str) -> str:
+    return f"--{path.replace('_', '-')}"
+
+
+def _one_line(text: str | None) -> str:
+    return " ".join((text or "").split())
+
+
+def _metavar(annotation: Any) -> str:
+    names = []
+    for arg in _union_args(annotation):
+        origin = typing.get_origin(arg)
+        if arg is type(None):
+            continue
+        if origin is typing.Literal:
+            names.append("{" + ",".join(str(a) for a in typing.get_args(arg)) + "}")
+        elif origin in (list, tuple, set):
+            names.append("LIST")
+        elif origin is dict or arg is dict:
+            names.append("TABLE")
+        elif isinstance(arg, type) and issubclass(arg, Path):
+            names.append("PATH")
+        elif isinstance(arg, type):
+            names.append({int: "INT", float: "FLOAT", str: "STR", bool: "BOOL"}.get(arg, arg.__name__.upper()))
+        else:
+            names.append(str(arg).upper())
+    return "|".join(dict.fromkeys(names))
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return repr(value)
+
+
+def _option(path: str, info: FieldInfo, default: Any, indent: int, width: int) -> list[str]:
+    annotation = info.annotation
+    if _is_bool(annotation):
+        head = f"{_flag(path)}, --no-{_flag(path)[2:]}"
+    else:
+        head = f"{_flag(path)} {_metavar(annotation)}"
+    state = "(required)" if info.is_required() else f"(default: {_shown(default)})"
+    text = f"{state} {_one_line(info.description)}".strip()
+    pad = " " * indent
+    column = indent + OPTION_COLUMN
+    if len(pad + head) + 2 <= column:
+        first = f"{pad}{head}".ljust(column)
+        return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=" " * column) or [first]
+    return [f"{pad}{head}", *textwrap.wrap(text, width, initial_indent=" " * column, subsequent_indent=" " * column)]
+
+
+def _default_of(info: FieldInfo, parent_default: Any, name: str) -> Any:
+    if isinstance(parent_default, BaseModel) and name in type(parent_default).model_fields:
+        return getattr(parent_default, name)
+    return None if info.is_required() else info.get_default(call_default_factory=True)
+
+
+def _walk(
+    model: type[BaseModel], prefix: str, default: Any, section: _Section, out: list[_Section], indent: int, width: int
+) -> None:
+    """Add ``model``'s leaf options to ``section`` and one new section per sub-table to ``out``."""
+    subtables = []
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        value = _default_of(info, default, name)
+        if name == "type" and prefix and typing.get_origin(info.annotation) is typing.Literal:
+            continue  # the variant's tag: shown once, on the union's section
+        if _models_in(info.annotation):
+            subtables.append((path, info, value))
+        else:
+            section.lines.extend(_option(path, info, value, indent, width))
+    for path, info, value in subtables:
+        _table(path, info, value, out, width)
+
+
+def _table(path: str, info: FieldInfo, default: Any, out: list[_Section], width: int) -> None:
+    annotation = info.annotation
+    title = f"[{path}]  {_one_line(info.description)}".rstrip()
+    if info.is_required():
+        title += " (required)"
+    section = _Section(path, title)
+    out.append(section)
+    if _is_optional_model(annotation):
+        state = "off" if default is None else "on"
+        section.lines.append(f"  {_flag(path)} / --no-{_flag(path)[2:]}  turns the table on / off (default: {state})")
+    variants = _variants(annotation)
+    if not variants:
+        model = _models_in(annotation)[0]
+        _walk(model, f"{path}.", default, section, out, 2, width)
+        return
+    current = getattr(default, "type", None)
+    choices = " | ".join(f'"{tag}"' for tag in variants)
+    state = "(required)" if current is None else f'(default: "{current}")'
+    section.lines.append(f"  {_flag(path)}.type {{{','.join(variants)}}}  {state}  one of {choices}")
+    for tag, model in variants.items():
+        section.lines.append(f'  type = "{tag}": {_one_line(model.__doc__)}'.rstrip())
+        _walk(model, f"{path}.", default if isinstance(default, model) else None, section, out, 4, width)
+
+
+def sections(cls: type[BaseModel], width: int) -> list[_Section]:
+    top = _Section("", "top level")
+    out = [top]
+    _walk(cls, "", None, top, out, 2, width)
+    return [s for s in out if s.lines]
+
+
+def format_help(cls: type[BaseModel], prog: str, section: str | None = None) -> str:
+    width = max(80, min(shutil.get_terminal_size((120, 24)).columns, 140))
+    doc = _one_line((cls.__doc__ or "").strip().split("\n\n")[0])
+    head = [
+        f"usage: {prog} [@ config.toml ...] [--section.key-name value ...]",
+        f"       {prog} --help [SECTION]   only the options of one table, e.g. {prog} --help "
+        + next((s.path for s in sections(cls, width) if "." in s.path), "SECTION"),
+        "",
+        *textwrap.wrap(doc, width),
+        "",
+        *textwrap.wrap(
+            "Defaults, then each @ file.toml deep-merged left to right, then flags. The flag --a.b.key-name v "
+            "sets key_name = v under the TOML table [a.b]. Booleans: --x / --no-x. Null: None. Lists: --x 1 2 "
+            "or JSON. Setting a table's type (e.g. --deployment.type) switches variant: the earlier variant's "
+            "keys are dropped.",
+            width,
+        ),
+    ]
+    picked = sections(cls, width)
+    if section is not None:
+        key = section.replace("-", "_").strip("[]")
+        picked = [s for s in picked if s.path == key or s.path.startswith(f"{key}.")]
+        if not picked:
+            names = ", ".join(s.path for s in sections(cls, width) if s.path)
+            return "\n".join(head + ["", f"no table {section!r}; tables: {names}"]) + "\n"
+    body = []
+    for s in picked:
+        body += ["", s.title, *s.lines]
+    return "\n".join(head + body) + "\n"

@@ -1,0 +1,142 @@
+"""Parallel-layout checks at config time (no torch): `sft`/`rl` `--dry-run` catch what would otherwise
+fail minutes later on the GPUs: dp_replicate / cp / ep against the number of trainer ranks, cp against
+the attention heads and ep against the experts (when the model's config.json is readable), the batch
+against micro-batch x data-parallel ranks. Knobs that do nothing for this model (ep on a dense model)
+warn instead of failing.
+
+The trainer re-checks all of this at start-up with the resolved mesh; these are the same rules, written
+so that the message names the keys (``model.cp=7 must divide ...``) and the config loader can say which
+file or flag set them.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from prime_rl.common.config.base import ConfigWarning
+from prime_rl.common.config.trainer import ModelConfig, TorchDispatchConfig
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run; ``keys`` are the dotted config keys it is about."""
+
+    def __init__(self, message: str, keys: list[str]) -> None:
+        super().__init__(message)
+        self.keys = keys
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the layout depends on, from a Hugging Face config.json."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_experts: int
+    """0 for a dense model"""
+
+
+def read_model_shape(name: str | Path) -> ModelShape | None:
+    """The shape of the model in local directory ``name``; None when there is no readable config.json."""
+    try:
+        hf = json.loads((Path(name) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    hf = hf.get("text_config", hf)
+    heads = hf.get("num_attention_heads")
+    if not isinstance(heads, int):
+        return None
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
+    return ModelShape(heads, hf.get("num_key_value_heads") or heads, int(experts))
+
+
+def _ranks(n: int) -> str:
+    return "1 rank" if n == 1 else f"{n} ranks"
+
+
+def _divisors(n: int) -> str:
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ds[0] if len(ds) == 1 else f"{', '.join(ds[:-1])} or {ds[-1]}"
+
+
+def check_layout(
+    model: ModelConfig,
+    world_size: int | None,
+    shape: ModelShape | None,
+    prefix: str = "",
+    world_key: str = "deployment.num_gpus",
+) -> None:
+    """Raise LayoutError for a layout that cannot run; warn (ConfigWarning) for knobs that do nothing.
+
+    ``prefix`` is where the model table sits ("" for sft, "trainer." for rl); ``world_size`` None skips the
+    rank-count rules (the count is not known yet).
+    """
+    m = f"{prefix}model"
+    if world_size is not None:
+        if world_size % model.dp_replicate:
+            raise LayoutError(
+                f"{m}.dp_replicate={model.dp_replicate} must divide the trainer's {_ranks(world_size)} "
+                f"({world_key}={world_size}); use {_divisors(world_size)}",
+                [f"{m}.dp_replicate", world_key],
+            )
+        island = world_size // model.dp_replicate
+        if island % model.cp:
+            raise LayoutError(
+                f"{m}.cp={model.cp} must divide the {_ranks(island)} of an FSDP island ({world_key}={world_size} "
+                f"// {m}.dp_replicate={model.dp_replicate}); use {_divisors(island)} or add ranks",
+                [f"{m}.cp", world_key],
+            )
+    if shape is None:
+        return
+    heads, kv = shape.num_attention_heads, shape.num_key_value_heads
+    if heads % model.cp:
+        raise LayoutError(
+            f"{m}.cp={model.cp} must divide the model's num_attention_heads={heads}; use {_divisors(heads)}",
+            [f"{m}.cp"],
+        )
+    if kv % model.cp and model.cp % kv:
+        raise LayoutError(
+            f"{m}.cp={model.cp} must divide the model's num_key_value_heads={kv} or be a multiple of it",
+            [f"{m}.cp"],
+        )
+    if shape.num_experts == 0:
+        if isinstance(model.ep, int) and model.ep > 1:
+            warnings.warn(
+                f"{m}.ep={model.ep} has no effect: {model.name} is a dense model (no experts); remove it",
+                ConfigWarning,
+                stacklevel=2,
+            )
+        if not isinstance(model.moe.dispatch, TorchDispatchConfig):
+            warnings.warn(
+                f'{m}.moe.dispatch.type="{model.moe.dispatch.type}" has no effect: {model.name} is a dense model',
+                ConfigWarning,
+                stacklevel=2,
+            )
+    elif isinstance(model.ep, int) and shape.num_experts % model.ep:
+        raise LayoutError(
+            f"{m}.ep={model.ep} must divide the model's {shape.num_experts} experts; use {_divisors(shape.num_experts)}",
+            [f"{m}.ep"],
+        )
+    elif (
+        isinstance(model.ep, int) and world_size is not None and (island := world_size // model.dp_replicate) % model.ep
+    ):
+        raise LayoutError(
+            f"{m}.ep={model.ep} must divide the {_ranks(island)} of an FSDP island ({world_key}={world_size} "
+            f"// {m}.dp_replicate={model.dp_replicate}); use {_divisors(island)}",
+            [f"{m}.ep", world_key],
+        )
+
+
+def check_batch(batch_size: int, micro_batch_size: int, dp: int, prefix: str = "", world_key: str = "") -> None:
+    """Every data-parallel rank runs the same number of whole micro-batches per step."""
+    d = f"{prefix}data"
+    if batch_size % (micro_batch_size * dp):
+        step = micro_batch_size * dp
+        fix = max(step, batch_size // step * step)
+        raise LayoutError(
+            f"{d}.batch_size={batch_size} must be a multiple of {d}.micro_batch_size={micro_batch_size} x {dp} "
+            f"data-parallel ranks = {step}; use batch_size={fix}",
+            [f"{d}.batch_size", f"{d}.micro_batch_size", *([world_key] if world_key else [])],
+        )
