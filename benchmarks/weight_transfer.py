@@ -24,7 +24,7 @@ for pkg in ("common", "trainer", "inference"):
 import torch  # noqa: E402
 
 from prime_rl.common.net import free_port  # noqa: E402
-from prime_rl.trainer.weights.broadcast import (  # noqa: E402
+from prime_rl.common.weight_sync.broadcast import (  # noqa: E402
     Spec,
     build_weight_group,
     plan_buckets,
@@ -176,9 +176,9 @@ def bench_cpu(iters: int = 5) -> dict:
 
     from prime_rl.common.testing import make_tiny_model
     from prime_rl.common.transport import ControlClient
+    from prime_rl.common.weight_sync.broadcast import WeightBroadcaster
     from prime_rl.common.wire import LoadWeightsRequest
     from prime_rl.inference.testing import start_server, stop_server
-    from prime_rl.trainer.weights.broadcast import WeightBroadcaster
 
     tmp = Path(tempfile.mkdtemp(prefix="wt-bench-"))
     model = make_tiny_model(tmp / "tiny", dtype="float32", tie_word_embeddings=True)

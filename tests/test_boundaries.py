@@ -1,5 +1,9 @@
 """The package boundaries of DESIGN.md hold: who may import whom, and who must never import torch/vllm.
 
+``prime_rl.common.weight_sync`` is the one torch-level corner of common (the weight-transfer protocol
+shared by trainer and inference, ``prime-rl-common[torch]``): it may import torch, never vllm, and no
+torch-free module may import it -- not the rest of common, not the orchestrator, not the launcher.
+
 Two checks: static (ast over every source file: no package imports a sibling it may not depend on,
 even inside a function) and dynamic (import every module in a fresh interpreter and look at
 ``sys.modules``, which also catches heavy imports pulled in transitively through a third-party library).
@@ -28,6 +32,9 @@ FORBIDDEN_AT_RUNTIME = {
     "orchestrator": {"torch", "vllm"},
     "launcher": {"torch", "vllm"},
 }
+TORCH_LEVEL = "prime_rl.common.weight_sync"
+"""The torch-level home of the weight-transfer protocol (skipped by common's torch-free runtime check)."""
+TORCH_FREE_IMPORTERS = ("common", "orchestrator", "launcher")
 
 
 def _source_root(package: str) -> Path:
@@ -96,17 +103,48 @@ def test_the_static_check_can_fail(tmp_path, monkeypatch):
     assert len(problems) == 2 and "prime_rl.trainer" in problems[0] and "prime_rl.inference" in problems[1]
 
 
+def _torch_level_importers(package: str) -> list[str]:
+    """Torch-free modules of ``package`` that import the torch-level weight-sync package."""
+    src = _source_root(package)
+    problems = []
+    for path in sorted(src.rglob("*.py")):
+        module = _module_name(path, src)
+        if module == TORCH_LEVEL or module.startswith(TORCH_LEVEL + "."):
+            continue
+        for line, name in _imported_modules(path, src):
+            if name == TORCH_LEVEL or name.startswith(TORCH_LEVEL + "."):
+                problems.append(f"{path.relative_to(ROOT)}:{line} imports {name}, which imports torch")
+    return problems
+
+
+@pytest.mark.parametrize("package", TORCH_FREE_IMPORTERS)
+def test_torch_free_modules_never_import_the_torch_level_weight_sync(package):
+    assert _torch_level_importers(package) == []
+
+
+def test_the_torch_level_check_can_fail(tmp_path, monkeypatch):
+    src = tmp_path / "packages" / "orchestrator" / "src" / "prime_rl" / "orchestrator"
+    src.mkdir(parents=True)
+    (src / "bad.py").write_text("from prime_rl.common.weight_sync.broadcast import WeightGroup\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert len(_torch_level_importers("orchestrator")) == 1
+
+
 _IMPORT_ALL = """
 import importlib, json, pkgutil, sys
-package = importlib.import_module(sys.argv[1])
+skip = sys.argv[2] if len(sys.argv) > 2 else None
 errors = {}
-for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-    if info.name.rsplit(".", 1)[-1] == "__main__":
-        continue
+def walk(name):
+    if name.rsplit(".", 1)[-1] == "__main__" or (skip and (name == skip or name.startswith(skip + "."))):
+        return
     try:
-        importlib.import_module(info.name)
+        module = importlib.import_module(name)
     except Exception as e:
-        errors[info.name] = f"{type(e).__name__}: {e}"
+        errors[name] = f"{type(e).__name__}: {e}"
+        return
+    for info in pkgutil.iter_modules(getattr(module, "__path__", []), name + "."):
+        walk(info.name)
+walk(sys.argv[1])
 heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "vllm", "transformers", "triton"})
 print(json.dumps({"heavy": heavy, "errors": errors}))
 """
@@ -115,10 +153,24 @@ print(json.dumps({"heavy": heavy, "errors": errors}))
 @pytest.mark.parametrize("package", sorted(FORBIDDEN_AT_RUNTIME))
 def test_light_packages_never_import_torch_or_vllm(package):
     result = subprocess.run(
-        [sys.executable, "-c", _IMPORT_ALL, f"prime_rl.{package}"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _IMPORT_ALL, f"prime_rl.{package}", TORCH_LEVEL],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["errors"] == {}, f"modules of prime_rl.{package} fail to import: {report['errors']}"
     leaked = set(report["heavy"]) & FORBIDDEN_AT_RUNTIME[package]
     assert not leaked, f"importing every module of prime_rl.{package} pulled in {sorted(leaked)}"
+
+
+def test_the_torch_level_weight_sync_never_imports_vllm():
+    pytest.importorskip("torch")
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ALL, TORCH_LEVEL], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["errors"] == {}, report["errors"]
+    assert "torch" in report["heavy"] and not {"vllm", "transformers"} & set(report["heavy"])

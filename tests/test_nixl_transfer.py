@@ -73,7 +73,7 @@ def test_layout_slices_cover_every_byte_once():
 
 
 def _trainer(rank, world, port, session, overlap, versions, linked, out):
-    from prime_rl.trainer.weights.nixl import NixlWeightSender
+    from prime_rl.common.weight_sync.nixl_source import NixlWeightSender
 
     sender = NixlWeightSender(
         [],
@@ -101,7 +101,7 @@ def _trainer(rank, world, port, session, overlap, versions, linked, out):
 
 
 def _receiver(rank, port, session, versions, registered, out):
-    from prime_rl.inference.weights.nixl import NixlReceiver
+    from prime_rl.common.weight_sync.nixl_receiver import NixlReceiver
 
     client = MetadataClient("127.0.0.1", port)
     receiver = NixlReceiver(client, session, rank, device=torch.device("cpu"), timeout_s=TIMEOUT)
@@ -157,7 +157,7 @@ def test_two_trainer_ranks_two_receivers(overlap, monkeypatch):
 
 
 def test_arena_allocation_failure_is_an_error():
-    from prime_rl.inference.weights.nixl import NixlTransferError, allocate_arenas
+    from prime_rl.common.weight_sync.nixl_receiver import NixlTransferError, allocate_arenas
 
     with pytest.raises(NixlTransferError, match="overlap_transfer_and_replay = false"):
         allocate_arenas(2, 1 << 62, torch.device("cpu"), "receiver")

@@ -184,7 +184,7 @@ def test_bad_filesystem_update_is_refused(server, tmp_path, defect):
 
 def _trainer_process(control: str, model_dir: str, version: int, seed: int, port: int, corrupt: bool, out) -> None:
     """A trainer-like process: builds the gloo group with the server and pushes a state dict."""
-    from prime_rl.trainer.weights.broadcast import WeightBroadcaster, WeightBroadcastError
+    from prime_rl.common.weight_sync.broadcast import WeightBroadcaster, WeightBroadcastError
 
     sd = perturbed(Path(model_dir), seed=seed)
     if corrupt:

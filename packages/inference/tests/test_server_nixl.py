@@ -33,7 +33,7 @@ PROCESS_TIMEOUT_S = 180
 
 
 def _sender(control: str, overlap: bool, timeout_s: float):
-    from prime_rl.trainer.weights.nixl import NixlWeightSender
+    from prime_rl.common.weight_sync.nixl_source import NixlWeightSender
 
     return NixlWeightSender(
         [control],
@@ -48,7 +48,7 @@ def _sender(control: str, overlap: bool, timeout_s: float):
 def _trainer(control: str, model_dir: str, scenario: str, version: int, overlap: bool, out) -> None:
     """A trainer-like process; ``scenario`` says how its session ends."""
     from prime_rl.common.nixl_layout import READY, encode_note
-    from prime_rl.trainer.weights.nixl import NixlSendError
+    from prime_rl.common.weight_sync.nixl_source import NixlSendError
 
     sd = perturbed(Path(model_dir), seed=version)
     sender = _sender(control, overlap, timeout_s=120 if scenario == "ok" else 8)

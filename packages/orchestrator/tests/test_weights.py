@@ -1,10 +1,16 @@
+"""WeightUpdater: versions come only from the trainer's WeightsPublished messages over a real ZeroMQ socket."""
+
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
 
+from prime_rl.common.net import free_port
+from prime_rl.common.transport import Sender
+from prime_rl.common.wire import PauseRequest, WeightsPublished
 from prime_rl.orchestrator.policy import PolicyState
-from prime_rl.orchestrator.weights import BROADCAST_MARKER, WeightUpdater, latest_published_step
+from prime_rl.orchestrator.weights import BROADCAST_MARKER, VersionListener, WeightUpdater, latest_published_step
 
 
 class FakeControl:
@@ -29,49 +35,119 @@ class FakeControl:
         pass
 
 
-def publish(broadcasts: Path, step: int, complete: bool = True) -> None:
+def publish(broadcasts: Path, step: int, complete: bool = True) -> Path:
     d = broadcasts / f"step_{step}"
     d.mkdir(parents=True)
     (d / "model.safetensors").write_bytes(b"")
     if complete:
         (d / BROADCAST_MARKER).touch()
+    return d
 
 
-def test_latest_published_step_needs_marker(tmp_path):
+class Trainer:
+    """The trainer's end: a PUSH socket to the orchestrator's version socket."""
+
+    def __init__(self, endpoint: str):
+        self.sender = Sender(endpoint, timeout_s=5)
+
+    def announce(self, version: int, path: Path | None = None) -> None:
+        self.sender.send(WeightsPublished(version=version, path=None if path is None else str(path)))
+
+
+def _updater(control, policy, **kwargs):
+    listener = VersionListener(f"tcp://127.0.0.1:{free_port()}")
+    return WeightUpdater(listener, control, policy, poll_interval=0.01, **kwargs), Trainer(listener.endpoint)
+
+
+async def _until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_latest_published_step_needs_marker_and_bound(tmp_path):
     assert latest_published_step(tmp_path / "missing") is None
     publish(tmp_path, 1)
-    publish(tmp_path, 3, complete=False)  # still being written
-    assert latest_published_step(tmp_path) == 1
+    publish(tmp_path, 2)
+    publish(tmp_path, 3, complete=False)  # not a complete version (never renamed into place by the trainer)
+    (tmp_path / "step_4.tmp").mkdir()  # being written
+    assert latest_published_step(tmp_path) == 2
+    assert latest_published_step(tmp_path, max_step=1) == 1
 
 
-def test_update_pauses_loads_newest_resumes_and_retags(tmp_path):
+def test_announcements_load_newest_filesystem_version_and_retag(tmp_path):
     async def go():
         policy, control = PolicyState(), FakeControl()
-        updater = WeightUpdater(tmp_path, control, policy, pause_mode="wait", poll_interval=0.01)
+        updater, trainer = _updater(control, policy, pause_mode="wait")
         assert not await updater.update_once()
         publish(tmp_path, 1)
         publish(tmp_path, 2)
+        # A directory alone is invisible: the orchestrator learns versions from announcements only.
+        await asyncio.sleep(0.05)
+        assert not await updater.update_once() and policy.version == 0
+        trainer.announce(1, tmp_path / "step_1")
+        trainer.announce(2, tmp_path / "step_2")
+        await _until(
+            lambda: updater.listener.poll() or updater.listener.latest and updater.listener.latest.version == 2
+        )
         assert await updater.update_once()
         assert not await updater.update_once()  # nothing newer
         assert policy.version == 2 and policy.is_open
         assert await policy.wait_for(2) == 2
+        updater.listener.close()
         return control.calls
 
     assert asyncio.run(go()) == [("pause", "wait"), ("load", "step_2", 2), ("resume",)]
 
 
-def test_gate_holds_requests_during_update_and_wait_for_version(tmp_path):
+def test_pushed_version_is_served_without_a_load():
+    async def go():
+        policy, control = PolicyState(), FakeControl()
+        updater, trainer = _updater(control, policy)
+        trainer.announce(3)  # nccl / nixl: inference already serves it
+        await updater.wait_for_version(3, timeout=5)
+        assert policy.version == 3 and policy.is_open
+        assert updater.last_announcement.path is None
+        updater.listener.close()
+        return control.calls
+
+    assert asyncio.run(go()) == []
+
+
+def test_gate_holds_requests_until_the_announcement_and_wait_for_version_times_out(tmp_path):
     async def go():
         policy = PolicyState()
-        updater = WeightUpdater(tmp_path, FakeControl(), policy, poll_interval=0.01)
+        updater, trainer = _updater(FakeControl(), policy)
         waiter = asyncio.create_task(policy.wait_for(1))
         await asyncio.sleep(0.02)
         assert not waiter.done()  # version 0 < 1
-        asyncio.get_running_loop().call_later(0.05, publish, tmp_path, 1)
+        d = publish(tmp_path, 1)
+        asyncio.get_running_loop().call_later(0.05, trainer.announce, 1, d)
         await updater.wait_for_version(1, timeout=5)
         assert await asyncio.wait_for(waiter, 1) == 1
-        with pytest.raises(TimeoutError, match="step_3/STABLE"):
+        with pytest.raises(TimeoutError, match="announce policy version 3 .*newest announced is 1"):
             await updater.wait_for_version(3, timeout=0.05)
+        updater.listener.close()
+
+    asyncio.run(go())
+
+
+def test_max_off_policy_zero_waits_for_exactly_the_current_version(tmp_path):
+    """max_off_policy_steps = 0: step s waits for version s, and an older announcement does not satisfy it."""
+
+    async def go():
+        policy = PolicyState()
+        updater, trainer = _updater(FakeControl(), policy)
+        trainer.announce(1, publish(tmp_path, 1))
+        await updater.wait_for_version(1, timeout=5)
+        waiting = asyncio.create_task(updater.wait_for_version(2, timeout=5))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and policy.version == 1
+        trainer.announce(2, publish(tmp_path, 2))
+        await asyncio.wait_for(waiting, 5)
+        assert policy.version == 2
+        updater.listener.close()
 
     asyncio.run(go())
 
@@ -79,10 +155,41 @@ def test_gate_holds_requests_during_update_and_wait_for_version(tmp_path):
 def test_failed_load_still_resumes_and_keeps_version(tmp_path):
     async def go():
         policy, control = PolicyState(), FakeControl(fail_load=True)
-        publish(tmp_path, 1)
+        updater, trainer = _updater(control, policy)
+        trainer.announce(1, publish(tmp_path, 1))
+        await _until(lambda: updater.listener.poll() is not None or updater.listener.latest is not None)
         with pytest.raises(RuntimeError, match="refused"):
-            await WeightUpdater(tmp_path, control, policy).update_once()
+            await updater.update_once()
         assert policy.version == 0 and policy.is_open
+        updater.listener.close()
         return control.calls
 
     assert asyncio.run(go())[-1] == ("resume",)
+
+
+def test_recover_loads_the_newest_complete_version_up_to_the_resume_step(tmp_path):
+    async def go():
+        policy, control = PolicyState(), FakeControl()
+        updater, _ = _updater(control, policy)
+        for step in (3, 4, 6):  # 6: from a run that went further before the one we resume crashed
+            publish(tmp_path, step)
+        assert await updater.recover(tmp_path, max_version=5)
+        assert policy.version == 4
+        updater.listener.close()
+        return control.calls
+
+    assert asyncio.run(go()) == [("pause", "keep"), ("load", "step_4", 4), ("resume",)]
+
+
+def test_listener_refuses_other_messages():
+    listener = VersionListener(f"tcp://127.0.0.1:{free_port()}")
+    sender = Sender(listener.endpoint, timeout_s=5)
+    sender.send(PauseRequest(mode="keep"))
+    sender.send(WeightsPublished(version=7))
+    deadline = time.monotonic() + 5
+    while listener.latest is None and time.monotonic() < deadline:
+        listener.poll()
+        time.sleep(0.01)
+    assert listener.latest.version == 7 and listener._receiver.num_rejected == 1
+    sender.close()
+    listener.close()

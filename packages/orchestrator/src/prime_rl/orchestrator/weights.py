@@ -1,12 +1,28 @@
-"""Weight sync: notice the trainer's published weights and have every inference server load them.
+"""Weight sync, orchestrator side: learn each new policy version from the trainer and make it the served one.
 
-The trainer writes `<run_dir>/broadcasts/step_<n>/` and, last, the marker file `BROADCAST_MARKER` in
-it (atomic completion). `WeightUpdater` polls for the newest complete step; when it is newer than
-the served version it closes the request gate (`PolicyState`), calls `pause -> load_weights ->
-resume` on every server through an `InferenceControl`, and reopens the gate with the new version,
-so every request started afterwards is tagged with it. Requests already in flight keep the version
-they started with (the conservative tag: with pause mode "keep" their tail uses newer weights).
-Several published steps in one poll load only the newest.
+The trainer owns versions: once version ``n`` is complete it sends a ``WeightsPublished`` message to
+the orchestrator's PULL socket (``trainer.weights_port``; the trainer's ``weight_broadcast.announce``).
+Nothing here looks at the file system to discover versions. ``WeightUpdater`` drains announcements;
+for the newest one that is newer than the served version it
+
+- filesystem (the message names a complete ``broadcasts/step_<n>`` directory): closes the request
+  gate (``PolicyState``), calls ``pause -> load_weights -> resume`` on every server through an
+  ``InferenceControl``, and reopens the gate with the new version;
+- nccl / nixl (no path: the trainer pushed the weights and every server already serves them): reopens
+  the gate with the new version.
+
+Either way every request started afterwards is tagged with a version inference really serves.
+Requests already in flight keep the version they started with (the conservative tag: with pause mode
+"keep" their tail uses newer weights). Several announcements in one poll load only the newest.
+
+Why the orchestrator, not the trainer, drives the filesystem load: closing the gate around the load is
+what keeps the tags exact, and only the orchestrator can close it; the trainer's background writer
+then never waits for inference either. Push transports cannot be driven from here (the sender takes
+part in the transfer), so the trainer announces them once served.
+
+Resuming: ``recover(max_version)`` loads the newest complete ``broadcasts/step_<n>`` with
+``n <= max_version`` once at start (a directory exists only when complete: the trainer renames it
+into place), so a resumed run serves the weights of its resume step without waiting for the trainer.
 
 `InferenceControl` is the seam: `ZmqInferenceControl` speaks `prime_rl.common.wire` control
 messages to each server's control endpoint; tests use an in-memory fake.
@@ -21,14 +37,22 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from prime_rl.common.transport import ControlClient
-from prime_rl.common.wire import ControlReply, LoadWeightsRequest, Message, PauseRequest, ResumeRequest
+from prime_rl.common.transport import ControlClient, Receiver
+from prime_rl.common.wire import (
+    ControlReply,
+    LoadWeightsRequest,
+    Message,
+    PauseRequest,
+    ResumeRequest,
+    WeightsPublished,
+)
 from prime_rl.orchestrator.policy import PolicyState
 
 logger = logging.getLogger(__name__)
 
 BROADCAST_MARKER = "STABLE"
-"""File the trainer writes last into broadcasts/step_<n>/ once every weight file is complete."""
+"""File the trainer writes last into a version's directory (before renaming it into place); inference
+refuses a directory without it."""
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -95,8 +119,8 @@ class ZmqInferenceControl:
             client.close()
 
 
-def latest_published_step(broadcasts_dir: Path) -> int | None:
-    """Newest step_<n> under broadcasts/ whose marker exists (None if there is none)."""
+def latest_published_step(broadcasts_dir: Path, max_step: int | None = None) -> int | None:
+    """Newest complete step_<n> under broadcasts/ (n <= max_step if given); None if there is none."""
     if not broadcasts_dir.is_dir():
         return None
     steps = [
@@ -104,74 +128,122 @@ def latest_published_step(broadcasts_dir: Path) -> int | None:
         for p in broadcasts_dir.iterdir()
         if (m := _STEP_DIR.match(p.name)) and (p / BROADCAST_MARKER).is_file()
     ]
-    return max(steps, default=None)
+    return max((s for s in steps if max_step is None or s <= max_step), default=None)
+
+
+class VersionListener:
+    """The orchestrator's end of the trainer's announcements: a bound ZeroMQ PULL socket, polled without blocking."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._receiver = Receiver(endpoint, bind=True, types=(WeightsPublished,))
+        self.endpoint = self._receiver.endpoint
+        self.latest: WeightsPublished | None = None
+        """Newest announcement received so far."""
+
+    def poll(self) -> WeightsPublished | None:
+        """Drain every pending announcement; return the newest one (None if none arrived since the last poll)."""
+        newest = None
+        while True:
+            try:
+                message = self._receiver.recv(timeout_s=0).message
+            except TimeoutError:
+                break
+            if newest is None or message.version > newest.version:
+                newest = message
+        if newest is not None and (self.latest is None or newest.version > self.latest.version):
+            self.latest = newest
+        return newest
+
+    def close(self) -> None:
+        self._receiver.close()
 
 
 class WeightUpdater:
-    """Polls broadcasts/ and loads newer weights into inference; `wait_for_version` bounds staleness."""
+    """Applies the trainer's announcements to inference; `wait_for_version` bounds staleness."""
 
     def __init__(
         self,
-        broadcasts_dir: Path,
+        listener: VersionListener,
         control: InferenceControl,
         policy: PolicyState,
         *,
         pause_mode: str = "keep",
         poll_interval: float = 0.1,
     ) -> None:
-        self.broadcasts_dir = broadcasts_dir
+        self.listener = listener
         self.control = control
         self.policy = policy
         self.pause_mode = pause_mode
         self.poll_interval = poll_interval
         self.num_updates = 0
         self.last_update_s = 0.0
-        self._lock = asyncio.Lock()  # the poller and wait_for_version must not load the same step twice
+        self.last_announcement: WeightsPublished | None = None
+        """The newest announcement applied (the trainer's publish / background times ride along)."""
+        self._lock = asyncio.Lock()  # the poller and wait_for_version must not load the same version twice
 
     async def update_once(self) -> bool:
-        """Load the newest published weights if they are newer than the served version; True if it did."""
+        """Apply the newest announced version if it is newer than the served one; True if it did."""
         async with self._lock:
-            step = latest_published_step(self.broadcasts_dir)
-            if step is None or step <= self.policy.version:
+            self.listener.poll()
+            message = self.listener.latest
+            if message is None or message.version <= self.policy.version:
                 return False
-            await self._load(step)
+            await self._apply(message)
             return True
 
-    async def _load(self, step: int) -> None:
-        path = self.broadcasts_dir / f"step_{step}"
+    async def recover(self, broadcasts_dir: Path, max_version: int) -> bool:
+        """At start-up: load the newest complete filesystem version <= ``max_version`` (a resumed run)."""
+        async with self._lock:
+            step = latest_published_step(broadcasts_dir, max_version)
+            if step is None or step <= self.policy.version:
+                return False
+            await self._apply(WeightsPublished(version=step, path=str(broadcasts_dir / f"step_{step}")))
+            return True
+
+    async def _apply(self, message: WeightsPublished) -> None:
         start = time.perf_counter()
-        await self.policy.close()
-        try:
-            await self.control.pause(self.pause_mode)
+        version = message.version
+        if message.path is not None:
+            await self.policy.close()
             try:
-                await self.control.load_weights(path, step)
-            finally:
-                await self.control.resume()
-        except BaseException:
-            await self.policy.open()  # keep the old version; the error stops the run
-            raise
-        await self.policy.open(version=step)
+                await self.control.pause(self.pause_mode)
+                try:
+                    await self.control.load_weights(Path(message.path), version)
+                finally:
+                    await self.control.resume()
+            except BaseException:
+                await self.policy.open()  # keep the old version; the error stops the run
+                raise
+        await self.policy.open(version=version)
         self.num_updates += 1
         self.last_update_s = time.perf_counter() - start
-        logger.info("inference now serves policy version %d (loaded %s in %.2fs)", step, path, self.last_update_s)
+        self.last_announcement = message
+        where = f"loaded {message.path}" if message.path else "pushed by the trainer"
+        logger.info("inference now serves policy version %d (%s, %.2fs)", version, where, self.last_update_s)
 
     async def run(self) -> None:
-        """Poll forever (cancelled when the orchestrator stops)."""
-        while True:
-            await self.update_once()
-            await asyncio.sleep(self.poll_interval)
+        """Poll forever (cancelled when the orchestrator stops); closes the listener when it ends."""
+        try:
+            while True:
+                await self.update_once()
+                await asyncio.sleep(self.poll_interval)
+        finally:
+            self.listener.close()
 
     async def wait_for_version(self, min_version: int, timeout: float) -> None:
-        """Block until inference serves `min_version` or newer, updating as weights appear."""
+        """Block until inference serves `min_version` or newer, updating as announcements arrive."""
         deadline = time.monotonic() + timeout
         while self.policy.version < min_version:
             await self.update_once()
             if self.policy.version >= min_version:
                 break
             if time.monotonic() > deadline:
+                latest = self.listener.latest
+                heard = f"the newest announced is {latest.version}" if latest else "no version was announced yet"
                 raise TimeoutError(
-                    f"waited {timeout:.0f}s for the trainer to publish {self.broadcasts_dir}/step_{min_version}/"
-                    f"{BROADCAST_MARKER} (inference serves version {self.policy.version}); is the trainer running "
-                    "with this run_dir? raise weights_timeout or max_off_policy_steps"
+                    f"waited {timeout:.0f}s for the trainer to announce policy version {min_version} on "
+                    f"{self.listener.endpoint} ({heard}; inference serves version {self.policy.version}); is the "
+                    "trainer running with weight_broadcast.announce pointing here? raise weights_timeout or "
+                    "max_off_policy_steps"
                 )
             await asyncio.sleep(self.poll_interval)

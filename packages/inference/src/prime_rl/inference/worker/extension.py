@@ -8,7 +8,8 @@ post-load processing (repacking on CPU, fusing qkv / gate_up), which calling ``m
 alone does not.
 
 Validation (names, shapes, dtypes) happens in the API process before any of this runs, so a bad
-update never reaches the model.
+update never reaches the model. The transfer protocol itself (broadcast group, bucket layout, NIXL
+receiver) is shared with the trainer in ``prime_rl.common.weight_sync``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from collections.abc import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
-from prime_rl.inference.weights.group import WeightGroup, build_weight_group
+from prime_rl.common.weight_sync.broadcast import (
+    BucketLayout,
+    Spec,
+    WeightGroup,
+    build_weight_group,
+    receive_batches,
+)
 
 
 def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -38,7 +45,7 @@ class PrimeWorkerExtension:
     """Methods added to vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.rank``)."""
 
     _prime_group: WeightGroup | None = None
-    _prime_nixl = None  # prime_rl.inference.weights.nixl.NixlReceiver, built by prime_init_nixl
+    _prime_nixl = None  # prime_rl.common.weight_sync.nixl_receiver.NixlReceiver, built by prime_init_nixl
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -125,27 +132,10 @@ class PrimeWorkerExtension:
         if group is None:
             raise RuntimeError("no weight-broadcast group: send InitBroadcastRequest before BroadcastWeightsRequest")
         start = time.perf_counter()
-        by_bucket: list[list[int]] = [[] for _ in bucket_sizes]
-        for i, b in enumerate(buckets):
-            by_bucket[b].append(i)
-
-        def batches() -> Iterator[list[tuple[str, torch.Tensor]]]:
-            for b, size in enumerate(bucket_sizes):
-                buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
-                group.broadcast(buffer)
-                batch = []
-                for i in by_bucket[b]:
-                    dtype = getattr(torch, dtypes[i])
-                    numel = 1
-                    for d in shapes[i]:
-                        numel *= d
-                    nbytes = numel * dtype.itemsize
-                    view = buffer[offsets[i] : offsets[i] + nbytes].view(dtype).view(shapes[i])
-                    batch.append((names[i], view))
-                yield batch
-
+        specs = [Spec(n, d, tuple(shape)) for n, d, shape in zip(names, dtypes, shapes)]
+        layout = BucketLayout(specs, buckets, offsets, bucket_sizes)
         self._prime_nixl_invalidate()
-        count = self._prime_reload(batches())
+        count = self._prime_reload(receive_batches(group, layout))
         return {"tensors": count, "seconds": time.perf_counter() - start}
 
     # -- nixl ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from prime_rl.common.nixl_metadata import MetadataClient
-from prime_rl.inference.weights.nixl import NixlReceiver, NixlTransferError
+from prime_rl.common.weight_sync.nixl_receiver import NixlReceiver, NixlTransferError
 
 
 class LayerwiseReload:

@@ -1,74 +1,214 @@
-"""Publish the policy after each step so inference can serve it.
+"""Publish the policy after each step so inference can serve it, without holding the training loop.
 
-- filesystem (default): every rank joins the full-state-dict gather; rank 0 writes Hugging Face
-  safetensors to ``broadcasts/step_<n>/`` and then, last, the ``STABLE`` marker (the orchestrator
-  loads a step only once its marker exists, so a half-written step is never served). Older steps
-  beyond ``keep_last`` are deleted.
-- nccl: rank 0 pushes the gathered tensors straight into the inference workers over a broadcast
-  group (NCCL on GPU, gloo on CPU; ``prime_rl.trainer.weights.broadcast``), then writes the marker
-  with no weights so the orchestrator learns the new version.
+Interface (what the training loop calls): ``publisher = build_publisher(cfg, run_dir, model, world)``,
+``publisher.publish(version) -> float`` on every rank after each optimizer step (returns the seconds
+the loop was blocked), ``publisher.flush()`` to wait for the version in flight (e.g. before a
+checkpoint or an evaluation that must see it served), ``publisher.close()`` at exit (flushes).
+``publisher.last_write_time`` / ``last_wait_time`` are the background part of the previous version
+and how long ``publish`` waited for it (backpressure); log them next to the blocked time.
+
+Who owns what. The trainer owns every version: it is the only component that decides a version
+exists, moves it, and announces it, once complete, to the orchestrator as a ``WeightsPublished``
+message over ZeroMQ (``prime_rl.common.weight_sync.announce``; no marker file is a notification).
+The orchestrator owns staleness: it tags rollouts with the newest announced version that inference
+serves and waits for announcements to honour ``max_off_policy_steps``. The one asymmetry is who makes
+inference load: with nccl/nixl the trainer pushes (the sender must take part in the transfer) and
+announces a version inference already serves; with the filesystem transport the announcement carries
+the directory and the orchestrator pauses inference, has it load the files and reopens its request
+gate with the new version, because closing that gate around the load is what keeps its version tags
+exact (a trainer-driven load could only be learned about after the fact). The announcement is sent
+only after the version is whole (renamed into place / served), so ``max_off_policy_steps = 0`` keeps
+its meaning: the orchestrator never tags, and so never trains on, a version older than allowed.
+
+What overlaps the next step, per transport (at most one version is in flight: ``publish`` first waits
+for the previous one, so memory stays bounded and versions stay in order):
+
+- filesystem: the loop pays for the all-gathers (collective, every rank, one parameter at a time) and
+  the cast to the publish dtype on the device; the device-to-host copy runs on a side CUDA stream into
+  a reusable pinned buffer, and a background thread writes ``broadcasts/step_<n>.tmp/``, fsyncs it,
+  writes the ``STABLE`` marker last, renames it to ``step_<n>/`` (atomic), prunes old versions and
+  announces. A trainer killed mid-write leaves only ``step_<n>.tmp`` (removed at the next start),
+  never a loadable partial ``step_<n>``. Host memory: one copy of the weights in the publish dtype,
+  pinned, on rank 0 (``weights.staging``); no second copy is made to write it (``weights.files``).
+- nccl: gather + cast on the device, bucket packing and the broadcast itself stay in ``publish`` (the
+  sender must take part; GPU-to-GPU it is ~10 ms for 3.5 GB); waiting for every server to reload the
+  weights (``AwaitWeightsRequest``, the slow part) and the announcement move to the background thread.
+- nixl: every rank gathers + casts on the device and stages its slices until the receivers have read
+  every group (the slots hold one or two groups, so the source must stay until the last read);
+  the wait for the engines' reload and the announcement move to the background thread. Letting the
+  receivers read while the next step computes would need a complete extra copy to read from; left out.
+
+The ``STABLE`` marker stays inside each filesystem version because the inference server refuses a
+directory without it (``check_checkpoint_dir``): it is part of what makes a version loadable, not a
+notification; the rename is what makes it visible atomically.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
+import threading
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, NCCLBroadcastConfig, NixlBroadcastConfig
 from prime_rl.common.rundir import RunDir
+from prime_rl.common.weight_sync.announce import VersionAnnouncer
 from prime_rl.trainer.model import CausalLM
-from prime_rl.trainer.models import model_state_dict_to_hf, save_hf_weights
+from prime_rl.trainer.models import model_state_dict_to_hf
+from prime_rl.trainer.models.config import load_model_config
+from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of, write_hf_dir
+from prime_rl.trainer.weights.staging import HostStaging, gather_full_tensors, model_state
 from prime_rl.trainer.world import World
 
 if TYPE_CHECKING:
     from prime_rl.trainer.rl.publish_nixl import NixlPublisher
 
+logger = logging.getLogger(__name__)
+
 MARKER = "STABLE"
-"""Written last into broadcasts/step_<n>/ (the orchestrator's BROADCAST_MARKER)."""
+"""Written last into broadcasts/step_<n>.tmp/, before the rename; the inference server checks it."""
 
 
-def gather_state_dict(model: CausalLM, dtype: torch.dtype, is_main: bool) -> dict[str, torch.Tensor]:
-    """Collective: every rank calls it; rank 0 gets the full state dict in model names (CPU), others {}."""
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not is_main:
-        return {}
-    return {k.removeprefix("model."): v.to(dtype) for k, v in sd.items()}
+class BackgroundJob:
+    """At most one background task at a time; its exception is raised by the next ``wait``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, fn: Callable[[], None]) -> None:
+        assert self._thread is None, "wait() for the previous job first"
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # re-raised in the training loop by wait()
+                logger.error("%s failed: %s: %s", self.name, type(e).__name__, e)
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> float:
+        """Join the job in flight (if any); returns the seconds waited; raises the job's error."""
+        start = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"{self.name} failed: {type(error).__name__}: {error}") from error
+        return time.perf_counter() - start
 
 
-class FilesystemPublisher:
-    def __init__(self, cfg: FilesystemBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
-        self.cfg, self.run_dir, self.model, self.world = cfg, run_dir, model, world
-        self.dtype = getattr(torch, cfg.dtype)
+def publish_state(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model tensors to publish (model names; a tied LM head is the embedding and is not sent twice)."""
+    state = model_state(model)
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
 
-    def publish(self, version: int) -> float:
-        t0 = time.perf_counter()
-        state = gather_state_dict(self.model, self.dtype, self.world.is_main)
-        if self.world.is_main:
-            out = self.run_dir.broadcast_dir(version)
-            save_hf_weights(state, out, self.model.config)
-            (out / MARKER).touch()
-            for old in self.run_dir.broadcast_steps()[: -self.cfg.keep_last]:
-                shutil.rmtree(self.run_dir.broadcast_dir(old), ignore_errors=True)
-        dist.barrier()
-        return time.perf_counter() - t0
+
+class _Publisher:
+    """Shared bookkeeping: the background job, its timings and the announcer (rank 0)."""
+
+    def __init__(self, cfg, model: CausalLM, world: World, job_name: str) -> None:
+        self.cfg, self.model, self.world = cfg, model, world
+        self.dtype: torch.dtype = getattr(torch, cfg.dtype)
+        self.job = BackgroundJob(job_name)
+        self.announcer = VersionAnnouncer(cfg.announce, timeout_s=cfg.announce_timeout) if world.is_main else None
+        self.last_write_time = 0.0
+        """Seconds the background part of the last completed version took."""
+        self.last_wait_time = 0.0
+        """Seconds the last ``publish`` waited for the previous version's background part (backpressure)."""
+
+    def flush(self) -> None:
+        """Wait until the version in flight is complete (written / served) and announced."""
+        self.last_wait_time = self.job.wait()
+
+    def _announce(self, version: int, path: str | None, blocked: float) -> None:
+        if self.announcer is not None:
+            self.announcer.announce(version, path=path, publish_s=blocked, write_s=self.last_write_time)
 
     def close(self) -> None:
-        pass
+        """Flush, then release sockets. Call on every rank at exit."""
+        try:
+            self.flush()
+        finally:
+            if self.announcer is not None:
+                self.announcer.close()
 
 
-class BroadcastPublisher:
+class FilesystemPublisher(_Publisher):
+    """Safetensors under ``broadcasts/step_<n>/``, written in the background and published atomically."""
+
+    def __init__(self, cfg: FilesystemBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
+        super().__init__(cfg, model, world, "weight writer")
+        self.run_dir = run_dir
+        self.staging = HostStaging(world.device) if world.is_main else None
+        if world.is_main:
+            for path in remove_partial_dirs(run_dir.broadcasts_dir):
+                logger.warning("removed %s, a weight version a previous trainer did not finish writing", path)
+
+    def publish(self, version: int) -> float:
+        """Collective. Returns the seconds the caller was blocked; the write continues in the background."""
+        start = time.perf_counter()
+        self.flush()  # backpressure: the host buffer is reused, one write at a time
+        state = publish_state(self.model)
+        tensors = gather_full_tensors(state, self.dtype, keep=self.world.is_main)
+        if self.staging is None:
+            for _ in tensors:  # join every all-gather
+                pass
+            return time.perf_counter() - start
+        self.staging.capture(state, tensors, self.dtype)
+        blocked = time.perf_counter() - start
+        self.job.start(lambda: self._write(version, blocked))
+        return blocked
+
+    def _write(self, version: int, blocked: float) -> None:
+        start = time.perf_counter()
+        assert self.staging is not None
+        self.staging.wait()
+        final = self.run_dir.broadcast_dir(version)
+        tmp = tmp_dir_of(final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        config = load_model_config(self.model.config)
+        write_hf_dir(model_state_dict_to_hf(self.staging.tensors(), config), tmp, config)
+        (tmp / MARKER).touch()
+        publish_dir(tmp, final)
+        self._prune(version)
+        self.last_write_time = time.perf_counter() - start
+        self._announce(version, str(final), blocked)
+
+    def _prune(self, version: int) -> None:
+        """Keep the newest ``keep_last`` versions up to ``version``; versions above it belong to a run
+        this one resumed from an earlier checkpoint and must never be served. ``version`` itself (the
+        newest complete one) is always kept, and a directory being written is never listed."""
+        steps = self.run_dir.broadcast_steps()
+        older = [s for s in steps if s <= version]
+        stale = [s for s in steps if s > version] + older[: -self.cfg.keep_last]
+        for step in stale:
+            shutil.rmtree(self.run_dir.broadcast_dir(step), ignore_errors=True)
+
+
+class BroadcastPublisher(_Publisher):
+    """nccl (gloo on CPU): rank 0 broadcasts into the inference workers; the reload wait is in the background."""
+
     def __init__(self, cfg: NCCLBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
-        self.cfg, self.run_dir, self.model, self.world = cfg, run_dir, model, world
-        self.dtype = getattr(torch, cfg.dtype)
+        super().__init__(cfg, model, world, "weight broadcast")
+        self.run_dir = run_dir
         self.broadcaster = None
         if world.is_main:
-            from prime_rl.trainer.weights.broadcast import WeightBroadcaster
+            from prime_rl.common.weight_sync.broadcast import WeightBroadcaster
 
             if not cfg.inference_addresses:
                 raise ValueError(
@@ -82,21 +222,39 @@ class BroadcastPublisher:
             self.broadcaster.connect()
 
     def publish(self, version: int) -> float:
-        t0 = time.perf_counter()
-        state = gather_state_dict(self.model, self.dtype, self.world.is_main)
-        if self.broadcaster is not None:
-            state = model_state_dict_to_hf(state, self.model.config)
-            device = self.world.device
-            self.broadcaster.push(version, ((k, v.to(device)) for k, v in state.items()))
-            marker_dir: Path = self.run_dir.broadcast_dir(version)
-            marker_dir.mkdir(parents=True, exist_ok=True)
-            (marker_dir / MARKER).touch()
-        dist.barrier()
-        return time.perf_counter() - t0
+        start = time.perf_counter()
+        self.flush()  # the previous version is served (and announced) before the next one is sent
+        state = publish_state(self.model)
+        tensors = gather_full_tensors(state, self.dtype, keep=self.broadcaster is not None)
+        if self.broadcaster is None:
+            for _ in tensors:
+                pass
+            return time.perf_counter() - start
+        from prime_rl.common.weight_sync.broadcast import Spec
+
+        hf = model_state_dict_to_hf(dict(tensors), self.model.config)
+        named = [(name, t.contiguous()) for name, t in hf.items()]
+        layout = self.broadcaster.plan(Spec.of(name, t) for name, t in named)
+        self.broadcaster.begin(version, layout)
+        self.broadcaster.send(layout, [t for _, t in named])
+        del named, hf
+        blocked = time.perf_counter() - start
+        self.job.start(lambda: self._finish(version, blocked))
+        return blocked
+
+    def _finish(self, version: int, blocked: float) -> None:
+        start = time.perf_counter()
+        assert self.broadcaster is not None
+        self.broadcaster.finish(version)
+        self.last_write_time = time.perf_counter() - start
+        self._announce(version, None, blocked)
 
     def close(self) -> None:
-        if self.broadcaster is not None:
-            self.broadcaster.close()
+        try:
+            super().close()
+        finally:
+            if self.broadcaster is not None:
+                self.broadcaster.close()
 
 
 def build_publisher(

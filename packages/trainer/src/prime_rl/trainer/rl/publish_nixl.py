@@ -1,44 +1,40 @@
 """The RL trainer's NIXL publisher: every trainer rank is a NIXL source the inference workers read from.
 
-Each rank gathers the full state dict (FSDP all-gather, kept on its device), stages its slice of every
-transfer group (``prime_rl.trainer.weights.nixl``) and waits for the receivers' credits; rank 0 drives
-the inference servers and writes the empty ``broadcasts/step_<n>/STABLE`` marker afterwards so the
-orchestrator learns the new version, like the nccl publisher. The session (layout, peer metadata,
-prepared reads) is set up on the first publish, when the tensor specs are known.
+Each rank gathers the full state dict (all-gathers, cast to the publish dtype on its device), stages
+its slice of every transfer group (``prime_rl.common.weight_sync.nixl_source``) and waits for the
+receivers' credits. Rank 0 then waits for every server to serve the version and announces it to the
+orchestrator in the background (see ``prime_rl.trainer.rl.publish`` for what overlaps and why the
+staging itself cannot). The session (layout, peer metadata, prepared reads) is set up on the first
+publish, when the tensor specs are known.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from prime_rl.common.config.rl_trainer import NixlBroadcastConfig
 from prime_rl.common.rundir import RunDir
+from prime_rl.common.weight_sync.nixl_source import NixlWeightSender
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
-from prime_rl.trainer.weights.nixl import NixlWeightSender
+from prime_rl.trainer.rl.publish import _Publisher, publish_state
+from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
 
-MARKER = "STABLE"
 
-
-class NixlPublisher:
+class NixlPublisher(_Publisher):
     def __init__(self, cfg: NixlBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
-        self.cfg, self.run_dir, self.model, self.world = cfg, run_dir, model, world
-        self.dtype = getattr(torch, cfg.dtype)
+        super().__init__(cfg, model, world, "nixl weight update")
+        self.run_dir = run_dir
         if world.is_main and not cfg.inference_addresses:
             raise ValueError(
                 "weight_broadcast.type='nixl' needs weight_broadcast.inference_addresses (the inference servers' "
                 "control endpoints, tcp://host:port)"
             )
-        session = [None]
-        if world.is_main:
-            import uuid
-
-            session[0] = f"prime-rl-{uuid.uuid4().hex[:12]}"
+        session = [f"prime-rl-{uuid.uuid4().hex[:12]}" if world.is_main else None]
         if world.world_size > 1:
             dist.broadcast_object_list(session, src=0)
         self.sender = NixlWeightSender(
@@ -56,18 +52,25 @@ class NixlPublisher:
         )
 
     def publish(self, version: int) -> float:
-        t0 = time.perf_counter()
-        # Every rank needs the tensors it stages: a full (all-gathered) state dict on its device.
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-        state = {k.removeprefix("model."): v.to(self.dtype) for k, v in sd.items()}
-        state = model_state_dict_to_hf(state, self.model.config)
-        self.sender.push(version, state.items())
+        start = time.perf_counter()
+        self.flush()
+        # Every rank stages a slice of every group, so every rank keeps the full tensors (on its device).
+        full = dict(gather_full_tensors(publish_state(self.model), self.dtype, keep=True))
+        self.sender.stage(version, model_state_dict_to_hf(full, self.model.config).items())
+        del full
+        blocked = time.perf_counter() - start
         if self.world.is_main:
-            marker_dir = self.run_dir.broadcast_dir(version)
-            marker_dir.mkdir(parents=True, exist_ok=True)
-            (marker_dir / MARKER).touch()
-        dist.barrier()
-        return time.perf_counter() - t0
+            self.job.start(lambda: self._finish(version, blocked))
+        return blocked
+
+    def _finish(self, version: int, blocked: float) -> None:
+        start = time.perf_counter()
+        self.sender.finish(version)
+        self.last_write_time = time.perf_counter() - start
+        self._announce(version, None, blocked)
 
     def close(self) -> None:
-        self.sender.close()
+        try:
+            super().close()
+        finally:
+            self.sender.close()

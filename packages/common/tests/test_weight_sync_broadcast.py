@@ -1,17 +1,21 @@
-"""The trainer's weight-broadcast sender: bucket layout and a 2-process gloo round trip (no vLLM)."""
+"""The broadcast transport shared by trainer and inference: bucket layout and a 3-process gloo round trip
+(the sender, a plain receiver and a receiver using the inference worker's bucket-by-bucket path; no vLLM)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
 
-import torch
+import pytest
 
-from prime_rl.trainer.weights.broadcast import (
+torch = pytest.importorskip("torch", reason="prime_rl.common.weight_sync needs prime-rl-common[torch]")
+
+from prime_rl.common.weight_sync.broadcast import (  # noqa: E402
     BUCKET_ALIGNMENT,
     Spec,
     build_weight_group,
     plan_buckets,
+    receive_batches,
     receive_buckets,
     send_buckets,
 )
@@ -50,7 +54,10 @@ def _rank(rank: int, port: int, out) -> None:
     if rank == 0:
         send_buckets(group, layout, list(sd.values()))
     else:
-        got = receive_buckets(group, layout)
+        if rank == 1:
+            got = receive_buckets(group, layout)
+        else:  # what an inference worker does: load each bucket as it arrives
+            got = {n: t.clone() for batch in receive_batches(group, layout) for n, t in batch}
         out.put(all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in sd.items()))
     group.close()
 

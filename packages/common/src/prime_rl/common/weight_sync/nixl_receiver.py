@@ -21,14 +21,14 @@ copy the worker reloads when a later update fails after some groups reached the 
 two host copies of the weights; without it a failure after the first loaded group leaves the model
 partially updated (and says so).
 
-Pure torch + NIXL: no vLLM here, so plain processes (tests, benchmarks) can receive too.
+Pure torch + NIXL: no vLLM here, so plain processes (tests, benchmarks) can receive too. The sending
+end is ``prime_rl.common.weight_sync.nixl_source``; agent and buffer set-up are shared in ``nixl_agent``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable, Iterator
 
 import torch
@@ -44,67 +44,19 @@ from prime_rl.common.nixl_layout import (
     source_slices,
 )
 from prime_rl.common.nixl_metadata import MetadataClient
+from prime_rl.common.weight_sync.nixl_agent import Backoff, allocate_buffers, make_agent, mem_type
 from prime_rl.common.wire import NixlLayout, NixlPeer
 
 logger = logging.getLogger(__name__)
-
-POLL_S = 0.005
-"""Longest pause between two polls of NIXL state; shorter at first (see ``Backoff``)."""
-
-
-class Backoff:
-    """Sleeps that grow from 50 us to ``POLL_S``: quick to notice a fast peer, cheap on two shared cores."""
-
-    def __init__(self) -> None:
-        self.delay = 50e-6
-
-    def __call__(self) -> None:
-        time.sleep(self.delay)
-        self.delay = min(self.delay * 2, POLL_S)
 
 
 class NixlTransferError(RuntimeError):
     """An update could not be received (a peer vanished, a read failed, a notification was refused)."""
 
 
-def import_nixl():
-    """The NIXL Python API from whichever CUDA variant wheel is installed (``nixl-cu13`` / ``nixl-cu12``)."""
-    errors = []
-    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
-        try:
-            return __import__(module, fromlist=["nixl_agent"])
-        except ImportError as e:
-            errors.append(f"{module}: {e}")
-    raise ImportError(
-        "weight_broadcast.type='nixl' needs NIXL: pip install 'prime-rl-inference[nixl]' (nixl-cu13); "
-        + "; ".join(errors)
-    )
-
-
-def mem_type(device: torch.device) -> str:
-    return "VRAM" if device.type == "cuda" else "DRAM"
-
-
 def allocate_arenas(count: int, size: int, device: torch.device, what: str) -> list[torch.Tensor]:
-    """``count`` byte buffers of ``size`` bytes; a failure names the size and the knobs that shrink it."""
-    try:
-        return [torch.empty(max(size, 1), dtype=torch.uint8, device=device) for _ in range(count)]
-    except (RuntimeError, MemoryError) as e:
-        raise NixlTransferError(
-            f"could not allocate {count} {what} transfer arena(s) of {size} bytes on {device}: {e}; lower "
-            "weight_broadcast.group_bytes or set weight_broadcast.overlap_transfer_and_replay = false "
-            "(overlap needs two arenas)"
-        ) from e
-
-
-def make_agent(prefix: str, progress_thread: bool):
-    """A UCX agent. ``progress_thread``: only with overlap, where reads must advance while the engine loads;
-    otherwise this process polls whenever it waits, and a progress thread only adds wake-up latency
-    (measured here: 25 -> 11 ms per group on two busy cores)."""
-    api = import_nixl()
-    name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-    config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
-    return api.nixl_agent(name, config), name
+    """``count`` receive arenas of ``size`` bytes (raises ``NixlTransferError`` naming the knobs)."""
+    return allocate_buffers(count, size, device, what, NixlTransferError)
 
 
 class NixlReceiver:

@@ -1,12 +1,13 @@
-"""Trainer side of the broadcast weight transport: push a state dict into running inference servers.
+"""The broadcast weight transport, both ends: one trainer rank pushes a state dict into inference workers.
 
-Protocol (the inference side is ``prime_rl.inference.control`` + ``worker/extension.py``):
+Protocol (the inference server's side of the control requests is ``prime_rl.inference.control``; its
+workers call ``receive_batches`` from ``prime_rl.inference.worker.extension``):
 
 1. Group. The trainer's sending rank is rank 0 of a fresh process group (gloo on CPU, NCCL on GPU) built
    from a TCP store it hosts at ``host:port``; inference server ``s`` joins with ``InitBroadcastRequest``
    and its workers take ranks ``rank_offset_s + 0 .. rank_offset_s + workers_s - 1`` (workers = dp * tp
    of that server). The group lives outside ``torch.distributed``'s global state, so a torchrun
-   trainer's default group is untouched. Both sides build it with the same code (``build_weight_group``).
+   trainer's (and vLLM's) default group is untouched. Both ends build it with ``build_weight_group``.
 2. Layout. Tensors go in the caller's order, packed into byte buckets of at most ``bucket_bytes``
    (a larger tensor gets a bucket of its own); each starts at a multiple of 256 bytes. The layout
    (bucket id, byte offset per tensor, bucket sizes) travels in ``BroadcastWeightsRequest`` with each
@@ -15,30 +16,32 @@ Protocol (the inference side is ``prime_rl.inference.control`` + ``worker/extens
    server refuses anything else before any data moves.
 3. Round. ``BroadcastWeightsRequest`` to every server (answered after validation, once the workers
    wait) -> broadcast bucket 0, 1, ... from rank 0 as flat uint8 tensors -> ``AwaitWeightsRequest`` to
-   every server (answered when the weights are loaded and the version is live).
+   every server (answered when the weights are loaded and the version is live). ``WeightBroadcaster``
+   exposes the three phases (``begin`` / ``send`` / ``finish``) so a publisher can leave the last one,
+   which waits for the engines' reload, to a background thread.
 
 Packing bucket ``i + 1`` overlaps the broadcast of bucket ``i`` on GPU (NCCL runs on its own stream);
 at most two buckets are in flight, so the extra memory is two buckets.
 
-Depends on torch and ``prime_rl.common`` only: no vLLM, no ``prime_rl.inference``.
+Depends on torch and ``prime_rl.common`` only: no vLLM, no trainer code.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-# prime_rl.common.{wire,transport} (msgspec, pyzmq) are imported only by WeightBroadcaster: the group,
-# layout and bucket functions are plain torch, so benchmarks run them on machines without those.
+from prime_rl.common.nixl_layout import ALIGNMENT as BUCKET_ALIGNMENT  # one alignment for both transports
+from prime_rl.common.weight_sync.servers import InferenceServers
+from prime_rl.common.wire import AwaitWeightsRequest, BroadcastWeightsRequest, InitBroadcastRequest, TensorSpec
 
-STORE_PREFIX = "prime_rl/weight_broadcast"  # must match prime_rl.inference.weights.group
-BUCKET_ALIGNMENT = 256
+STORE_PREFIX = "prime_rl/weight_broadcast"
+"""Keys in the TCP store are namespaced so the store could be shared with other rendezvous users."""
 DEFAULT_BUCKET_BYTES = 256 << 20  # best of 64 MiB / 256 MiB / 1 GiB on 2 H200 (benchmarks/results/weight_transfer.md)
 
 
@@ -46,11 +49,13 @@ class WeightBroadcastError(RuntimeError):
     """An inference server refused or failed a broadcast step."""
 
 
-# -- the group (identical to prime_rl/inference/weights/group.py) ---------------------------------
+# -- the group -----------------------------------------------------------------------------------
 
 
 @dataclass
 class WeightGroup:
+    """The group plus the TCP store it was built from (rank 0's store hosts the rendezvous server)."""
+
     pg: dist.ProcessGroup
     store: dist.TCPStore
     device: torch.device
@@ -58,6 +63,7 @@ class WeightGroup:
     world_size: int
 
     def broadcast(self, tensor: torch.Tensor, async_op: bool = False) -> dist.Work | None:
+        """Receive (or, on rank 0, send) ``tensor`` in place from rank 0."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         work = self.pg.broadcast([tensor], opts)
@@ -200,14 +206,16 @@ def receive_buckets(group: WeightGroup, layout: BucketLayout) -> dict[str, torch
     return out
 
 
+def receive_batches(group: WeightGroup, layout: BucketLayout) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Receive bucket by bucket (an inference worker's end of ``send_buckets``): yields the tensors of
+    each bucket as views of it, so a worker loads one bucket while holding no more than one."""
+    for b, size in enumerate(layout.bucket_sizes):
+        buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
+        group.broadcast(buffer)
+        yield unpack_bucket(layout, b, buffer)
+
+
 # -- the round trip with inference servers -------------------------------------------------------
-
-
-def _check(reply: object, what: str, address: str) -> object:
-    if getattr(reply, "ok", False) is not True:
-        error = getattr(reply, "error", None) or repr(reply)
-        raise WeightBroadcastError(f"{what} refused by inference server {address}: {error}")
-    return reply
 
 
 class WeightBroadcaster:
@@ -237,66 +245,30 @@ class WeightBroadcaster:
         self.host, self.port, self.backend = host, port, backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        from prime_rl.common.transport import ControlClient
-
-        self.clients = [ControlClient(a, timeout_s=timeout_s) for a in self.addresses]
+        self.servers = InferenceServers(self.addresses, timeout_s, WeightBroadcastError)
         self.group: WeightGroup | None = None
 
-    def _on_every_server(self, make_request, what: str) -> list[object]:
-        """Send one request per server concurrently (each blocks until that server answers)."""
-        replies: list[object] = [None] * len(self.clients)
-
-        def call(i: int) -> None:
-            try:
-                replies[i] = self.clients[i].request(make_request(i))
-            except Exception as e:  # surfaced below with the server's address
-                replies[i] = e
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(self.clients))]
-        for t in threads:
-            t.start()
-        return self._join(threads, replies, what)
-
-    def _join(self, threads: list[threading.Thread], replies: list[object], what: str) -> list[object]:
-        for t in threads:
-            t.join()
-        return [_check(r, what, a) for r, a in zip(replies, self.addresses)]
-
     def connect(self) -> None:
-        """Build the group: every server joins (in threads) while this process hosts the rendezvous."""
-        from prime_rl.common.wire import InitBroadcastRequest
-
+        """Build the group: every server joins (in the background) while this process hosts the rendezvous."""
         world_size = 1 + sum(self.workers)
         offsets = [1 + sum(self.workers[:i]) for i in range(len(self.workers))]
-        replies: list[object] = [None] * len(self.clients)
-
-        def call(i: int) -> None:
-            request = InitBroadcastRequest(
+        joined = self.servers.start(
+            lambda i: InitBroadcastRequest(
                 host=self.host, port=self.port, world_size=world_size, rank_offset=offsets[i], backend=self.backend
-            )
-            try:
-                replies[i] = self.clients[i].request(request)
-            except Exception as e:
-                replies[i] = e
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(self.clients))]
-        for t in threads:
-            t.start()
+            ),
+            "InitBroadcastRequest",
+        )
         self.group = build_weight_group(self.host, self.port, 0, world_size, self.backend, self.timeout_s)
-        self._join(threads, replies, "InitBroadcastRequest")
+        joined()
 
-    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketLayout:
-        """Send one full update; returns when every server serves ``version``. Raises if any refuses."""
-        from prime_rl.common.wire import AwaitWeightsRequest, BroadcastWeightsRequest, TensorSpec
+    def plan(self, named_specs: Iterable[Spec]) -> BucketLayout:
+        """The bucket layout of an update with these tensor specs (in send order)."""
+        return plan_buckets(list(named_specs), self.bucket_bytes)
 
+    def begin(self, version: int, layout: BucketLayout) -> None:
+        """Phase 1: every server validates the layout and its workers wait for the buckets."""
         if self.group is None:
-            raise WeightBroadcastError("call connect() before push()")
-        specs, tensors = [], []
-        for name, t in named_tensors:
-            t = t.detach().contiguous()
-            specs.append(Spec.of(name, t))
-            tensors.append(t)
-        layout = plan_buckets(specs, self.bucket_bytes)
+            raise WeightBroadcastError("call connect() before pushing weights")
         request = BroadcastWeightsRequest(
             version=version,
             specs=[TensorSpec(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in layout.specs],
@@ -305,14 +277,32 @@ class WeightBroadcaster:
             bucket_sizes=layout.bucket_sizes,
         )
         # Servers validate identically (same checkpoint), so either all accept or all refuse.
-        self._on_every_server(lambda i: request, "BroadcastWeightsRequest")
+        self.servers.request(lambda i: request, "BroadcastWeightsRequest")
+
+    def send(self, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
+        """Phase 2: broadcast the buckets (``tensors`` indexed like ``layout.specs``)."""
+        assert self.group is not None
         send_buckets(self.group, layout, tensors)
-        self._on_every_server(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
+
+    def finish(self, version: int) -> None:
+        """Phase 3: wait until every server has loaded ``version`` and serves it; raises if any failed."""
+        self.servers.request(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
+
+    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketLayout:
+        """Send one full update; returns when every server serves ``version``. Raises if any refuses."""
+        specs, tensors = [], []
+        for name, t in named_tensors:
+            t = t.detach().contiguous()
+            specs.append(Spec.of(name, t))
+            tensors.append(t)
+        layout = self.plan(specs)
+        self.begin(version, layout)
+        self.send(layout, tensors)
+        self.finish(version)
         return layout
 
     def close(self) -> None:
         if self.group is not None:
             self.group.close()
             self.group = None
-        for c in self.clients:
-            c.close()
+        self.servers.close()

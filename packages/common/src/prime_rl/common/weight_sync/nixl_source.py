@@ -1,7 +1,7 @@
-"""Trainer side of the NIXL weight transport: every trainer rank is a source the inference workers read from.
+"""Sending end of the NIXL weight transport: every trainer rank is a source the inference workers read from.
 
-Protocol (the inference side is ``prime_rl.inference.weights.nixl``; shared arithmetic in
-``prime_rl.common.nixl_layout``):
+Protocol (the receiving end is ``prime_rl.common.weight_sync.nixl_receiver``; shared arithmetic in
+``prime_rl.common.nixl_layout``, agent and buffer set-up in ``nixl_agent``):
 
 1. Session (``connect``, once). Rank 0 plans the layout (transfer groups of at most ``group_bytes``)
    and stores it in the metadata service under a fresh session id; every rank allocates its slot(s)
@@ -16,14 +16,14 @@ Protocol (the inference side is ``prime_rl.inference.weights.nixl``; shared arit
    of g into the slot, and notify every receiver ``R:<version>:g:<slot>``. Rank 0 finally sends
    ``AwaitWeightsRequest`` and returns when every server serves ``version``.
 
-Depends on torch, NIXL and ``prime_rl.common`` only (no vLLM, no ``prime_rl.inference``); the few
-NIXL helpers below mirror the inference side's.
+Depends on torch, NIXL and ``prime_rl.common`` only (no vLLM, no trainer code). ``push`` is
+``begin`` + ``stage`` + ``finish``; a publisher may leave ``finish`` (the engines' reload) to a
+background thread.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -44,7 +44,8 @@ from prime_rl.common.nixl_layout import (
     source_slices,
 )
 from prime_rl.common.nixl_metadata import MetadataClient, MetadataService, is_serving
-from prime_rl.common.transport import ControlClient
+from prime_rl.common.weight_sync.nixl_agent import Backoff, allocate_buffers, make_agent, mem_type
+from prime_rl.common.weight_sync.servers import InferenceServers
 from prime_rl.common.wire import (
     AwaitWeightsRequest,
     InitNixlRequest,
@@ -56,24 +57,9 @@ from prime_rl.common.wire import (
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.005
-
 
 class NixlSendError(RuntimeError):
     """An inference server refused or failed a step, or a receiver stopped taking data."""
-
-
-def import_nixl():
-    errors = []
-    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
-        try:
-            return __import__(module, fromlist=["nixl_agent"])
-        except ImportError as e:
-            errors.append(f"{module}: {e}")
-    raise ImportError(
-        "weight_broadcast.type='nixl' needs NIXL: pip install 'prime-rl-trainer[nixl]' (nixl-cu13); "
-        + "; ".join(errors)
-    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -97,22 +83,9 @@ class NixlSource:
         self.slices = [source_slices(size, layout.num_sources)[rank] for size in layout.group_sizes]
         self.pieces = [pieces_in_range(layout, g, s, e) for g, (s, e) in enumerate(self.slices)]
         slot_bytes = max_slice_bytes(layout, rank)
-        try:
-            self.slots = [
-                torch.empty(max(slot_bytes, 1), dtype=torch.uint8, device=device) for _ in range(layout.num_slots)
-            ]
-        except (RuntimeError, MemoryError) as e:
-            raise NixlSendError(
-                f"trainer rank {rank} could not allocate {layout.num_slots} transfer slot(s) of {slot_bytes} bytes "
-                f"on {device}: {e}; lower weight_broadcast.group_bytes or set "
-                "weight_broadcast.overlap_transfer_and_replay = false (overlap needs two)"
-            ) from e
-        api = import_nixl()
-        self.name = f"prime-trainer-{rank}-{uuid.uuid4().hex[:12]}"
-        # A progress thread only with overlap (reads advance while this rank stages the next group);
-        # otherwise this rank polls whenever it waits and the thread only adds wake-up latency.
-        config = api.nixl_agent_config(enable_prog_thread=layout.num_slots == 2, backends=["UCX"])
-        self.agent = api.nixl_agent(self.name, config)
+        self.slots = allocate_buffers(layout.num_slots, slot_bytes, device, f"trainer rank {rank}", NixlSendError)
+        # A progress thread only with overlap (reads advance while this rank stages the next group).
+        self.agent, self.name = make_agent(f"prime-trainer-{rank}", progress_thread=layout.num_slots == 2)
         self._reg = self.agent.register_memory(self.slots)
         peer = NixlPeer(
             name=self.name,
@@ -121,7 +94,7 @@ class NixlSource:
             slot_addrs=[s.data_ptr() for s in self.slots],
             slot_bytes=slot_bytes,
             device_id=device.index or 0,
-            mem_type="VRAM" if device.type == "cuda" else "DRAM",
+            mem_type=mem_type(device),
         )
         client.put(f"{session}/trainer/{rank}", peer)
         self.receivers: list[str] = []
@@ -157,7 +130,7 @@ class NixlSource:
         if end <= start:
             return
         needed = set(self.receivers)
-        deadline, delay = time.monotonic() + self.timeout_s, 50e-6
+        deadline, backoff = time.monotonic() + self.timeout_s, Backoff()
         key = (version, group)
         while not needed <= self._credits.get(key, set()):
             for sender, messages in self.agent.get_new_notifs().items():
@@ -179,8 +152,7 @@ class NixlSource:
                     f"trainer rank {self.rank}: receiver(s) {missing} did not read group {group} of version {version} "
                     f"within {self.timeout_s}s; an inference worker stopped or disappeared"
                 )
-            time.sleep(delay)  # grows to POLL_S: quick for a fast peer, cheap on shared cores
-            delay = min(delay * 2, POLL_S)
+            backoff()
         self._credits.pop(key, None)
 
     def publish(self, version: int, tensors: Sequence[torch.Tensor]) -> None:
@@ -200,12 +172,6 @@ class NixlSource:
             except Exception:  # the peer may be gone already
                 pass
         self.agent.deregister_memory(self._reg)
-
-
-def _check(reply: object, what: str, address: str) -> None:
-    if getattr(reply, "ok", False) is not True:
-        error = getattr(reply, "error", None) or repr(reply)
-        raise NixlSendError(f"{what} refused by inference server {address}: {error}")
 
 
 class NixlWeightSender:
@@ -245,28 +211,9 @@ class NixlWeightSender:
             self.service = MetadataService("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, port).start()
             logger.info("started the NIXL metadata service on %s", self.service.endpoint)
         self.client = MetadataClient(host, port, timeout_s=timeout_s)
-        self.clients = [ControlClient(a, timeout_s=timeout_s) for a in self.addresses] if rank == 0 else []
+        self.servers = InferenceServers(self.addresses if rank == 0 else [], timeout_s, NixlSendError)
         self.layout: NixlLayout | None = None
         self.source: NixlSource | None = None
-
-    # -- control requests to every server (rank 0) ----------------------------------------------
-
-    def _on_every_server(self, make_request, what: str) -> None:
-        replies: list[object] = [None] * len(self.clients)
-
-        def call(i: int) -> None:
-            try:
-                replies[i] = self.clients[i].request(make_request(i))
-            except Exception as e:  # reported below with the server's address
-                replies[i] = e
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(self.clients))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for reply, address in zip(replies, self.addresses):
-            _check(reply, what, address)
 
     # -- session ---------------------------------------------------------------------------------
 
@@ -295,7 +242,7 @@ class NixlWeightSender:
         assert self.source is not None, "prepare() first"
         receivers_key = f"{self.session}/receivers"
         if self.rank == 0:
-            self._on_every_server(
+            self.servers.request(
                 lambda i: InitNixlRequest(
                     host=self.host,
                     port=self.port,
@@ -340,16 +287,16 @@ class NixlWeightSender:
     def begin(self, version: int) -> None:
         """Rank 0: ask every server to start pulling ``version``."""
         if self.rank == 0:
-            self._on_every_server(lambda i: NixlWeightsRequest(version=version), "NixlWeightsRequest")
+            self.servers.request(lambda i: NixlWeightsRequest(version=version), "NixlWeightsRequest")
 
     def finish(self, version: int) -> None:
         """Rank 0: wait until every server serves ``version`` (raises with the server's reason otherwise)."""
         if self.rank == 0:
-            self._on_every_server(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
+            self.servers.request(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
 
-    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
-        """Send one full update; on rank 0 returns (seconds) when every server serves ``version``."""
-        start = time.perf_counter()
+    def stage(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Every rank: start ``version`` (rank 0 asks the servers) and stage it until every receiver has
+        read every group. Call ``finish`` afterwards (rank 0 learns when the engines serve it)."""
         if self.source is None:
             named_tensors = list(named_tensors)
             self.connect([TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in named_tensors])
@@ -357,17 +304,23 @@ class NixlWeightSender:
         self.begin(version)
         try:
             self.source.publish(version, tensors)
-        finally:
+        except BaseException:
             # Collect the servers' verdict even when staging failed: it names the cause on their side.
             self.finish(version)
+            raise
+
+    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Send one full update; on rank 0 returns (seconds) when every server serves ``version``."""
+        start = time.perf_counter()
+        self.stage(version, named_tensors)
+        self.finish(version)
         return time.perf_counter() - start
 
     def close(self) -> None:
         if self.source is not None:
             self.source.close()
             self.source = None
-        for c in self.clients:
-            c.close()
+        self.servers.close()
         self.client.close()
         if self.service is not None:
             self.service.stop()

@@ -1,0 +1,46 @@
+"""The trainer's announcement of every new policy version to the orchestrator (``WeightsPublished``).
+
+The trainer (global rank 0) connects a ZeroMQ PUSH socket to the orchestrator's PULL socket
+(``weight_broadcast.announce`` = ``tcp://host:port``, the orchestrator's ``trainer.weights_port``)
+and sends one message per version, only once that version is complete: written and renamed into place
+(filesystem) or loaded by every inference server (nccl, nixl). The orchestrator bounds staleness with
+these announcements alone; nothing polls the file system.
+
+Torch-free (wire + transport), but lives here beside the transports that call it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prime_rl.common.transport import Sender
+from prime_rl.common.wire import WeightsPublished
+
+logger = logging.getLogger(__name__)
+
+
+class VersionAnnouncer:
+    """Sends ``WeightsPublished`` to the orchestrator; ``endpoint=None`` announces nothing (benchmarks)."""
+
+    def __init__(self, endpoint: str | None, timeout_s: float = 600.0) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._sender = Sender(endpoint, timeout_s=timeout_s) if endpoint else None
+
+    def announce(self, version: int, path: str | None = None, publish_s: float = 0.0, write_s: float = 0.0) -> None:
+        """Tell the orchestrator ``version`` exists: at ``path`` (to load), or already served (``path=None``)."""
+        if self._sender is None:
+            return
+        message = WeightsPublished(version=version, path=path, publish_s=publish_s, write_s=write_s)
+        try:
+            self._sender.send(message)
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"could not announce policy version {version} to the orchestrator at {self.endpoint} within "
+                f"{self.timeout_s}s: {e}; is the orchestrator running with trainer.weights_port set to this port?"
+            ) from e
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None

@@ -1,0 +1,152 @@
+"""Weight files for the filesystem transport: safetensors written straight from memory, published atomically.
+
+- ``write_safetensors`` writes the safetensors format (8-byte little-endian header length, JSON header
+  padded with spaces to a multiple of 8, raw little-endian tensor bytes) directly from the tensors'
+  memory: no per-tensor ``bytes`` copy, so publishing from a host buffer costs no second host copy.
+  Tensors are ordered and the header laid out as ``safetensors.torch.save_file`` does for tensors of
+  one dtype, so the files are byte-identical to what it writes (tests/ check it).
+- ``write_hf_dir`` shards like ``prime_rl.trainer.models.save_hf_weights`` (same file names, index,
+  side files) and fsyncs every file.
+- ``publish_dir`` makes a fully written temporary directory visible under its final name with one
+  ``rename`` (atomic on POSIX file systems), after fsyncing it, then fsyncs the parent: a reader sees
+  either no ``step_<n>`` or a complete one, never a partial one, even if the writer is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from prime_rl.trainer.models.config import ModelConfig
+from prime_rl.trainer.models.weights import _write_side_files
+
+WEIGHT_INDEX = "model.safetensors.index.json"
+TMP_SUFFIX = ".tmp"
+"""A directory still being written: ``step_<n>.tmp`` (never matched by ``RunDir.broadcast_steps``)."""
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (CPU, contiguous)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(
+            f"can only write contiguous CPU tensors, got {tensor.device} contiguous={tensor.is_contiguous()}"
+        )
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_safetensors(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
+    """Write ``tensors`` to ``path`` in the safetensors format, from their memory, and fsync the file."""
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) > 1:
+        raise ValueError(f"write_safetensors writes one dtype per file, got {sorted(map(str, dtypes))}")
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    order = sorted(tensors)
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name} has dtype {t.dtype}, which safetensors cannot store")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name in order:
+            f.write(_bytes_of(tensors[name]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_hf_dir(
+    hf_state: Mapping[str, torch.Tensor], out_dir: Path, config: ModelConfig, max_shard_bytes: int = 5 * 2**30
+) -> None:
+    """HF-named tensors as (sharded) safetensors plus config.json and tokenizer files, all fsynced."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in hf_state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        write_safetensors(out_dir / "model.safetensors", shards[0], {"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(out_dir / file_name, shard, {"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file_name))
+        total = sum(t.numel() * t.element_size() for t in hf_state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / WEIGHT_INDEX).write_text(json.dumps(index, indent=2))
+    _write_side_files(config, out_dir)
+    for path in out_dir.iterdir():
+        if path.is_file() and not path.name.endswith(".safetensors"):  # weight files are fsynced already
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+
+
+def tmp_dir_of(final: Path) -> Path:
+    return final.with_name(final.name + TMP_SUFFIX)
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Atomically make the complete directory ``tmp`` visible as ``final`` (replacing an older one)."""
+    _fsync_dir(tmp)
+    if final.exists():  # re-publishing a version (e.g. after a resume): the old copy goes first
+        stale = final.with_name(final.name + ".old")
+        shutil.rmtree(stale, ignore_errors=True)
+        os.rename(final, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def remove_partial_dirs(parent: Path) -> list[Path]:
+    """Delete ``*.tmp`` / ``*.old`` directories a killed writer left behind; returns what it removed."""
+    if not parent.is_dir():
+        return []
+    removed = [p for p in parent.iterdir() if p.is_dir() and p.name.endswith((TMP_SUFFIX, ".old"))]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
