@@ -120,6 +120,12 @@ def resolve(cfg: RLConfig) -> None:
     wb = cfg.trainer.weight_broadcast
     if wb.type in ("nccl", "nixl") and "port" not in wb.model_fields_set:
         wb.port = free_port()
+    endpoint = cfg.orchestrator.trainer
+    if "weights_port" not in endpoint.model_fields_set:  # the trainer's version announcements
+        derived = wb.announce == f"tcp://127.0.0.1:{endpoint.weights_port}"
+        endpoint.weights_port = free_port()
+        if derived:
+            wb.announce = f"tcp://127.0.0.1:{endpoint.weights_port}"
     if "dtype" not in wb.model_fields_set:
         wb.dtype = served_dtype(cfg)
 
