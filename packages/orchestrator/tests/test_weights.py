@@ -56,6 +56,7 @@ class Trainer:
 
 def _updater(control, policy, **kwargs):
     listener = VersionListener(f"tcp://127.0.0.1:{free_port()}")
+    listener.open()
     return WeightUpdater(listener, control, policy, poll_interval=0.01, **kwargs), Trainer(listener.endpoint)
 
 
@@ -183,6 +184,7 @@ def test_recover_loads_the_newest_complete_version_up_to_the_resume_step(tmp_pat
 
 def test_listener_refuses_other_messages():
     listener = VersionListener(f"tcp://127.0.0.1:{free_port()}")
+    receiver = listener.open()
     sender = Sender(listener.endpoint, timeout_s=5)
     sender.send(PauseRequest(mode="keep"))
     sender.send(WeightsPublished(version=7))
@@ -190,6 +192,6 @@ def test_listener_refuses_other_messages():
     while listener.latest is None and time.monotonic() < deadline:
         listener.poll()
         time.sleep(0.01)
-    assert listener.latest.version == 7 and listener._receiver.num_rejected == 1
+    assert listener.latest.version == 7 and receiver.num_rejected == 1
     sender.close()
     listener.close()

@@ -28,7 +28,7 @@ def _drain(listener: VersionListener, wait: float) -> list:
     got, deadline = [], time.monotonic() + wait
     while time.monotonic() < deadline:
         try:
-            got.append(listener._receiver.recv(timeout_s=0.05).message)
+            got.append(listener.open().recv(timeout_s=0.05).message)
         except TimeoutError:
             pass
     return got
@@ -36,6 +36,7 @@ def _drain(listener: VersionListener, wait: float) -> list:
 
 def test_background_publication_is_bit_identical_to_synchronous(tiny_model_dir, tmp_path):
     listener = VersionListener(f"tcp://127.0.0.1:{free_port()}")
+    listener.open()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(WORKER), "compare", str(tiny_model_dir), str(tmp_path), listener.endpoint]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
@@ -65,6 +66,7 @@ def test_background_publication_is_bit_identical_to_synchronous(tiny_model_dir, 
 
 def test_trainer_killed_mid_write_leaves_last_complete_version(tiny_model_dir, tmp_path):
     listener = VersionListener(f"tcp://127.0.0.1:{free_port()}")
+    listener.open()
     cmd = [sys.executable, str(WORKER), "crash", str(tiny_model_dir), str(tmp_path), listener.endpoint]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:

@@ -132,20 +132,28 @@ def latest_published_step(broadcasts_dir: Path, max_step: int | None = None) -> 
 
 
 class VersionListener:
-    """The orchestrator's end of the trainer's announcements: a bound ZeroMQ PULL socket, polled without blocking."""
+    """The orchestrator's end of the trainer's announcements: a ZeroMQ PULL socket, bound on first use
+    (so building an orchestrator that never runs binds nothing) and polled without blocking."""
 
     def __init__(self, endpoint: str) -> None:
-        self._receiver = Receiver(endpoint, bind=True, types=(WeightsPublished,))
-        self.endpoint = self._receiver.endpoint
+        self.endpoint = endpoint
+        self._receiver: Receiver | None = None
         self.latest: WeightsPublished | None = None
         """Newest announcement received so far."""
 
+    def open(self) -> Receiver:
+        if self._receiver is None:
+            self._receiver = Receiver(self.endpoint, bind=True, types=(WeightsPublished,))
+            self.endpoint = self._receiver.endpoint
+        return self._receiver
+
     def poll(self) -> WeightsPublished | None:
         """Drain every pending announcement; return the newest one (None if none arrived since the last poll)."""
+        receiver = self.open()
         newest = None
         while True:
             try:
-                message = self._receiver.recv(timeout_s=0).message
+                message = receiver.recv(timeout_s=0).message
             except TimeoutError:
                 break
             if newest is None or message.version > newest.version:
@@ -155,7 +163,9 @@ class VersionListener:
         return newest
 
     def close(self) -> None:
-        self._receiver.close()
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
 
 
 class WeightUpdater:
@@ -223,6 +233,7 @@ class WeightUpdater:
 
     async def run(self) -> None:
         """Poll forever (cancelled when the orchestrator stops); closes the listener when it ends."""
+        self.listener.open()
         try:
             while True:
                 await self.update_once()
