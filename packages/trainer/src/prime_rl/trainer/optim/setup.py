@@ -39,6 +39,18 @@ class Optimization:
         self.offload.offload()
         return path
 
+    def begin_step(self) -> None:
+        """Before forward: the last step's optimizer-state offload must have freed its device memory."""
+        self.offload.wait()
+
+    def step(self) -> None:
+        """Optimizer step (state brought in and sent back out when offloaded), LR schedule, zero grads."""
+        self.offload.load()
+        self.optimizer.step()
+        self.offload.offload()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """The global gradient norm, clipping to ``max_norm`` unless the optimizer runs fully offloaded."""
         return self.optimizer.grad_norm() if self.full_offload else clip_grad_norm(self.params, max_norm)
@@ -62,5 +74,5 @@ def build_optimization(
     else:
         optimizer = build_optimizer(optim_cfg, params)
     scheduler = build_scheduler(scheduler_cfg, optimizer, max_steps)
-    offload = OptimizerOffload(optimizer, device, enabled=model_cfg.offload == "optimizer")
+    offload = OptimizerOffload(optimizer, params, device, enabled=model_cfg.offload == "optimizer")
     return Optimization(params, optimizer, scheduler, offload, full_offload)

@@ -100,7 +100,7 @@ class OrchestratorSource:
     def __init__(self, host: str, port: int, rank: int, timeout_s: float):
         self.receiver = Receiver(f"tcp://{host}:{port + rank}", bind=False, timeout_s=timeout_s, types=(TrainingBatch,))
 
-    def get(self, step: int) -> tuple[list[RLMicroBatch], dict[str, float]]:
+    def get(self, step: int) -> list[RLMicroBatch]:
         message, arrays = self.receiver.recv()
         assert isinstance(message, TrainingBatch)
         if message.step != step:
@@ -108,8 +108,7 @@ class OrchestratorSource:
                 f"received the orchestrator's batch for step {message.step} while training step {step}: "
                 "trainer and orchestrator disagree on the step; resume both from the same checkpoint step"
             )
-        batches = [from_arrays(micro_batch_arrays(mb, arrays), mb.temperature) for mb in message.micro_batches]
-        return batches, dict(message.metrics)
+        return [from_arrays(micro_batch_arrays(mb, arrays), mb.temperature) for mb in message.micro_batches]
 
     def close(self) -> None:
         self.receiver.close()
@@ -141,7 +140,7 @@ class FakeSource:
             left -= lengths[-1]
         return lengths
 
-    def get(self, step: int) -> tuple[list[RLMicroBatch], dict[str, float]]:
+    def get(self, step: int) -> list[RLMicroBatch]:
         rows = self.cfg.batch_size // self.dp
         out = []
         for i in range(rows):
@@ -160,7 +159,7 @@ class FakeSource:
                     temperature=1.0,
                 )
             )
-        return out, {}
+        return out
 
     def close(self) -> None:
         pass

@@ -2,9 +2,8 @@
 
     torchrun --nproc-per-node 8 --local-ranks-filter 0 -m prime_rl.trainer.sft.train @ sft.toml
 
-Per step: 1) this rank's micro-batches (a pure function of the step), 2) forward + backward per
-micro-batch with the loss normalized by the step's global count of loss tokens, 3) clip, optimizer
-step, 4) log Throughput / MFU / Peak Mem. and write metrics.jsonl, 5) checkpoint every N steps.
+The loop is `prime_rl.trainer.loop.train_loop`, shared with the RL trainer; what is SFT's own is the
+batch source (a pure function of the step: packed chat samples or fake rows) and the objective.
 
 Loss: mean over all assistant (loss) tokens of the step, across micro-batches and ranks, so N ranks
 compute the same gradient as one process on the same rows. FSDP averages gradients over the dp
@@ -17,6 +16,7 @@ before the model is built; on a bad input every rank exits with code 2 and rank 
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,18 +25,17 @@ import torch.distributed as dist
 from prime_rl.common.config import parse_config
 from prime_rl.common.config.trainer import SFTConfig, SFTDataConfig
 from prime_rl.common.logging import setup_logger
-from prime_rl.common.monitor import FileMonitor
 from prime_rl.common.rundir import RunDir
-from prime_rl.trainer.ckpt import CheckpointManager, export_hf, resolve_resume_step
+from prime_rl.trainer.ckpt import export_hf
 from prime_rl.trainer.data import DataLoader, MicroBatch, build_data_loader
 from prime_rl.trainer.logs import redirect_rank_output
+from prime_rl.trainer.loop import Trainer, to_host, train_loop
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import load_model_config, model_flops_per_token
 from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.context import shard_micro_batch
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
-from prime_rl.trainer.perf import StepTimer, perf_metrics
 from prime_rl.trainer.world import World, close_world, init_world
 
 LOG_DIR_ENV = "PRIME_RL_TRAINER_LOG_DIR"
@@ -86,6 +85,43 @@ def setup(cfg: SFTConfig, world: World) -> tuple[ParallelDims, DataLoader, objec
     return dims, loader, model_config
 
 
+class SFTSource:
+    """The loader's micro-batches; the next step's are built on the CPU while the GPU runs this one."""
+
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+        self.next: tuple[int, list[MicroBatch]] | None = None
+
+    def get(self, step: int) -> list[MicroBatch]:
+        if self.next is not None and self.next[0] == step:
+            return self.next[1]
+        return self.loader.micro_batches(step)
+
+    def prefetch(self, step: int) -> None:
+        self.next = (step, self.loader.micro_batches(step))
+
+    def close(self) -> None:
+        self.next = None
+
+
+class SFTObjective:
+    """Cross-entropy: the mean negative log-likelihood over every loss token of the step."""
+
+    def __init__(self, dims: ParallelDims, world: World):
+        self.dims, self.world = dims, world
+
+    def forward_backward(
+        self, model: CausalLM, micro_batches: list[MicroBatch], before_last: Callable[[], None]
+    ) -> dict:
+        return forward_backward(model, micro_batches, self.dims, self.world, before_last)
+
+    def metrics(self, stats: dict[str, float]) -> dict[str, float]:
+        return {"loss/mean": stats["loss"], "loss/tokens": stats["loss_tokens"]}
+
+    def summary(self, metrics: dict[str, float]) -> str:
+        return f"Loss {metrics['loss/mean']:.4f}"
+
+
 def train(cfg: SFTConfig) -> None:
     run_dir = RunDir(cfg.output_dir, cfg.run_name)
     world = init_world()
@@ -107,68 +143,39 @@ def train(cfg: SFTConfig) -> None:
     mesh = dims.build_mesh(world.device.type)
     model = build_training_model(cfg.model, dims, mesh, world.device)
     optim = build_optimization(cfg.model, cfg.optim, cfg.scheduler, cfg.max_steps, model, world.device, logger)
-    optimizer, scheduler, offload = optim.optimizer, optim.scheduler, optim.offload
-    ckpt = CheckpointManager(run_dir, cfg.ckpt.keep_last, world.is_main)
-
-    start = resolve_resume_step(run_dir, cfg.ckpt.resume_step) or 0
-    if start:
-        optim.load_checkpoint(ckpt, start, model)
-        logger.info(f"resumed from {run_dir.trainer_checkpoint_dir(start)}")
-
     flops_per_token = model_flops_per_token(model_config, cfg.data.seq_len)
-    monitor = FileMonitor(run_dir) if world.is_main else None
-    timer = StepTimer(world.device)
-    micro_batches = loader.micro_batches(start) if start < cfg.max_steps else []
-    for step in range(start, cfg.max_steps):
-        timer.start()
-        # no host sync until the optimizer step is queued: the CPU-side clip / optimizer dispatch overlaps
-        # the tail of backward instead of running while the GPU idles
-        stats = forward_backward(model, micro_batches, dims, world)
-        grad_norm = optim.grad_norm(cfg.optim.max_norm)
-        lr = scheduler.get_last_lr()[0]
-        offload.load()
-        optimizer.step()
-        if step + 1 < cfg.max_steps:  # build the next step's rows on the CPU while the GPU works
-            micro_batches = loader.micro_batches(step + 1)
-        offload.offload()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        stats = _to_host(stats)
-        metrics = {
-            "loss/mean": stats["loss"],
-            "loss/tokens": stats["loss_tokens"],
-            "optim/grad_norm": grad_norm.item(),
-            "optim/lr": lr,
-            **perf_metrics(stats["tokens"], timer.stop(), world.world_size, flops_per_token, world.device),
-        }
-        done = step + 1
-        if monitor is not None:
-            monitor.log(done, metrics)
-        logger.info(
-            f"Step {done} | Loss {metrics['loss/mean']:.4f} | Grad norm {metrics['optim/grad_norm']:.3f} | "
-            f"LR {lr:.2e} | Throughput {metrics['perf/throughput']:,.0f} tokens/s | MFU {metrics['perf/mfu']:.1%} | "
-            f"Peak Mem. {metrics['perf/peak_memory']:.2f} GiB | Step time {metrics['time/step']:.2f}s"
-        )
-        if cfg.ckpt.interval and (done % cfg.ckpt.interval == 0 or done == cfg.max_steps):
-            path = optim.save_checkpoint(ckpt, done, model)
-            logger.info(f"saved checkpoint {path}")
-
+    trainer = Trainer(model, dims, world, optim, run_dir, logger, flops_per_token, cfg.ckpt.keep_last)
+    source = SFTSource(loader)
+    train_loop(
+        trainer,
+        source,
+        SFTObjective(dims, world),
+        max_steps=cfg.max_steps,
+        max_norm=cfg.optim.max_norm,
+        ckpt_interval=cfg.ckpt.interval,
+        resume_step=cfg.ckpt.resume_step,
+    )
+    source.close()
     if cfg.ckpt.export_hf:
         out = run_dir.root / "weights" / f"step_{cfg.max_steps}"
         export_hf(model, model.model, out, world.is_main)
         logger.info(f"exported Hugging Face weights to {out}")
-    if monitor is not None:
-        monitor.close()
     close_world()
 
 
 def train_step(model: CausalLM, loader: DataLoader, step: int, dims: ParallelDims, world: World) -> dict:
     """Forward + backward over this rank's micro-batches; returns the step's global loss statistics."""
-    return _to_host(forward_backward(model, loader.micro_batches(step), dims, world))
+    return to_host(forward_backward(model, loader.micro_batches(step), dims, world))
 
 
-def forward_backward(model: CausalLM, micro_batches: list[MicroBatch], dims: ParallelDims, world: World) -> dict:
-    """`train_step` without a host sync: "loss" and "loss_tokens" stay device tensors (see `_to_host`)."""
+def forward_backward(
+    model: CausalLM,
+    micro_batches: list[MicroBatch],
+    dims: ParallelDims,
+    world: World,
+    before_last: Callable[[], None] | None = None,
+) -> dict:
+    """`train_step` without a host sync: "loss" and "loss_tokens" stay device tensors (see `to_host`)."""
     if dims.cp_enabled:  # each CP rank takes its contiguous slice of every micro-batch
         micro_batches = [shard_micro_batch(mb, dims.cp_rank(world.rank), dims.cp) for mb in micro_batches]
     counts = torch.tensor([sum(mb.num_loss_tokens for mb in micro_batches)], dtype=torch.float64, device=world.device)
@@ -179,7 +186,9 @@ def forward_backward(model: CausalLM, micro_batches: list[MicroBatch], dims: Par
     scale = (world.world_size / loss_tokens).float()
     nll_sum = torch.zeros((), dtype=torch.float64, device=world.device)
     tokens = 0
-    for mb in micro_batches:
+    for i, mb in enumerate(micro_batches):
+        if before_last is not None and i == len(micro_batches) - 1:
+            before_last()
         mb = mb.to(world.device)
         logprobs, _ = model(mb.input_ids, mb.position_ids, mb.targets)  # (T,)
         nll = -logprobs.sum()  # ignored targets have logprob 0
@@ -188,10 +197,6 @@ def forward_backward(model: CausalLM, micro_batches: list[MicroBatch], dims: Par
         tokens += mb.input_ids.numel()
     dist.all_reduce(nll_sum)
     return {"loss": nll_sum / loss_tokens, "loss_tokens": counts[0], "tokens": tokens * world.world_size}
-
-
-def _to_host(stats: dict) -> dict:
-    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in stats.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
