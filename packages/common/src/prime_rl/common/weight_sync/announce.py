@@ -6,6 +6,11 @@ and sends one message per version, only once that version is complete: written a
 (filesystem) or loaded by every inference server (nccl, nixl). The orchestrator bounds staleness with
 these announcements alone; nothing polls the file system.
 
+Unlike the batch ``Sender`` this socket queues instead of blocking while no orchestrator is connected
+(no ZMQ_IMMEDIATE): an announcement sent before the orchestrator binds, or while it restarts, is
+delivered when it (re)connects, and a trainer that outlives the orchestrator (its last version, which
+nobody waits for) is never stuck: ``close`` gives the queue ``linger_s`` seconds, then drops it.
+
 Torch-free (wire + transport), but lives here beside the transports that call it.
 """
 
@@ -13,19 +18,30 @@ from __future__ import annotations
 
 import logging
 
+import zmq
+
 from prime_rl.common.transport import Sender
 from prime_rl.common.wire import WeightsPublished
 
 logger = logging.getLogger(__name__)
 
 
-class VersionAnnouncer:
-    """Sends ``WeightsPublished`` to the orchestrator; ``endpoint=None`` announces nothing (benchmarks)."""
+class _QueueingSender(Sender):
+    """A ``Sender`` that queues while no peer is connected (no ZMQ_IMMEDIATE)."""
 
-    def __init__(self, endpoint: str | None, timeout_s: float = 600.0) -> None:
+    def _configure(self, socket: zmq.Socket) -> None:
+        pass
+
+
+class VersionAnnouncer:
+    """Sends ``WeightsPublished`` to the orchestrator; ``endpoint=None`` announces nothing (benchmarks).
+
+    ``timeout_s`` bounds a send only when the queue is full (1000 unsent announcements)."""
+
+    def __init__(self, endpoint: str | None, timeout_s: float = 600.0, linger_s: float = 10.0) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._sender = Sender(endpoint, timeout_s=timeout_s) if endpoint else None
+        self._sender = _QueueingSender(endpoint, timeout_s=timeout_s, linger_s=linger_s) if endpoint else None
 
     def announce(self, version: int, path: str | None = None, publish_s: float = 0.0, write_s: float = 0.0) -> None:
         """Tell the orchestrator ``version`` exists: at ``path`` (to load), or already served (``path=None``)."""

@@ -1,0 +1,43 @@
+"""The trainer's version announcements (real ZeroMQ sockets): delivered even when the orchestrator binds
+later, and never blocking a trainer whose orchestrator is gone."""
+
+import time
+
+import pytest
+
+pytest.importorskip("torch", reason="prime_rl.common.weight_sync needs prime-rl-common[torch]")
+
+from prime_rl.common.net import free_port  # noqa: E402
+from prime_rl.common.transport import Receiver  # noqa: E402
+from prime_rl.common.weight_sync.announce import VersionAnnouncer  # noqa: E402
+from prime_rl.common.wire import WeightsPublished  # noqa: E402
+
+
+def test_announcement_reaches_an_orchestrator_that_binds_later():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    announcer = VersionAnnouncer(endpoint, timeout_s=5)
+    start = time.perf_counter()
+    announcer.announce(1, path="/run/broadcasts/step_1", publish_s=0.01, write_s=0.5)
+    assert time.perf_counter() - start < 1.0  # queued, not blocked on the missing peer
+    with Receiver(endpoint, bind=True, timeout_s=10, types=(WeightsPublished,)) as receiver:
+        announcer.announce(2)
+        got = [receiver.recv().message, receiver.recv().message]
+    announcer.close()
+    assert got == [
+        WeightsPublished(version=1, path="/run/broadcasts/step_1", publish_s=0.01, write_s=0.5),
+        WeightsPublished(version=2),
+    ]
+
+
+def test_a_trainer_outliving_the_orchestrator_closes_within_the_linger():
+    announcer = VersionAnnouncer(f"tcp://127.0.0.1:{free_port()}", timeout_s=600, linger_s=0.2)
+    start = time.perf_counter()
+    announcer.announce(30)  # the last version: the orchestrator has already finished
+    announcer.close()
+    assert time.perf_counter() - start < 2.0
+
+
+def test_no_endpoint_announces_nothing():
+    announcer = VersionAnnouncer(None)
+    announcer.announce(1)
+    announcer.close()
