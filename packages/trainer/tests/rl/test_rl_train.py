@@ -149,3 +149,21 @@ def test_trainer_env_vars_expand_and_apply(monkeypatch):
     apply_env_vars(cfg.trainer.env_vars)
     assert os.environ["CUDA_HOME"] == "/usr/local/cuda-13.0"
     assert os.environ["PATH"] == "/usr/local/cuda-13.0/bin:/usr/bin"
+
+
+def test_gspo_with_kl_to_the_initial_weights(tiny_model, tmp_path):
+    """The sequence-level loss with a KL term: the frozen reference equals the policy at step 1 (KL exactly
+    0), and the KL grows as the policy moves away from it."""
+    out = _run_trainer(
+        [
+            "--model.name", str(tiny_model), "--output-dir", str(tmp_path), "--run-name", "gspo",
+            "--data.fake", "--data.fake.generate-samples", "--data.fake.doc-len", "40", "--data.seq-len", "128",
+            "--data.fake.batch-size", "2", "--max-steps", "3", "--optim.lr", "1e-2",
+            "--loss.type", "sequence", "--loss.kl.coef", "0.05", "--loss.kl.estimator", "k3",
+        ]
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _metrics(tmp_path / "gspo")
+    assert rows[0]["kl_ref"] == 0.0
+    assert rows[-1]["kl_ref"] > 0.0
+    assert rows[0]["loss/samples"] == 8  # 2 rows of 128 tokens in samples of 40: 4 samples per row

@@ -51,13 +51,56 @@ class RLDataConfig(BaseConfig):
     """Fake data for benchmarks (`--data.fake`); None reads batches from the orchestrator."""
 
 
-class LossConfig(BaseConfig):
-    """Importance-ratio policy gradient with token masking."""
+class KLConfig(BaseConfig):
+    """A KL penalty against the reference policy: the initial weights, kept frozen by the trainer."""
 
-    token_mask_low: float = Field(0.125, gt=0)
+    coef: float = Field(gt=0)
+    """Weight of the per-token KL estimate in the loss."""
+    estimator: Literal["k1", "k3"] = "k3"
+    """k1 = log p - log ref; k3 = ref/p - log(ref/p) - 1 (>= 0, lower variance)."""
+
+
+class _LossBase(BaseConfig):
+    norm: Literal["token", "sequence", "constant"] = "token"
+    """Normalization: "token" = mean over the step's loss tokens; "sequence" = mean over samples of each
+    sample's token mean; "constant" (Dr. GRPO) = sum / (samples x max_len)."""
+    max_len: int | None = Field(None, ge=1)
+    """The fixed length of the "constant" normalization (e.g. the orchestrator's max_tokens)."""
+    kl: KLConfig | None = None
+    """KL control against the initial weights (`[trainer.loss.kl] coef = ...`); None = off."""
+
+    @model_validator(mode="after")
+    def _check_norm(self) -> _LossBase:
+        if self.norm == "constant" and self.max_len is None:
+            raise ValueError('loss.norm = "constant" needs loss.max_len (the fixed length to divide by)')
+        if self.norm != "constant" and self.max_len is not None:
+            raise ValueError(f'loss.max_len={self.max_len} applies only to loss.norm = "constant" (got {self.norm!r})')
+        return self
+
+
+class TokenLossConfig(_LossBase):
+    """Importance-ratio policy gradient per token, masking tokens whose ratio leaves the bounds (default)."""
+
+    type: Literal["token"] = "token"
+    token_mask_low: float = Field(0.125, gt=0, lt=1)
     """Mask loss tokens whose trainer/inference probability ratio is below this."""
     token_mask_high: float = Field(8.0, gt=1)
     """Mask loss tokens whose trainer/inference probability ratio is above this."""
+
+
+class SequenceLossConfig(_LossBase):
+    """GSPO: one importance ratio per sample (geometric mean of its token ratios), masking whole samples."""
+
+    type: Literal["sequence"] = "sequence"
+    norm: Literal["token", "sequence", "constant"] = "sequence"
+    """Normalization (see the token loss); "sequence" gives GSPO's mean over samples."""
+    sequence_mask_low: float = Field(0.5, gt=0, lt=1)
+    """Mask samples whose sequence ratio is below this (must be < 1, or on-policy samples are masked)."""
+    sequence_mask_high: float = Field(2.0, gt=1)
+    """Mask samples whose sequence ratio is above this (must be > 1, or on-policy samples are masked)."""
+
+
+LossConfig = Annotated[TokenLossConfig | SequenceLossConfig, Field(discriminator="type")]
 
 
 class _PublishConfig(BaseConfig):
@@ -131,8 +174,8 @@ class RLTrainerConfig(BaseConfig):
     """The policy model and its parallel layout."""
     data: RLDataConfig = RLDataConfig()
     """Batches from the orchestrator, or fake data."""
-    loss: LossConfig = LossConfig()
-    """The policy-gradient loss."""
+    loss: LossConfig = TokenLossConfig()
+    """The policy-gradient loss: `type = "token"` (default) or `"sequence"` (GSPO), normalization, KL."""
     optim: OptimizerConfig = AdamWConfig()
     """Optimizer: `type = "adamw"` or `"sign_sgd"`."""
     scheduler: SchedulerConfig = ConstantSchedulerConfig()

@@ -37,6 +37,19 @@ class RLMicroBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def sample_ids(self) -> torch.Tensor:
+        """(T,) int64: the index of the packed sample each position belongs to (positions restart at 0)."""
+        return (self.position_ids.flatten() == 0).cumsum(0) - 1
+
+    @property
+    def num_loss_samples(self) -> int:
+        """Samples with at least one loss token (the unit of the "sequence" and "constant" normalizations)."""
+        ids = self.sample_ids()
+        if ids.numel() == 0:
+            return 0
+        per_sample = torch.bincount(ids.cpu(), weights=self.loss_mask.cpu().double())
+        return int((per_sample > 0).sum())
+
     def shard(self, cp_rank: int, cp: int) -> RLMicroBatch:
         """This context-parallel rank's contiguous 1/cp slice (positions are already aligned)."""
         cut = lambda t: None if t is None else shard_sequence(t, cp_rank, cp)  # noqa: E731

@@ -17,12 +17,15 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.common.config import parse_config
-from prime_rl.common.config.rl_trainer import RLTrainerConfig
+from prime_rl.common.config.rl_trainer import RLTrainerConfig, SequenceLossConfig, TokenLossConfig
+from prime_rl.common.config.trainer import ModelConfig
 from prime_rl.common.logging import setup_logger
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.loop import Trainer, to_host, train_loop
@@ -32,17 +35,31 @@ from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
 from prime_rl.trainer.rl.data import FakeSource, OrchestratorSource, RLMicroBatch
-from prime_rl.trainer.rl.loss import LossSettings, rl_loss
+from prime_rl.trainer.rl.loss import LossSettings, rl_loss, segment_sum
 from prime_rl.trainer.rl.publish import build_publisher
 from prime_rl.trainer.sft.train import _setup_output, check_model_dir
 from prime_rl.trainer.world import World, close_world, init_world
 
 
 class RLObjective:
-    """The importance-ratio policy gradient of `prime_rl.trainer.rl.loss`, at each batch's temperature."""
+    """The importance-ratio policy gradient of `prime_rl.trainer.rl.loss`, at each batch's temperature.
 
-    def __init__(self, dims: ParallelDims, world: World, settings: LossSettings):
+    ``norm`` sets the normalization ("token", "sequence", "constant" with ``max_len``); ``ref_model``,
+    a frozen copy of the initial policy, supplies the reference logprobs of the KL term (one extra
+    forward per micro-batch, no backward).
+    """
+
+    def __init__(
+        self,
+        dims: ParallelDims,
+        world: World,
+        settings: LossSettings,
+        norm: str = "token",
+        max_len: int | None = None,
+        ref_model: CausalLM | None = None,
+    ):
         self.dims, self.world, self.settings = dims, world, settings
+        self.norm, self.max_len, self.ref_model = norm, max_len, ref_model
 
     def forward_backward(
         self, model: CausalLM, batches: list[RLMicroBatch], before_last: Callable[[], None] | None = None
@@ -51,46 +68,67 @@ class RLObjective:
         dims, world = self.dims, self.world
         if dims.cp_enabled:  # each CP rank takes its contiguous slice of every micro-batch
             batches = [mb.shard(dims.cp_rank(world.rank), dims.cp) for mb in batches]
-        counts = torch.tensor(
-            [float(sum(mb.num_loss_tokens for mb in batches))], dtype=torch.float64, device=world.device
-        )
+        # the step's global counts, from the CPU copies of the masks (no device sync)
+        local = [sum(mb.num_loss_tokens for mb in batches), sum(mb.num_loss_samples for mb in batches)]
+        counts = torch.tensor([float(c) for c in local], dtype=torch.float64, device=world.device)
         dist.all_reduce(counts)
-        loss_tokens = counts[0].clamp(min=1.0)
-        # FSDP averages gradients over all ranks (CP ranks included): global_tokens / world gives the token mean
-        loss_scale = (loss_tokens / world.world_size).float()
-        sums = torch.zeros(5, dtype=torch.float64, device=world.device)
+        loss_tokens, samples = counts[0].clamp(min=1.0), counts[1].clamp(min=1.0)
+        # FSDP averages gradients over all ranks (CP ranks included): multiplying each rank's divisor by
+        # 1 / world makes the result the global normalization
+        denominator = {"token": loss_tokens, "sequence": samples}.get(self.norm)
+        if denominator is None:  # "constant" (Dr. GRPO)
+            denominator = samples * float(self.max_len)
+        loss_scale = (denominator / world.world_size).float()
+        sums = torch.zeros(6, dtype=torch.float64, device=world.device)
         tokens = 0
         for i, mb in enumerate(batches):
             if before_last is not None and i == len(batches) - 1:
                 before_last()
+            sample_ids = mb.sample_ids().to(world.device, non_blocking=True)
             mb = mb.to(world.device)
             # (T,) each: logprob / entropy of token t+1 at position t, like every array of the micro-batch
             logprobs, entropy = model(mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature)
             inference = mb.inference_logprobs if mb.inference_logprobs is not None else logprobs.detach()
-            loss, stats = rl_loss(logprobs, inference, mb.advantages, mb.loss_mask, loss_scale, self.settings)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref, _ = self.ref_model(mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature)
+            weights = None
+            if self.norm == "sequence":  # 1 / (the sample's loss tokens): each sample weighs the same
+                per_sample = segment_sum(mb.loss_mask.float(), sample_ids)
+                weights = 1.0 / per_sample[sample_ids].clamp(min=1.0)
+            loss, stats = rl_loss(
+                logprobs, inference, mb.advantages, mb.loss_mask, loss_scale, self.settings,
+                weights=weights, sample_ids=sample_ids, ref_logprobs=ref,
+            )  # fmt: skip
             loss.backward()
             masked_entropy = torch.where(mb.loss_mask, entropy.detach(), torch.zeros_like(entropy)).sum()
             sums += torch.stack(
                 [
-                    loss.detach().double() * loss_scale,
+                    loss.detach().double(),
                     masked_entropy.double(),
                     stats["mismatch_kl"].double(),
                     stats["masked_low"].double(),
                     stats["masked_high"].double(),
+                    stats.get("kl_ref", torch.zeros((), device=world.device)).double(),
                 ]
             )
             tokens += mb.input_ids.numel()
         dist.all_reduce(sums)
         mean = sums / loss_tokens
-        return {
-            "loss/mean": mean[0],
+        out = {
+            "loss/mean": sums[0] / world.world_size,  # each rank's loss is its share of the global objective
             "entropy/mean": mean[1],
             "mismatch_kl": mean[2],
             "masked/low_fraction": mean[3],
             "masked/high_fraction": mean[4],
             "loss/tokens": counts[0],
+            "loss/samples": counts[1],
             "tokens": tokens * world.world_size // dims.cp,  # every CP rank counted its slice of the same rows
         }
+        if self.ref_model is not None:
+            out["kl_ref"] = mean[5]
+        return out
 
     def metrics(self, stats: dict[str, float]) -> dict[str, float]:
         return {k: v for k, v in stats.items() if k not in ("tokens", "optim/grad_norm")}
@@ -110,6 +148,28 @@ def train_step(
     return to_host(RLObjective(dims, world, settings).forward_backward(model, batches))
 
 
+def build_objective(
+    loss: TokenLossConfig | SequenceLossConfig,
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    world: World,
+    logger: logging.Logger,
+) -> RLObjective:
+    """The objective ``[loss]`` describes; with ``[loss.kl]`` a frozen copy of the initial weights as reference."""
+    if loss.type == "sequence":
+        settings = LossSettings("sequence", loss.sequence_mask_low, loss.sequence_mask_high)
+    else:
+        settings = LossSettings("token", loss.token_mask_low, loss.token_mask_high)
+    ref_model = None
+    if loss.kl is not None:
+        settings = replace(settings, kl_coef=loss.kl.coef, kl_estimator=loss.kl.estimator)
+        # same layout as the policy (FSDP-sharded, so + 4 bytes/param / dp ranks), never stepped
+        ref_model = build_training_model(model_cfg, dims, mesh, world.device).requires_grad_(False)
+        logger.info(f"KL control: {loss.kl.estimator} x {loss.kl.coef} against a frozen copy of {model_cfg.name}")
+    return RLObjective(dims, world, settings, loss.norm, loss.max_len, ref_model)
+
+
 def apply_env_vars(env_vars: dict[str, str]) -> None:
     """Set ``trainer.env_vars`` before anything reads them (CUDA, JIT compilers); ``${VAR}`` expands."""
     for key, value in env_vars.items():
@@ -127,6 +187,11 @@ def train(cfg: RLTrainerConfig) -> None:
         model_config = load_model_config(str(model_dir))
         dims = resolve_parallel_dims(cfg.model, world.world_size, model_config)
         dp_rank = dims.dp_rank(world.rank)  # the cp ranks of one sequence train on the same rows
+        if dims.cp_enabled and (cfg.loss.type == "sequence" or cfg.loss.norm != "token"):
+            raise ValueError(
+                f"loss.type={cfg.loss.type!r} with loss.norm={cfg.loss.norm!r} needs whole samples on each rank, "
+                f"but model.cp={dims.cp} cuts them; use model.cp=1 or the token loss with norm='token'"
+            )
         if cfg.data.fake is not None:
             source = FakeSource(cfg.data.fake, cfg.data.seq_len, model_config.vocab_size, dp_rank, dims.dp)
         elif dims.cp_enabled:
@@ -149,13 +214,13 @@ def train(cfg: RLTrainerConfig) -> None:
     publisher = build_publisher(cfg.weight_broadcast, run_dir, model, world)
     flops_per_token = model_flops_per_token(model_config, cfg.data.seq_len)
     trainer = Trainer(model, dims, world, optim, run_dir, logger, flops_per_token, cfg.ckpt.keep_last)
-    settings = LossSettings(cfg.loss.token_mask_low, cfg.loss.token_mask_high)
+    objective = build_objective(cfg.loss, cfg.model, dims, mesh, world, logger)
     logger.info(f"RL trainer: world {world.world_size} ({dims}), device {world.device}, {cfg.max_steps} steps")
     try:
         train_loop(
             trainer,
             source,
-            RLObjective(dims, world, settings),
+            objective,
             max_steps=cfg.max_steps,
             max_norm=cfg.optim.max_norm,
             ckpt_interval=cfg.ckpt.interval,
