@@ -8,7 +8,8 @@ binds one ZeroMQ PUSH socket per rank), matching the RL trainer's `data.host` / 
 
 Steps and versions: batch `step` (0-based) is trained by trainer step `step`, starting from policy
 version `step` (= weights after `step` optimizer updates). After that update the trainer publishes
-version `step + 1` under `<run_dir>/broadcasts/step_<step + 1>/` (marker file STABLE written last).
+version `step + 1` (filesystem: under `<run_dir>/broadcasts/step_<step + 1>/`, renamed into place
+when complete) and announces it on `trainer.weights_port`.
 A rollout sampled with version `v` is `step - v` steps off-policy in batch `step`; more than `max_off_policy_steps` and it is dropped.
 Everything a user sees counts completed optimizer steps: batch `step` is row `step + 1` in metrics.jsonl
 (trainer and orchestrator alike), and its checkpoints are `checkpoints/step_<step + 1>/`.
@@ -233,7 +234,7 @@ class OrchestratorConfig(BaseConfig):
     seed: int = 0
     """Seed of task sampling."""
     weights_poll_interval: float = Field(default=0.1, gt=0)
-    """Seconds between looks at broadcasts/ for newly published weights."""
+    """Seconds between polls of the trainer's version announcements (trainer.weights_port)."""
     weights_timeout: float = Field(default=3600.0, gt=0)
     """Seconds to wait for the trainer to publish the weights a step needs before giving up."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
