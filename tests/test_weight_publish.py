@@ -1,6 +1,9 @@
 """Weight publication (filesystem transport) on CPU: background writes give the files a synchronous write
 gives, a trainer killed mid-write leaves the last complete version the only visible one, and every
-complete version is announced to the orchestrator's socket (a real ZeroMQ PULL socket here)."""
+complete version is announced to the orchestrator's socket (a real ZeroMQ PULL socket here).
+
+Cross-package (trainer publishes, orchestrator listens): it lives in the root tests/, so that each
+package's own tests run with only that package installed (scripts/check_packages.sh)."""
 
 import os
 import signal
@@ -16,12 +19,18 @@ from safetensors.torch import load_file
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
+from prime_rl.common.testing import make_tiny_model
 from prime_rl.orchestrator.weights import VersionListener, latest_published_step
 from prime_rl.trainer.rl.publish import BackgroundJob
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of
 
 WORKER = Path(__file__).with_name("publish_worker.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", seed=0)
 
 
 def _drain(listener: VersionListener, wait: float) -> list:

@@ -1,5 +1,7 @@
 """Jobs on a real SLURM cluster of two nodes on this machine (see conftest.py and scripts/slurm_cluster.sh).
 
+Cross-package: the jobs run the trainer, inference and orchestrator, so this lives in the root tests/.
+
 Each job goes through the module CLI (what `sft` / `rl` / `inference` run with [slurm]) and `sbatch`.
 """
 

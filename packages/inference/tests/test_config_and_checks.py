@@ -37,6 +37,7 @@ def test_config_refuses_colliding_ports():
 
 
 def test_vllm_args_mapping_and_unknown_key():
+    pytest.importorskip("vllm", reason="builds vLLM's argument parser: needs the cpu or gpu extra")
     from prime_rl.inference.server import WORKER_EXTENSION, build_vllm_args
 
     cfg = load_config(InferenceConfig, ["--model.name", "m", "--vllm.max-model-len", "128", "--server.port", "8123"])
@@ -50,6 +51,7 @@ def test_vllm_args_mapping_and_unknown_key():
 
 
 def test_logprobs_are_those_of_the_sampled_distribution():
+    pytest.importorskip("vllm", reason="builds vLLM's argument parser: needs the cpu or gpu extra")
     from prime_rl.inference.server import build_vllm_args
 
     args = build_vllm_args(load_config(InferenceConfig, ["--model.name", "m"]))

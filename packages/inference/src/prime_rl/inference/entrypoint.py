@@ -7,13 +7,15 @@ import sys
 from prime_rl.common.config import parse_config
 from prime_rl.common.config.inference import InferenceConfig
 from prime_rl.common.config.slurm_route import run_through_slurm, wants_slurm
+from prime_rl.inference.preflight import apply_cpu_defaults, check_inference
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if wants_slurm(argv):  # multi-node: one replica per node behind a router, through sbatch
         sys.exit(run_through_slurm("inference", argv, "inference"))
-    config = parse_config(InferenceConfig, argv, prog="inference")
+    config = parse_config(InferenceConfig, argv, prog="inference", check=check_inference)
+    apply_cpu_defaults(config)  # before any engine (or replica) starts
     if config.router.replicas > 1:
         from prime_rl.inference.router import run_replicas
 

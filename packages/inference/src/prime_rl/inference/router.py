@@ -68,7 +68,7 @@ def _gpu_slices(config: InferenceConfig) -> list[str | None]:
         return [None] * config.router.replicas
     needed = per_replica * config.router.replicas
     if needed > len(gpus):
-        raise ValueError(
+        raise RouterSetupError(
             f"router.replicas={config.router.replicas} x (dp {config.vllm.data_parallel_size} x tp "
             f"{config.vllm.tensor_parallel_size}) needs {needed} GPUs but {len(gpus)} are visible; "
             "lower router.replicas or the per-replica parallelism"
@@ -76,12 +76,23 @@ def _gpu_slices(config: InferenceConfig) -> list[str | None]:
     return [",".join(gpus[i * per_replica : (i + 1) * per_replica]) for i in range(config.router.replicas)]
 
 
-def _router_command(config: InferenceConfig, urls: list[str]) -> list[str]:
-    exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
-    if not Path(exe).exists():
-        raise FileNotFoundError(
-            "vllm-router is not installed; `pip install 'prime-rl-inference[router]'` (vllm-router, orjson)"
+class RouterSetupError(Exception):
+    """The replicas cannot be started as configured (one line, exit 2)."""
+
+
+def router_executable() -> str:
+    """The vllm-router script (next to this interpreter, or on PATH); checked before any replica starts."""
+    beside = Path(sys.executable).with_name("vllm-router")
+    exe = str(beside) if beside.exists() else shutil.which("vllm-router")
+    if exe is None:
+        raise RouterSetupError(
+            f"router.replicas > 1 needs vllm-router, which is not installed (not next to {sys.executable} nor on "
+            "PATH); pip install 'prime-rl-inference[router]', or set router.replicas = 1"
         )
+    return exe
+
+
+def _router_command(config: InferenceConfig, urls: list[str], exe: str) -> list[str]:
     metrics_port = config.router.metrics_port or config.server.resolved_control_port + config.router.replicas
     return [
         exe,
@@ -132,15 +143,28 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def run_replicas(config: InferenceConfig) -> int:
-    """Start the replicas, wait until they serve, start the router, supervise; return an exit code."""
-    endpoints = replica_endpoints(config)
-    slices = _gpu_slices(config)
-    control = config.server.resolved_control_port
-    base = Path(tempfile.mkdtemp(prefix="prime-rl-inference-")) / "replica.toml"
-    single = config.model_copy(update={"router": config.router.model_copy(update={"replicas": 1})})
-    write_toml(single, base)
+def run_replicas(config: InferenceConfig, prog: str = "inference") -> int:
+    """Start the replicas, wait until they serve, start the router, supervise; return an exit code.
 
+    What can be checked first is (the router's executable, the GPU count): a missing vllm-router is one
+    line and exit 2 before any engine starts, not a traceback after every replica is up.
+    """
+    try:
+        exe = router_executable()
+        slices = _gpu_slices(config)
+    except RouterSetupError as e:
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="prime-rl-inference-") as tmp:  # removed whatever happens
+        base = Path(tmp) / "replica.toml"
+        single = config.model_copy(update={"router": config.router.model_copy(update={"replicas": 1})})
+        write_toml(single, base)
+        return _supervise(config, base, slices, exe, prog)
+
+
+def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], exe: str, prog: str) -> int:
+    endpoints = replica_endpoints(config)
+    control = config.server.resolved_control_port
     procs: list[subprocess.Popen] = []
     stopping = False
 
@@ -148,8 +172,7 @@ def run_replicas(config: InferenceConfig) -> int:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for i, gpus in enumerate(slices):
             env = dict(os.environ)
@@ -158,8 +181,12 @@ def run_replicas(config: InferenceConfig) -> int:
             cmd = [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(base)]
             cmd += ["--server.port", str(config.server.port + 1 + i), "--server.control-port", str(control + i)]
             procs.append(subprocess.Popen(cmd, env=env))
-        _wait_healthy([e.url for e in endpoints], procs, config.router.startup_timeout)
-        procs.append(subprocess.Popen(_router_command(config, [e.url for e in endpoints])))
+        try:
+            _wait_healthy([e.url for e in endpoints], procs, config.router.startup_timeout)
+        except (RuntimeError, TimeoutError) as e:
+            sys.stderr.write(f"{prog}: error: {e}\n")
+            return 1
+        procs.append(subprocess.Popen(_router_command(config, [e.url for e in endpoints], exe)))
         print(
             f"router on http://{_client_host(config.server.host)}:{config.server.port}; control endpoints: "
             + " ".join(e.control for e in endpoints),
@@ -173,3 +200,5 @@ def run_replicas(config: InferenceConfig) -> int:
         return 0
     finally:
         _stop(procs)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
