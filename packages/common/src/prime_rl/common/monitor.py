@@ -9,6 +9,9 @@ Design decisions:
 - ``read_metrics`` tolerates a file being written: an unterminated last line is an in-progress write
   and is skipped quietly; any other unreadable line is skipped and reported (logged, and returned by
   ``scan_metrics``) instead of failing the whole read.
+- Weights & Biases (``[monitor.wandb]``) is a second sink behind the same ``log`` call: ``build_monitor``
+  returns a ``Monitor`` that writes metrics.jsonl and, when configured, a W&B run per process
+  (``<name>-<role>``, grouped by run). ``wandb`` is imported only then: it is an optional extra.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prime_rl.common.rundir import RunDir
+
+if TYPE_CHECKING:
+    from prime_rl.common.config.monitor import MonitorConfig, WandbConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +69,9 @@ class FileMonitor:
         while written < len(data):  # only on a full disk or a signal; keep the line whole if we can
             written += os.write(self._fd, data[written:])
 
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        """Sample tables are for W&B; metrics.jsonl keeps numbers only."""
+
     def close(self) -> None:
         if getattr(self, "_fd", None) is not None:  # also safe from __del__ after a failed __init__
             os.close(self._fd)
@@ -76,6 +85,95 @@ class FileMonitor:
 
     def __del__(self) -> None:
         self.close()
+
+
+class WandbMonitor:
+    """One W&B run for one process: ``log`` -> ``run.log(metrics, step=step)``; the config at start."""
+
+    def __init__(
+        self, config: WandbConfig, run_dir: RunDir, role: str, run_config: Mapping[str, Any] | None = None
+    ) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError("[monitor.wandb] needs the wandb package: pip install 'prime-rl-common[wandb]'") from None
+        self._wandb = wandb
+        self.config = config
+        directory = Path(config.dir) if config.dir is not None else run_dir.root / "monitors" / "wandb"
+        directory.mkdir(parents=True, exist_ok=True)
+        name = config.name or run_dir.run_name
+        self.run = wandb.init(
+            project=config.project,
+            entity=config.entity,
+            name=f"{name}-{role}",
+            group=config.group or name,
+            job_type=role,
+            tags=config.tags or None,
+            config=dict(run_config or {}),
+            dir=str(directory),
+            mode=config.mode,
+            reinit="create_new",  # several monitors in one process (tests) are separate runs
+        )
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self.run.log({k: _default(v) if hasattr(v, "item") else v for k, v in metrics.items()}, step=int(step))
+
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        """A table of up to ``max_samples`` rows (columns: the union of the rows' keys, in first-seen order)."""
+        if not self.config.log_samples or not samples or step % self.config.sample_interval:
+            return
+        rows = list(samples)[: self.config.max_samples]
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        table = self._wandb.Table(columns=columns, data=[[row.get(c) for c in columns] for row in rows])
+        self.run.log({"samples": table}, step=int(step))
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+class Monitor:
+    """Every configured sink behind one interface: ``log(step, metrics)``, ``log_samples``, ``close``."""
+
+    def __init__(self, sinks: Sequence[FileMonitor | WandbMonitor]) -> None:
+        self.sinks = list(sinks)
+
+    @property
+    def path(self) -> Path:
+        """metrics.jsonl (where the dashboard reads)."""
+        return next(s.path for s in self.sinks if isinstance(s, FileMonitor))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(step, metrics)
+
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        for sink in self.sinks:
+            sink.log_samples(step, samples)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def build_monitor(
+    run_dir: RunDir,
+    config: MonitorConfig | None,
+    role: str,
+    run_config: Mapping[str, Any] | None = None,
+) -> Monitor:
+    """metrics.jsonl, plus a W&B run when ``config.wandb`` is set (``run_config`` is logged as its config)."""
+    sinks: list[FileMonitor | WandbMonitor] = [FileMonitor(run_dir)]
+    if config is not None and config.wandb is not None:
+        sinks.append(WandbMonitor(config.wandb, run_dir, role, run_config))
+    return Monitor(sinks)
 
 
 @dataclass
