@@ -16,6 +16,7 @@ from prime_rl.orchestrator.batch import BatchSender
 from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.envs import build_environment
 from prime_rl.orchestrator.orchestrator import Orchestrator
+from prime_rl.orchestrator.teacher import Distiller
 from prime_rl.orchestrator.weights import InferenceControl, NoInferenceControl, ZmqInferenceControl
 
 STDOUT_IS_LOG_ENV = "PRIME_RL_STDOUT_IS_LOG"
@@ -46,10 +47,13 @@ async def run(config: OrchestratorConfig) -> None:
         config.trainer.address, config.trainer.port, config.num_train_ranks, config.trainer.send_timeout
     )
     monitor = FileMonitor(run_dir)
+    teacher = Distiller.from_config(config.teacher) if config.teacher is not None else None
     try:
-        await Orchestrator(config, env, client, control, sender.send, monitor).run()
+        await Orchestrator(config, env, client, control, sender.send, monitor, teacher=teacher).run()
     finally:
         await client.aclose()
+        if teacher is not None:
+            await teacher.aclose()
         control.close()
         sender.close()
         monitor.close()

@@ -35,13 +35,16 @@ from prime_rl.common.rundir import RunDir
 from prime_rl.common.wire import TrainingBatch
 from prime_rl.orchestrator.batch import build_training_batch
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
+from prime_rl.orchestrator.curriculum import Curriculum
 from prime_rl.orchestrator.envs.base import Environment
+from prime_rl.orchestrator.filtering import split_by_difficulty
 from prime_rl.orchestrator.off_policy import OffPolicyFilter
 from prime_rl.orchestrator.packing import pack_batch
 from prime_rl.orchestrator.policy import PolicyState
 from prime_rl.orchestrator.rollout import Group
 from prime_rl.orchestrator.scheduler import RolloutScheduler
 from prime_rl.orchestrator.state import OrchestratorState, load_state, save_state
+from prime_rl.orchestrator.teacher import Distiller
 from prime_rl.orchestrator.weights import InferenceControl, VersionListener, WeightUpdater
 
 logger = logging.getLogger(__name__)
@@ -75,7 +78,13 @@ def resolve_resume_step(run_dir: RunDir, resume_step: int | str | None) -> int |
 
 
 def has_signal(group: Group) -> bool:
-    """False when every reward in the group is equal: all advantages are zero, there is nothing to learn."""
+    """False when every reward in the group is equal: all advantages are zero, there is nothing to learn
+    (unless length shaping or a teacher gives the group's samples different advantages all the same)."""
+    penalties = group.length_penalties
+    if penalties and max(penalties) != min(penalties):
+        return True
+    if any(any(t) for t in group.token_advantages):
+        return True
     return max(group.rewards) != min(group.rewards)
 
 
@@ -111,6 +120,7 @@ class Orchestrator:
         control: InferenceControl,
         send: SendFn,
         monitor: FileMonitor | None = None,
+        teacher: Distiller | None = None,
     ) -> None:
         self.config = config
         self.run_dir = RunDir(config.output_dir, config.run_name)
@@ -152,6 +162,9 @@ class Orchestrator:
             tasks_drawn=tasks_drawn,
             std_normalize=config.advantage.std_normalize,
             eps=config.advantage.eps,
+            advantage=config.advantage,
+            curriculum=Curriculum(config.curriculum) if config.curriculum is not None else None,
+            teacher=teacher,
         )
         self.step = self.start_step
 
@@ -189,6 +202,11 @@ class Orchestrator:
         groups = await self.collect(step)
         collected = time.perf_counter() - start
         trained = [g for g in groups if has_signal(g)] if cfg.advantage.filter_zero_advantage else groups
+        difficulty = None
+        if cfg.difficulty_filter is not None:  # counted over all groups; trained = in the band and with signal
+            difficulty = split_by_difficulty(groups, cfg.difficulty_filter.low, cfg.difficulty_filter.high)
+            in_band = {id(g) for g in difficulty.kept}
+            trained = [g for g in trained if id(g) in in_band]
         samples = [s for g in trained for s in g.samples()]
         per_rank, packing = pack_batch(samples, cfg.seq_len, cfg.num_train_ranks)
 
@@ -198,6 +216,9 @@ class Orchestrator:
         metrics["batch/zero_advantage_fraction"] = num_zero / len(groups)
         metrics["batch/trained_groups"] = float(len(trained))
         metrics.update(self.off_policy.pop_metrics())
+        metrics.update(self.scheduler.pop_metrics())  # length shaping, curriculum, distillation (when on)
+        if difficulty is not None:
+            metrics.update(difficulty.metrics())
         counters = self.scheduler.pop_counters()
         # env/failed counts this batch's rollouts whose scoring raised (they train with reward 0).
         metrics["env/failed"] = float(sum(g.num_failed for g in groups))

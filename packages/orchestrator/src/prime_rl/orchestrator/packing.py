@@ -79,6 +79,7 @@ def fit_to_seq_len(sample: Sample, seq_len: int) -> tuple[Sample | None, str]:
         sample.completion_logprobs[:room],
         sample.advantage,
         sample.reward,
+        None if sample.token_advantages is None else sample.token_advantages[:room],
     )
     return cut, "truncated"
 
@@ -143,6 +144,8 @@ def build_micro_batch(samples: list[Sample], seq_len: int) -> PackedMicroBatch:
         mb.position_ids[start:end] = np.arange(n_total, dtype=np.int32)
         mb.loss_mask[start + n_prompt : end] = True
         mb.advantages[start + n_prompt : end] = s.advantage
+        if s.token_advantages is not None:  # per-token terms (distillation) on top of the sample's advantage
+            mb.advantages[start + n_prompt : end] += np.asarray(s.token_advantages, dtype=np.float32)
         mb.inference_logprobs[start + n_prompt : end] = s.completion_logprobs
         start = end
     # Padding is its own "document" so it never attends into (or is attended by) a real sample.

@@ -35,6 +35,8 @@ class Sample:
     completion_logprobs: list[float]
     advantage: float
     reward: float = 0.0
+    token_advantages: list[float] | None = None
+    """Per-token terms added to `advantage` on each completion token (on-policy distillation); None = none."""
 
     @property
     def num_tokens(self) -> int:
@@ -52,13 +54,18 @@ class Group:
     version: int
     num_failed: int = 0
     advantages: list[float] = field(default_factory=list)
+    token_advantages: list[list[float]] = field(default_factory=list)
+    """Per completion, per token: added to its advantage (distillation); empty = none."""
+    length_penalties: list[float] = field(default_factory=list)
+    """Per completion: the overlong penalty subtracted from its reward before the baseline; empty = off."""
 
     def samples(self) -> list[Sample]:
         if len(self.advantages) != len(self.completions):
             raise ValueError("advantages are not computed for this group yet")
+        token_advantages = self.token_advantages or [None] * len(self.completions)
         return [
-            Sample(self.prompt_ids, c.token_ids, c.logprobs, float(a), float(r))
-            for c, a, r in zip(self.completions, self.advantages, self.rewards)
+            Sample(self.prompt_ids, c.token_ids, c.logprobs, float(a), float(r), t)
+            for c, a, r, t in zip(self.completions, self.advantages, self.rewards, token_advantages)
         ]
 
     def reward_array(self) -> np.ndarray:

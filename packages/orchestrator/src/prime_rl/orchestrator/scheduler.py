@@ -26,11 +26,14 @@ from collections import Counter
 
 import numpy as np
 
-from prime_rl.orchestrator.advantages import compute_advantages
+from prime_rl.common.config.orchestrator import AdvantageConfig
+from prime_rl.orchestrator.advantages import group_advantages
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
+from prime_rl.orchestrator.curriculum import Curriculum
 from prime_rl.orchestrator.envs.base import Environment, score_safely
 from prime_rl.orchestrator.policy import PolicyState
 from prime_rl.orchestrator.rollout import Group
+from prime_rl.orchestrator.teacher import Distiller
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,9 @@ class RolloutScheduler:
         tasks_drawn: int = 0,
         std_normalize: bool = False,
         eps: float = 1e-6,
+        advantage: AdvantageConfig | None = None,
+        curriculum: Curriculum | None = None,
+        teacher: Distiller | None = None,
     ) -> None:
         self.env, self.client, self.policy, self.rng, self.sampling = env, client, policy, rng, sampling
         self.group_size = group_size
@@ -61,6 +67,10 @@ class RolloutScheduler:
         self.start_step = start_step
         self.tasks_drawn = tasks_drawn
         self.std_normalize, self.eps = std_normalize, eps
+        # baseline / length shaping; std_normalize and eps above are the fallback when no config is given
+        self.advantage = advantage or AdvantageConfig(std_normalize=std_normalize, eps=eps)
+        self.curriculum, self.teacher = curriculum, teacher
+        self._length_penalties: list[float] = []
         self.queue: asyncio.Queue[Group | BaseException] = asyncio.Queue()
         self.counters: Counter[str] = Counter()  # env/prompt_failed, rollouts/aborted
         self._tickets = 0
@@ -81,6 +91,19 @@ class RolloutScheduler:
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Metrics of the optional algorithm parts (length shaping, curriculum, distillation) since the last pop."""
+        metrics: dict[str, float] = {}
+        if self.advantage.overlong_window > 0:
+            penalties = np.asarray(self._length_penalties or [0.0])
+            metrics["advantage/length_penalty_mean"] = float(penalties.mean())
+            metrics["advantage/length_penalized_fraction"] = float((penalties > 0).mean())
+            self._length_penalties = []
+        for part in (self.curriculum, self.teacher):
+            if part is not None:
+                metrics.update(part.pop_metrics())
+        return metrics
 
     def pop_counters(self) -> Counter[str]:
         counters, self.counters = self.counters, Counter()
@@ -103,7 +126,7 @@ class RolloutScheduler:
         self._tickets += 1
         target_step = self.start_step + ticket // self.groups_per_step
         # Draw before waiting so the task order depends only on the rng, not on timing.
-        task = self.env.sample_tasks(1, self.rng)[0]
+        task = self.curriculum.draw(self.env, self.rng) if self.curriculum else self.env.sample_tasks(1, self.rng)[0]
         self.tasks_drawn += 1
         try:
             messages = self.env.build_prompt(task)
@@ -123,7 +146,20 @@ class RolloutScheduler:
         scores = await asyncio.to_thread(lambda: [score_safely(self.env, task, c.text) for c in result.completions])
         rewards = [s.reward for s in scores]
         num_failed = sum(s.failed for s in scores)
-        advantages = compute_advantages(np.asarray([rewards]), self.std_normalize, self.eps)[0]
+        adv = self.advantage
+        advantages, penalties = group_advantages(
+            rewards, [len(c.token_ids) for c in result.completions], max_tokens=self.sampling.max_tokens,
+            baseline=adv.baseline, std_normalize=adv.std_normalize, eps=adv.eps,
+            overlong_window=adv.overlong_window, overlong_penalty=adv.overlong_penalty,
+        )  # fmt: skip
+        if self.curriculum is not None:
+            self.curriculum.update(task, rewards)
+        token_advantages: list[list[float]] = []
+        if self.teacher is not None:
+            advantages = advantages * np.float32(self.teacher.reward_weight)
+            token_advantages = await self.teacher.token_advantages(result.prompt_ids, result.completions)
+        if adv.overlong_window > 0:
+            self._length_penalties.extend(float(p) for p in penalties)
         return Group(
             task=task,
             prompt_ids=result.prompt_ids,
@@ -132,4 +168,6 @@ class RolloutScheduler:
             version=version,
             num_failed=num_failed,
             advantages=[float(a) for a in advantages],
+            token_advantages=token_advantages,
+            length_penalties=[float(p) for p in penalties] if adv.overlong_window > 0 else [],
         )

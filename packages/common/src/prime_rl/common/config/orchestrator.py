@@ -105,14 +105,69 @@ EnvConfig = Annotated[
 
 
 class AdvantageConfig(BaseConfig):
-    """Group-relative advantages (GRPO style)."""
+    """Group-relative advantages (GRPO style); see docs/algorithms.md for every variant."""
 
+    baseline: Literal["mean", "leave_one_out"] = "mean"
+    """What each reward is compared with: the group mean, or the mean of the other samples (RLOO)."""
+    overlong_window: int = Field(default=0, ge=0)
+    """DAPO length shaping: the last this many tokens before sampling.max_tokens get a linear penalty; 0 = off."""
+    overlong_penalty: float = Field(default=1.0, ge=0)
+    """Penalty subtracted from the reward of a completion that reaches max_tokens (linear in the window)."""
     std_normalize: bool = False
     """Divide (reward - group mean) by the group's reward std (Dr. GRPO leaves this off)."""
     eps: float = Field(default=1e-6, gt=0)
     """Added to the std before dividing."""
     filter_zero_advantage: bool = True
     """Leave groups whose rewards are all equal (zero advantage: no signal) out of the training batch."""
+
+
+class DifficultyFilterConfig(BaseConfig):
+    """Online difficulty filtering: train only on groups whose mean reward (pass rate) is inside [low, high]."""
+
+    low: float = 0.0
+    """Keep a group only if its mean reward is >= low (drops prompts that are too hard)."""
+    high: float = 1.0
+    """Keep a group only if its mean reward is <= high (drops prompts that are too easy)."""
+
+    @model_validator(mode="after")
+    def _check_band(self) -> DifficultyFilterConfig:
+        if self.low > self.high:
+            raise ValueError(f"difficulty_filter.low={self.low} must be <= difficulty_filter.high={self.high}")
+        return self
+
+
+class CurriculumConfig(BaseConfig):
+    """Sample prompts by their past pass rate: each pick is one of `candidates` fresh tasks, weighted."""
+
+    target: float = Field(default=0.5, ge=0, le=1)
+    """Pass rate sampled most (0.5: prompts the policy solves half the time teach the most)."""
+    width: float = Field(default=0.25, gt=0)
+    """Std of the Gaussian weight around target: weight = exp(-(pass_rate - target)^2 / (2 width^2))."""
+    min_weight: float = Field(default=0.05, gt=0, le=1)
+    """Floor of every weight, so no prompt is never sampled again."""
+    candidates: int = Field(default=8, ge=1)
+    """Tasks drawn from the environment per pick; 1 = no curriculum (each draw is taken as is)."""
+    ema: float = Field(default=0.5, gt=0, le=1)
+    """Weight of the newest group in a prompt's pass-rate estimate (1 = only the last group counts)."""
+
+
+class TeacherConfig(BaseConfig):
+    """On-policy distillation: a second OpenAI-compatible (vLLM) server scores every sampled token."""
+
+    base_url: str = Field(min_length=1)
+    """Base URL of the teacher's API (e.g. http://host:8001/v1); required for distillation."""
+    model: str = Field(min_length=1)
+    """Model name the teacher server serves (its --served-model-name)."""
+    coef: float = Field(default=1.0, gt=0)
+    """Each completion token's advantage gets coef * (teacher logprob - sampler logprob) (reverse KL)."""
+    reward_weight: float = Field(default=1.0, ge=0)
+    """Multiplies the reward advantage; 0 = pure distillation (the reward is only logged)."""
+    api_key: str = "EMPTY"
+    """Bearer token sent to the teacher server."""
+    timeout: float = Field(default=600.0, gt=0)
+    """Seconds one teacher request may take before it is retried."""
+    max_retries: int = Field(default=6, ge=0)
+    """Retries of a failed teacher request before the run stops."""
 
 
 _UNMODELED_WHY = (
@@ -208,6 +263,12 @@ class OrchestratorConfig(BaseConfig):
     """The environment tasks come from (discriminated on type)."""
     advantage: AdvantageConfig = AdvantageConfig()
     """Advantage computation."""
+    difficulty_filter: DifficultyFilterConfig | None = None
+    """Train only on groups whose mean reward is inside [low, high]; None = off."""
+    curriculum: CurriculumConfig | None = None
+    """Sample prompts by past pass rate; None = uniform (the environment's own sampling)."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation from a teacher server; None = off."""
     trainer: TrainerEndpointConfig = TrainerEndpointConfig()
     """The ZeroMQ endpoint trainer ranks pull batches from."""
     inference: InferenceControlConfig = InferenceControlConfig()
@@ -288,6 +349,15 @@ class OrchestratorConfig(BaseConfig):
             )
         if isinstance(self.env, ReverseTextEnvConfig) and self.env.min_len > self.env.max_len:
             raise ValueError(f"env.min_len={self.env.min_len} must be <= env.max_len={self.env.max_len}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_advantage(self) -> OrchestratorConfig:
+        if self.advantage.overlong_window > self.sampling.max_tokens:
+            raise ValueError(
+                f"advantage.overlong_window={self.advantage.overlong_window} must be <= "
+                f"sampling.max_tokens={self.sampling.max_tokens} (the window ends at max_tokens); lower it"
+            )
         return self
 
     @property
