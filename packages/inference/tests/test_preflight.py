@@ -72,3 +72,11 @@ def test_the_replica_config_dir_is_removed_when_a_replica_fails(tmp_path, monkey
     assert router.run_replicas(cfg) == 1
     assert "exited with 3 during start-up" in capsys.readouterr().err
     assert [p.name for p in Path(tmp_path).iterdir() if p.name.startswith("prime-rl-inference-")] == []
+
+
+def test_a_misspelled_vllm_key_is_one_config_error_before_the_engine():
+    pytest.importorskip("vllm", reason="checked against vLLM's own serve options")
+    cfg = load_config(InferenceConfig, ["--model.name", "gpt2", "--vllm.max-num-seq", "3"])
+    with pytest.raises(ConfigError, match="'max_num_seq' is not a vLLM engine/server option") as e:
+        check_inference(cfg)
+    assert e.value.keys == ("vllm.max_num_seq",)

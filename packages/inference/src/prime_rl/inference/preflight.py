@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
+import re
 import sys
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -38,6 +40,28 @@ def check_inference(config: InferenceConfig) -> None:
             "model directory or a hub id like 'Qwen/Qwen3-0.6B'",
             keys=["model.name"],
         )
+    check_vllm_keys(config)
+
+
+_VLLM_KEY = re.compile(r"\[vllm\] (?:key '(\w+)'|(\w+)=)")
+
+
+def check_vllm_keys(config: InferenceConfig) -> None:
+    """``[vllm]`` against vLLM's own serve options (a misspelled key is one line naming it and its source).
+
+    Needs vLLM (the server imports the same parser next, so this costs no extra start-up); the router's
+    parent process (``router.replicas > 1``) leaves it to each replica.
+    """
+    if config.router.replicas > 1 or importlib.util.find_spec("vllm") is None:
+        return
+    from prime_rl.inference.server import build_vllm_args
+
+    try:
+        build_vllm_args(config)
+    except ValueError as e:
+        match = _VLLM_KEY.search(str(e))
+        keys = [f"vllm.{match.group(1) or match.group(2)}"] if match else []
+        raise ConfigError(str(e), keys=keys) from None
 
 
 def vllm_is_cpu_build() -> bool:
