@@ -38,8 +38,10 @@ class RLMicroBatch:
         return int(self.loss_mask.sum())
 
     def sample_ids(self) -> torch.Tensor:
-        """(T,) int64: the index of the packed sample each position belongs to (positions restart at 0)."""
-        return (self.position_ids.flatten() == 0).cumsum(0) - 1
+        """(T,) int64: the index of the packed sample each position belongs to (positions restart at 0).
+
+        A context-parallel slice may start inside a sample: its leading positions count as sample 0."""
+        return ((self.position_ids.flatten() == 0).cumsum(0) - 1).clamp(min=0)
 
     @property
     def num_loss_samples(self) -> int:
