@@ -147,6 +147,15 @@ def sections(cls: type[BaseModel], width: int) -> list[_Section]:
     return [s for s in out if s.lines]
 
 
+def _union_note(cls: type[BaseModel]) -> str:
+    """How switching a union's type works, with this config's first union as the example."""
+    unions = [s.path for s in sections(cls, 120) if any(ln.startswith(f"  {_flag(s.path)}.type ") for ln in s.lines)]
+    if not unions:
+        return ""
+    example = min(unions, key=lambda path: path.count("."))
+    return f" Setting a table's type ({_flag(example)}.type) switches variant: the earlier variant's keys are dropped."
+
+
 def format_help(cls: type[BaseModel], prog: str, section: str | None = None) -> str:
     width = max(80, min(shutil.get_terminal_size((120, 24)).columns, 140))
     doc = _one_line((cls.__doc__ or "").strip().split("\n\n")[0])
@@ -160,8 +169,7 @@ def format_help(cls: type[BaseModel], prog: str, section: str | None = None) -> 
         *textwrap.wrap(
             "Defaults, then each @ file.toml deep-merged left to right, then flags. The flag --a.b.key-name v "
             "sets key_name = v under the TOML table [a.b]. Booleans: --x / --no-x. Null: None. Lists: --x 1 2 "
-            "or JSON. Setting a table's type (e.g. --deployment.type) switches variant: the earlier variant's "
-            "keys are dropped.",
+            "or JSON." + _union_note(cls),
             width,
         ),
     ]
