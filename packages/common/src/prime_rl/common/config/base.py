@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import pydantic
 import tomli_w
 from pydantic import BaseModel, ConfigDict
-from pydantic_core import PydanticUndefined
+from pydantic.fields import PydanticUndefined
 
 CLI = "command line"
 T = TypeVar("T", bound=BaseModel)
