@@ -324,3 +324,21 @@ def test_config_loading_does_not_import_torch():
     code = "import sys; import prime_rl.common.config as c; assert 'torch' not in sys.modules; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
+
+
+class Whole(BaseConfig):
+    orchestrator: Batch = Batch()
+
+    @model_validator(mode="after")
+    def _check(self) -> "Whole":
+        if self.orchestrator.batch_size == 12:
+            raise ValueError("orchestrator.batch_size is twelve; pick another")
+        return self
+
+
+def test_a_validator_naming_a_full_path_blames_its_source_and_no_source_means_no_suffix(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(Whole, ["--orchestrator.batch-size", "12"])
+    assert str(e.value) == (
+        "orchestrator.batch_size is twelve; pick another (from --orchestrator.batch-size on the command line)"
+    )

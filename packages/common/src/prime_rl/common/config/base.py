@@ -404,7 +404,7 @@ def where(src: str | None) -> str:
 
 def explain(message: str, keys: tuple[str, ...] | list[str], sources: dict[str, str]) -> str:
     """``message`` + where each key got its value: ``(cp from --trainer.model.cp on the command line, ...)``."""
-    found = [(key, source_of(key, sources)) for key in keys]
+    found = [(key, source_of(key, sources)) for key in keys if key]
     set_somewhere = [(k, s) for k, s in found if s is not None]
     if not found:
         return message
@@ -415,12 +415,14 @@ def explain(message: str, keys: tuple[str, ...] | list[str], sources: dict[str, 
 
 
 _MENTION = re.compile(r"(?<![\w.])([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)=")
+_DOTTED = re.compile(r"(?<![\w.\-/])([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)(?![\w\-/])")
 
 
 def _mentioned_keys(message: str, key: str, cls: type[BaseModel]) -> list[str]:
-    """Dotted keys a validator's message names (``batch_size=10 must ...`` under ``orchestrator``)."""
+    """Dotted keys a validator's message names (``batch_size=10 must ...`` under ``orchestrator``, or a
+    full path like ``trainer.data.fake is for ...``)."""
     out = []
-    for name in _MENTION.findall(message):
+    for name in _MENTION.findall(message) + _DOTTED.findall(message):
         for candidate in (f"{key}.{name}" if key else name, name):
             if _lookup(cls, candidate.split(".")) not in (None, _Extra):
                 out.append(candidate)
