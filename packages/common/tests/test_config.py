@@ -336,7 +336,7 @@ class Whole(BaseConfig):
         return self
 
 
-def test_a_validator_naming_a_full_path_blames_its_source_and_no_source_means_no_suffix(tmp_path):
+def test_a_validator_naming_a_full_path_blames_its_source():
     with pytest.raises(ConfigError) as e:
         load_config(Whole, ["--orchestrator.batch-size", "12"])
     assert str(e.value) == (
