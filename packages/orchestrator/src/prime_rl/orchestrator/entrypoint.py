@@ -10,7 +10,7 @@ import sys
 from prime_rl.common.config import parse_config, write_toml
 from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.logging import setup_logger
-from prime_rl.common.monitor import FileMonitor
+from prime_rl.common.monitor import build_monitor
 from prime_rl.common.rundir import RunDir
 from prime_rl.orchestrator.batch import BatchSender
 from prime_rl.orchestrator.client import InferenceClient
@@ -46,7 +46,7 @@ async def run(config: OrchestratorConfig) -> None:
     sender = BatchSender(
         config.trainer.address, config.trainer.port, config.num_train_ranks, config.trainer.send_timeout
     )
-    monitor = FileMonitor(run_dir)
+    monitor = build_monitor(run_dir, config.monitor, "orchestrator", config.model_dump(mode="json"))
     teacher = Distiller.from_config(config.teacher) if config.teacher is not None else None
     try:
         await Orchestrator(config, env, client, control, sender.send, monitor, teacher=teacher).run()

@@ -22,6 +22,7 @@ HTTP server for inference and a ZeroMQ receiver for the trainer.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prime_rl.common.config.orchestrator import OrchestratorConfig
-from prime_rl.common.monitor import FileMonitor
+from prime_rl.common.monitor import FileMonitor, Monitor
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.wire import TrainingBatch
 from prime_rl.orchestrator.batch import build_training_batch
@@ -119,7 +120,7 @@ class Orchestrator:
         client: InferenceClient,
         control: InferenceControl,
         send: SendFn,
-        monitor: FileMonitor | None = None,
+        monitor: Monitor | FileMonitor | None = None,
         teacher: Distiller | None = None,
     ) -> None:
         self.config = config
@@ -254,6 +255,14 @@ class Orchestrator:
         )
         if self.monitor is not None:
             self.monitor.log(step + 1, metrics)  # the trainer's row for this batch (see the module docstring)
+            self.monitor.log_samples(  # a sample table for [monitor.wandb]; metrics.jsonl keeps numbers only
+                step + 1,
+                [
+                    {"task": json.dumps(g.task, default=str), "completion": c.text, "reward": r, "advantage": a}
+                    for g in groups[:4]
+                    for c, r, a in zip(g.completions, g.rewards, g.advantages)
+                ],
+            )
         logger.info(
             "step %d | reward %.3f | zero-adv groups %d | seq_len %.0f | dropped %d | failed %d | %.0f tok/s | %.2fs",
             step + 1, metrics["reward/mean"], num_zero, metrics["seq_len/mean"], metrics["off_policy/dropped"],

@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 import torch
 
-from prime_rl.common.monitor import FileMonitor
+from prime_rl.common.config.monitor import MonitorConfig
+from prime_rl.common.monitor import build_monitor
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.ckpt import CheckpointManager, resolve_resume_step
 from prime_rl.trainer.model import CausalLM
@@ -90,6 +91,10 @@ class Trainer:
     logger: logging.Logger
     flops_per_token: float
     keep_last: int | None = None
+    monitor: MonitorConfig | None = None
+    """Metrics sinks besides metrics.jsonl (`[monitor.wandb]`)."""
+    run_config: dict[str, Any] | None = None
+    """The resolved config, logged by the monitors that keep one (W&B)."""
 
 
 def to_host(stats: Stats) -> dict[str, float]:
@@ -154,7 +159,7 @@ def train_loop(
     model, world, optim, logger = trainer.model, trainer.world, trainer.optim, trainer.logger
     ckpt = CheckpointManager(trainer.run_dir, trainer.keep_last, world.is_main)
     start = resume(trainer, ckpt, resume_step)
-    monitor = FileMonitor(trainer.run_dir) if world.is_main else None
+    monitor = build_monitor(trainer.run_dir, trainer.monitor, "trainer", trainer.run_config) if world.is_main else None
     timer = StepTimer(world.device)
     logger.info(f"training steps {start + 1}..{max_steps} on {world.world_size} rank(s) ({trainer.dims})")
     profiler = StepProfiler(world.is_main)

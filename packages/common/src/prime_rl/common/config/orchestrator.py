@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from prime_rl.common.config.base import BaseConfig
+from prime_rl.common.config.monitor import MonitorConfig
 
 
 class ClientConfig(BaseConfig):
@@ -298,6 +299,8 @@ class OrchestratorConfig(BaseConfig):
     """Seconds between polls of the trainer's version announcements (trainer.weights_port)."""
     weights_timeout: float = Field(default=3600.0, gt=0)
     """Seconds to wait for the trainer to publish the weights a step needs before giving up."""
+    monitor: MonitorConfig = MonitorConfig()
+    """Metrics sinks besides metrics.jsonl: `[monitor.wandb]` logs to Weights & Biases."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Console and file log level."""
     dry_run: bool = False

@@ -18,6 +18,7 @@ from pydantic import Field, model_validator
 from prime_rl.common.config.base import BaseConfig
 from prime_rl.common.config.deployment import Deployment, SingleNodeDeployment, SlurmConfig
 from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.common.config.monitor import MonitorConfig
 from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, RLTrainerConfig, WeightBroadcastConfig
 
@@ -77,6 +78,8 @@ class RLConfig(BaseConfig):
     """How new weights reach inference (copied into the trainer)."""
     ckpt: SharedCheckpointConfig | None = None
     """Checkpoint/resume trainer and orchestrator together (copied into both sections)."""
+    monitor: MonitorConfig = MonitorConfig()
+    """Metrics sinks besides metrics.jsonl, e.g. `[monitor.wandb]` (copied into trainer and orchestrator)."""
     trainer: RLTrainerConfig
     """The RL trainer."""
     orchestrator: OrchestratorConfig = OrchestratorConfig()
@@ -112,6 +115,9 @@ class RLConfig(BaseConfig):
             orch.setdefault("seq_len", data["seq_len"])
         if "weight_broadcast" in data:
             trainer.setdefault("weight_broadcast", data["weight_broadcast"])
+        if "monitor" in data:  # one W&B group: a run per process
+            trainer.setdefault("monitor", data["monitor"])
+            orch.setdefault("monitor", data["monitor"])
         for key, value in (data.get("ckpt") or {}).items():
             _section(trainer, "ckpt").setdefault(key, value)
             if key != "keep_last":  # the orchestrator's state is tiny: it keeps every step

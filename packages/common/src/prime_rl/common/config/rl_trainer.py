@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from prime_rl.common.config.base import BaseConfig
+from prime_rl.common.config.monitor import MonitorConfig
 from prime_rl.common.config.trainer import (
     AdamWConfig,
     CheckpointConfig,
@@ -192,6 +193,8 @@ class RLTrainerConfig(BaseConfig):
     """Run directory name: <output_dir>/<run_name>."""
     seed: int = 0
     """Seed for any randomness in training."""
+    monitor: MonitorConfig = MonitorConfig()
+    """Metrics sinks besides metrics.jsonl: `[monitor.wandb]` logs to Weights & Biases."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Console log level (rank 0)."""
     env_vars: dict[str, str] = {}

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from prime_rl.common.config.base import BaseConfig
+from prime_rl.common.config.monitor import MonitorConfig
 
 
 class CompileConfig(BaseConfig):
@@ -300,6 +301,9 @@ class SFTConfig(BaseConfig):
 
     seed: int = 0
     """Seed for weight init of fresh parameters and for any randomness in training."""
+
+    monitor: MonitorConfig = MonitorConfig()
+    """Metrics sinks besides metrics.jsonl: `[monitor.wandb]` logs to Weights & Biases."""
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Console log level (rank 0)."""

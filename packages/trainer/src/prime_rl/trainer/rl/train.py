@@ -213,7 +213,10 @@ def train(cfg: RLTrainerConfig) -> None:
     optim = build_optimization(cfg.model, cfg.optim, cfg.scheduler, cfg.max_steps, model, world.device, logger)
     publisher = build_publisher(cfg.weight_broadcast, run_dir, model, world)
     flops_per_token = model_flops_per_token(model_config, cfg.data.seq_len)
-    trainer = Trainer(model, dims, world, optim, run_dir, logger, flops_per_token, cfg.ckpt.keep_last)
+    trainer = Trainer(
+        model, dims, world, optim, run_dir, logger, flops_per_token, cfg.ckpt.keep_last,
+        monitor=cfg.monitor, run_config=cfg.model_dump(mode="json"),
+    )  # fmt: skip
     objective = build_objective(cfg.loss, cfg.model, dims, mesh, world, logger)
     logger.info(f"RL trainer: world {world.world_size} ({dims}), device {world.device}, {cfg.max_steps} steps")
     try:

@@ -144,7 +144,10 @@ def train(cfg: SFTConfig) -> None:
     model = build_training_model(cfg.model, dims, mesh, world.device)
     optim = build_optimization(cfg.model, cfg.optim, cfg.scheduler, cfg.max_steps, model, world.device, logger)
     flops_per_token = model_flops_per_token(model_config, cfg.data.seq_len)
-    trainer = Trainer(model, dims, world, optim, run_dir, logger, flops_per_token, cfg.ckpt.keep_last)
+    trainer = Trainer(
+        model, dims, world, optim, run_dir, logger, flops_per_token, cfg.ckpt.keep_last,
+        monitor=cfg.monitor, run_config=cfg.model_dump(mode="json"),
+    )  # fmt: skip
     source = SFTSource(loader)
     train_loop(
         trainer,
