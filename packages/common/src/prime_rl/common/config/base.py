@@ -8,14 +8,21 @@ name the key *and* the file it came from.
 Why not a CLI library: the contract (DESIGN.md) fixes the syntax and asks for one-line errors with
 exit code 2 that name the source file. prime-pydantic-config implements the syntax but renders boxed
 multi-line errors, exits 1 and does not say which TOML file a bad key came from; wrapping it would
-mean re-implementing its error path. The parsing here is ~250 lines over pydantic + tomllib.
+mean re-implementing its error path. The parsing here is a few hundred lines over pydantic + tomllib
+(``--help`` is ``cli_help.py``; layout checks that need the GPU count are ``layout.py``).
 
 Conventions:
 - ``--flag`` / ``--no-flag`` set booleans; a bare ``--sub`` enables an optional sub-config with its
   defaults and ``--no-sub`` (or ``--sub None``) disables it.
 - The string ``"None"`` means null, in TOML (which has no null) and on the command line.
 - Discriminated unions switch on ``type``; a later source that changes ``type`` replaces the earlier
-  table instead of merging into it (the old variant's keys would not be valid for the new one).
+  table instead of merging into it (the old variant's keys would not be valid for the new one). The
+  type in effect is the one set earlier or, if none was, the default variant's: a base that sets
+  ``[deployment] num_train_gpus`` and an overlay with ``type = "multi_node"`` give a clean multi-node table.
+- A table that accepts any key (``extra="allow"``, e.g. ``[vllm]``) accepts any flag under it too; the
+  value is read as TOML would read it (``8`` -> int, ``true`` -> bool, anything else a string).
+- Errors name the key as users write it (no union tags) and the file or ``--flag`` that set it; checks
+  that run after loading (``parse_config(check=...)``) raise ``ConfigError(keys=...)`` to get the same.
 """
 
 from __future__ import annotations
