@@ -1,0 +1,48 @@
+"""A trainer process for test_weight_push.py: the real RL trainer model and the nccl publisher (gloo on CPU).
+
+push_worker.py <model_dir> <out> <control> <announce> : publish versions 1 and 2 into the server, then
+    save the trainer's own final weights (fp32, HF names) to <out>/final for the test to compare.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from prime_rl.common.config import load_config
+from prime_rl.common.config.rl_trainer import NCCLBroadcastConfig, RLTrainerConfig
+from prime_rl.common.net import free_port
+from prime_rl.common.rundir import RunDir
+from prime_rl.trainer.model import build_training_model
+from prime_rl.trainer.models import save_hf_weights
+from prime_rl.trainer.parallel import ParallelDims
+from prime_rl.trainer.rl.publish import build_publisher
+from prime_rl.trainer.world import close_world, init_world
+
+
+def main(model_dir: str, out: str, control: str, announce: str) -> None:
+    cfg = load_config(RLTrainerConfig, ["--model.name", model_dir, "--data.fake", "--output-dir", out])
+    wb = NCCLBroadcastConfig(dtype="float32", port=free_port(), inference_addresses=[control], announce=announce)
+    world = init_world()
+    dims = ParallelDims.from_world(world.world_size, 1)
+    model = build_training_model(cfg.model, dims, dims.build_mesh("cpu"), world.device)
+    publisher = build_publisher(wb, RunDir(Path(out), "run"), model, world)
+    g = torch.Generator().manual_seed(0)
+    for version in (1, 2):
+        with torch.no_grad():
+            for p in model.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.add_(0.05 * torch.randn(local.shape, generator=g))
+        blocked = publisher.publish(version)
+        print(f"PUBLISHED {version} blocked={blocked:.3f}s", flush=True)
+    publisher.close()
+    print(f"SERVED background={publisher.last_write_time:.3f}s", flush=True)
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    save_hf_weights({k.removeprefix("model."): v for k, v in sd.items()}, Path(out) / "final", model.config)
+    (Path(out) / "final" / "STABLE").touch()
+    close_world()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
