@@ -164,7 +164,7 @@ class FilesystemPublisher(_Publisher):
         start = time.perf_counter()
         self.flush()  # backpressure: the host buffer is reused, one write at a time
         state = publish_state(self.model)
-        tensors = gather_full_tensors(state, self.dtype, keep=self.world.is_main)
+        tensors = gather_full_tensors(state, self.dtype, keep=self.world.is_main, cast_on_cpu=False)
         if self.staging is None:
             for _ in tensors:  # join every all-gather
                 pass

@@ -52,17 +52,21 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def gather_full_tensors(
-    state: dict[str, torch.Tensor], dtype: torch.dtype, keep: bool
+    state: dict[str, torch.Tensor], dtype: torch.dtype, keep: bool, cast_on_cpu: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective (every rank iterates it fully, in the same order): each tensor unsharded and cast to
     ``dtype`` on its device. Ranks with ``keep=False`` still join every all-gather but yield nothing.
 
-    The yielded tensor never aliases a parameter (``copy=True``), so a copy of it that is still in flight
-    cannot see the optimizer's next in-place update."""
+    On an accelerator the yielded tensor never aliases a parameter (``copy=True``), so a copy of it still
+    in flight cannot see the optimizer's next in-place update. ``cast_on_cpu=False`` yields CPU tensors
+    uncast (the caller's synchronous ``copy_`` into a ``dtype`` buffer casts in the same pass)."""
     for name, value in state.items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if keep:
-            yield name, full.detach().to(dtype, copy=True)
+            if full.device.type == "cpu" and not cast_on_cpu:
+                yield name, full.detach()
+            else:
+                yield name, full.detach().to(dtype, copy=True)
 
 
 class HostStaging:
@@ -107,7 +111,7 @@ class HostStaging:
             entry = by_name[name]
             target = self.buffer[entry.offset : entry.offset + entry.num_bytes].view(dtype).view(entry.shape)
             if not self._cuda:
-                target.copy_(tensor)
+                target.copy_(tensor)  # casts if ``tensor`` is not in ``dtype`` yet (one pass over the bytes)
                 continue
             assert self._stream is not None
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
