@@ -1,10 +1,12 @@
 """One trainer rank for the publication tests (run by test_publish.py under torchrun, or plainly).
 
-    publish_worker.py compare <model_dir> <out> <announce|-> : publish v1 and v2 in the background
-        while the weights keep changing; rank 0 also writes the synchronous reference (the previous
-        implementation: full state dict gathered to CPU, cast there, save_hf_weights) to out/ref_<v>.
-    publish_worker.py crash <model_dir> <out> <announce|-> : publish v1, then start v2 with a writer
-        that stalls halfway through the weight file, print WRITING and wait to be killed.
+publish_worker.py compare <model_dir> <out> <announce|-> : publish v1 and v2 in the background
+    while the weights keep changing; rank 0 also writes the synchronous reference (the previous
+    implementation: full state dict gathered to CPU, cast there, save_hf_weights) to out/ref_<v>.
+publish_worker.py skip <model_dir> <out> <announce|-> : a writer slower than the steps; v1, v2, v3
+    published 0.2 s apart: v2 is replaced by v3 before the writer starts it.
+publish_worker.py crash <model_dir> <out> <announce|-> : publish v1, then start v2 with a writer
+    that stalls halfway through the weight file, print WRITING and wait to be killed.
 """
 
 import sys
@@ -54,11 +56,31 @@ def main(mode: str, model_dir: str, out: str, announce: str) -> None:
             synchronous_reference(model, torch.bfloat16, Path(out) / f"ref_{version}", world.is_main)
             blocked = publisher.publish(version)
             perturb(model, 100 + version)  # the next step changes the weights while the write runs
+            publisher.flush()  # both versions written (a version staged behind a busy writer may be skipped)
             if world.is_main:
                 print(f"PUBLISHED {version} blocked={blocked:.4f}s", flush=True)
         publisher.close()
         if world.is_main:
             print(f"WRITE {publisher.last_write_time:.4f}s", flush=True)
+    elif mode == "skip":  # a disk slower than the steps: the loop never waits, the newest version wins
+        original = files.write_safetensors
+
+        def slow(path, tensors, metadata=None):
+            time.sleep(1.0)
+            original(path, tensors, metadata)
+
+        files.write_safetensors = slow
+        for version in (1, 2, 3):
+            perturb(model, version)
+            if version == 3:
+                synchronous_reference(model, torch.bfloat16, Path(out) / "ref_3", world.is_main)
+            blocked = publisher.publish(version)
+            if world.is_main:
+                print(f"PUBLISHED {version} blocked={blocked:.4f}s", flush=True)
+            time.sleep(0.2)  # the writer has claimed version 1 long before version 2 arrives
+        publisher.close()
+        if world.is_main:
+            print(f"SKIPPED {publisher.skipped}", flush=True)
     elif mode == "crash":
         publisher.publish(1)
         publisher.flush()

@@ -73,6 +73,24 @@ def test_background_publication_is_bit_identical_to_synchronous(tiny_model_dir, 
     assert all(m.publish_s > 0 and m.write_s > 0 for m in messages)
 
 
+def test_a_slow_disk_never_blocks_the_loop_and_the_newest_version_wins(tiny_model_dir, tmp_path):
+    listener = VersionListener(f"tcp://127.0.0.1:{free_port()}")
+    listener.open()
+    cmd = [sys.executable, str(WORKER), "skip", str(tiny_model_dir), str(tmp_path), listener.endpoint]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    blocked = [float(line.split("blocked=")[1].rstrip("s")) for line in proc.stdout.splitlines() if "blocked=" in line]
+    assert len(blocked) == 3 and max(blocked) < 0.5  # each write takes > 1 s; publish() never waited for one
+    assert "SKIPPED 1" in proc.stdout
+    run_dir = RunDir(tmp_path, "run")
+    assert run_dir.broadcast_steps() == [1, 3]  # version 2 was never written ...
+    assert [m.version for m in _drain(listener, 1.0)] == [1, 3]  # ... nor announced
+    published = load_file(str(run_dir.broadcast_dir(3) / "model.safetensors"))
+    reference = load_file(str(tmp_path / "ref_3" / "model.safetensors"))
+    assert all(torch.equal(published[k], reference[k]) for k in reference)
+    listener.close()
+
+
 def test_trainer_killed_mid_write_leaves_last_complete_version(tiny_model_dir, tmp_path):
     listener = VersionListener(f"tcp://127.0.0.1:{free_port()}")
     listener.open()

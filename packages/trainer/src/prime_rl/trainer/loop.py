@@ -159,6 +159,8 @@ def train_loop(
     model, world, optim, logger = trainer.model, trainer.world, trainer.optim, trainer.logger
     ckpt = CheckpointManager(trainer.run_dir, trainer.keep_last, world.is_main)
     start = resume(trainer, ckpt, resume_step)
+    if start and publisher is not None:  # the resumed weights are the version the orchestrator waits for
+        publisher.publish(start)
     monitor = build_monitor(trainer.run_dir, trainer.monitor, "trainer", trainer.run_config) if world.is_main else None
     timer = StepTimer(world.device)
     logger.info(f"training steps {start + 1}..{max_steps} on {world.world_size} rank(s) ({trainer.dims})")
@@ -193,8 +195,10 @@ def train_loop(
             if publisher is not None:
                 metrics["time/publish_weights"] = publisher.publish(done)
                 write_time = getattr(publisher, "last_write_time", None)
-                if write_time is not None:  # the background write of the previous version
+                if write_time is not None:  # the background part of the last completed version
                     metrics["time/publish_write"] = write_time
+                if hasattr(publisher, "skipped"):  # versions the disk could not keep up with
+                    metrics["weights/skipped"] = publisher.skipped
             if ckpt_interval and (done % ckpt_interval == 0 or done == max_steps):
                 path = optim.save_checkpoint(ckpt, done, model)
                 logger.info(f"saved checkpoint {path}")

@@ -20,16 +20,18 @@ exact (a trainer-driven load could only be learned about after the fact). The an
 only after the version is whole (renamed into place / served), so ``max_off_policy_steps = 0`` keeps
 its meaning: the orchestrator never tags, and so never trains on, a version older than allowed.
 
-What overlaps the next step, per transport (at most one version is in flight: ``publish`` first waits
-for the previous one, so memory stays bounded and versions stay in order):
+What overlaps the next step, per transport:
 
 - filesystem: the loop pays for the all-gathers (collective, every rank, one parameter at a time) and
   the cast to the publish dtype on the device; the device-to-host copy runs on a side CUDA stream into
-  a reusable pinned buffer, and a background thread writes ``broadcasts/step_<n>.tmp/``, fsyncs it,
+  a reusable pinned buffer, and a writer thread writes ``broadcasts/step_<n>.tmp/``, fsyncs it,
   writes the ``STABLE`` marker last, renames it to ``step_<n>/`` (atomic), prunes old versions and
-  announces. A trainer killed mid-write leaves only ``step_<n>.tmp`` (removed at the next start),
-  never a loadable partial ``step_<n>``. Host memory: one copy of the weights in the publish dtype,
-  pinned, on rank 0 (``weights.staging``); no second copy is made to write it (``weights.files``).
+  announces. The loop never waits for the disk: when the writer is still busy, the next version goes to
+  a second buffer, and a staged version the writer has not started is replaced by a newer one (never
+  announced; ``skipped`` counts them). A trainer killed mid-write leaves only ``step_<n>.tmp`` (removed
+  at the next start), never a loadable partial ``step_<n>``. Host memory: one copy of the weights in
+  the publish dtype, pinned, on rank 0, and a second one once the disk falls behind the steps
+  (``weights.staging``); no further copy is made to write it (``weights.files``).
 - nccl: gather + cast on the device, bucket packing and the broadcast itself stay in ``publish`` (the
   sender must take part; GPU-to-GPU it is ~10 ms for 3.5 GB); waiting for every server to reload the
   weights (``AwaitWeightsRequest``, the slow part) and the announcement move to the background thread.
@@ -149,40 +151,117 @@ class _Publisher:
 
 
 class FilesystemPublisher(_Publisher):
-    """Safetensors under ``broadcasts/step_<n>/``, written in the background and published atomically."""
+    """Safetensors under ``broadcasts/step_<n>/``, written in the background and published atomically.
+
+    The training loop never waits for the disk: a writer thread writes the newest staged version while
+    the loop goes on. Two host buffers alternate (the second is allocated only the first time a version
+    arrives while the previous one is still being written); when the writer falls behind, a staged
+    version it has not started is replaced by the newer one and never announced (counted in
+    ``skipped``). So inference always gets the newest complete weights as fast as the disk allows, and
+    the loop pays only for the gather, the cast and queuing the device-to-host copy.
+    ``max_off_policy_steps`` still holds: the orchestrator waits for an announced version >= the one it
+    needs, and the newest staged version is always written.
+    """
 
     def __init__(self, cfg: FilesystemBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
         super().__init__(cfg, model, world, "weight writer")
         self.run_dir = run_dir
-        self.staging = HostStaging(world.device) if world.is_main else None
+        self.buffers: list[HostStaging] = [HostStaging(world.device)] if world.is_main else []
+        self.skipped = 0
+        """Versions replaced by a newer one before the writer started them (never written or announced)."""
+        self._cv = threading.Condition()
+        self._pending: tuple[int, HostStaging, float] | None = None  # staged, not yet claimed by the writer
+        self._writing: HostStaging | None = None
+        self._error: BaseException | None = None
+        self._closing = False
+        self._writer: threading.Thread | None = None
         if world.is_main:
             for path in remove_partial_dirs(run_dir.broadcasts_dir):
                 logger.warning("removed %s, a weight version a previous trainer did not finish writing", path)
+            self._writer = threading.Thread(target=self._write_loop, name="weight writer", daemon=True)
+            self._writer.start()
 
     def publish(self, version: int) -> float:
         """Collective. Returns the seconds the caller was blocked; the write continues in the background."""
         start = time.perf_counter()
-        self.flush()  # backpressure: the host buffer is reused, one write at a time
+        self._raise_writer_error()
         state = publish_state(self.model)
         tensors = gather_full_tensors(state, self.dtype, keep=self.world.is_main, cast_on_cpu=False)
-        if self.staging is None:
+        if not self.world.is_main:
             for _ in tensors:  # join every all-gather
                 pass
             return time.perf_counter() - start
-        self.staging.capture(state, tensors, self.dtype)
+        with self._cv:  # a buffer neither being written nor holding a staged version; else the staged one
+            staged = self._pending[1] if self._pending is not None else None
+            free = [b for b in self.buffers if b is not self._writing and b is not staged]
+            if not free and len(self.buffers) < 2:
+                self.buffers.append(HostStaging(self.world.device))
+                free = self.buffers[-1:]
+            staging = free[0] if free else staged
+            if self._pending is not None:  # the writer has not started it: the newer version replaces it
+                logger.info("weight version %d skipped: the writer is still on an older one", self._pending[0])
+                self._pending = None
+                self.skipped += 1
+        staging.capture(state, tensors, self.dtype)
         blocked = time.perf_counter() - start
-        self.job.start(lambda: self._write(version, blocked))
+        with self._cv:
+            self._pending = (version, staging, blocked)
+            self._cv.notify_all()
         return blocked
 
-    def _write(self, version: int, blocked: float) -> None:
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is not None or self._closing)
+                if self._pending is None:
+                    return
+                (version, staging, blocked), self._pending = self._pending, None
+                self._writing = staging
+            try:
+                self._write(version, staging, blocked)
+            except BaseException as e:  # re-raised in the training loop by the next publish / flush
+                logger.error("weight writer failed on version %d: %s: %s", version, type(e).__name__, e)
+                with self._cv:
+                    self._error = e
+            finally:
+                with self._cv:
+                    self._writing = None
+                    self._cv.notify_all()
+
+    def _raise_writer_error(self) -> None:
+        with self._cv:
+            error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"weight writer failed: {type(error).__name__}: {error}") from error
+
+    def flush(self) -> None:
+        """Wait until the newest staged version is written and announced."""
         start = time.perf_counter()
-        assert self.staging is not None
-        self.staging.wait()
+        with self._cv:
+            self._cv.wait_for(lambda: self._pending is None and self._writing is None)
+        self.last_wait_time = time.perf_counter() - start
+        self._raise_writer_error()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            with self._cv:
+                self._closing = True
+                self._cv.notify_all()
+            if self._writer is not None:
+                self._writer.join()
+            if self.announcer is not None:
+                self.announcer.close()
+
+    def _write(self, version: int, staging: HostStaging, blocked: float) -> None:
+        start = time.perf_counter()
+        staging.wait()
         final = self.run_dir.broadcast_dir(version)
         tmp = tmp_dir_of(final)
         shutil.rmtree(tmp, ignore_errors=True)
         config = load_model_config(self.model.config)
-        write_hf_dir(model_state_dict_to_hf(self.staging.tensors(), config), tmp, config)
+        write_hf_dir(model_state_dict_to_hf(staging.tensors(), config), tmp, config)
         (tmp / MARKER).touch()
         publish_dir(tmp, final)
         self._prune(version)
