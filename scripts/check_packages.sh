@@ -28,9 +28,11 @@ declare -A LOCAL_DEPS=(
   [common]="common" [kernels]="kernels" [trainer]="common kernels trainer"
   [inference]="common inference" [orchestrator]="common orchestrator" [launcher]="common launcher"
 )
-# Extras installed for the tests: each package's `test` extra (pytest + what only its tests import).
+# Extras installed for the tests: each package's `test` extra (pytest + what only its tests import);
+# common also gets its optional `torch` (weight_sync) and `wandb` ([monitor.wandb]) extras, so that
+# their tests run against exactly what those extras declare.
 declare -A TEST_EXTRAS=(
-  [common]="[test]" [kernels]="[test]" [trainer]="[test]" [inference]="[test${INFERENCE_EXTRAS:+,$INFERENCE_EXTRAS}]"
+  [common]="[test,torch,wandb]" [kernels]="[test]" [trainer]="[test]" [inference]="[test${INFERENCE_EXTRAS:+,$INFERENCE_EXTRAS}]"
   [orchestrator]="[test]" [launcher]="[test]"
 )
 PYTEST_ARGS="${PYTEST_ARGS:--n 2 --dist loadgroup -m \"not gpu and not slow\"}"
