@@ -69,7 +69,8 @@ def test_orchestrator_logs_metrics_and_sample_tables_offline(tmp_path, monkeypat
     monkeypatch.setenv("WANDB_SILENT", "true")
     port = free_port_range(2)
     with FakeOpenAIServer() as server:
-        config = make_config(tmp_path, server.base_url, port, monitor={"wandb": {"max_samples": 3}})
+        wandb_cfg = {"max_samples": 3, "mode": "offline"}  # wandb reads $WANDB_MODE once per process
+        config = make_config(tmp_path, server.base_url, port, monitor={"wandb": wandb_cfg})
         run_dir = RunDir(tmp_path, "run")
         trainer = FakeTrainer(run_dir, port, num_ranks=2, num_steps=3, weights_port=config.trainer.weights_port)
 
