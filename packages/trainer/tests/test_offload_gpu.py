@@ -45,11 +45,14 @@ def test_offload_matches_no_offload(model_dir, tmp_path):
     noise = max(abs(a - b) for a, b in zip(losses["ref"], losses["ref2"], strict=True))
     diff = max(abs(a - b) for a, b in zip(losses["ref"], losses["off"], strict=True))
     assert diff <= max(2 * noise, 1e-6), losses
-    # the state is off the device during forward/backward: the peak drops by most of its 8 bytes/param
+    # the state is off the device between steps and during forward: memory resident at the start of a
+    # step drops by the whole state (8 bytes/param); the peak, here at the optimizer step (64-token rows
+    # have almost no activations), is no higher than without offload
     state_gib = 8 * _num_params(model_dir) / 2**30
-    peak_ref = max(r["perf/peak_memory"] for r in ref[1:])
-    peak_off = max(r["perf/peak_memory"] for r in off[1:])
-    assert peak_ref - peak_off > 0.5 * state_gib, (peak_ref, peak_off, state_gib)
+    resident_ref = max(r["perf/resident_memory"] for r in ref[1:])
+    resident_off = max(r["perf/resident_memory"] for r in off[1:])
+    assert resident_ref - resident_off > 0.95 * state_gib, (resident_ref, resident_off, state_gib)
+    assert max(r["perf/peak_memory"] for r in off) <= max(r["perf/peak_memory"] for r in ref) + 0.01
 
 
 def _num_params(model_dir) -> int:

@@ -174,6 +174,8 @@ def train_loop(
             t0 = time.perf_counter()
             optim.begin_step()  # the last step's optimizer-state offload must be done: its memory is needed
             offload_wait = time.perf_counter() - t0
+            # what stays resident between steps (weights, gradients' buffers, optimizer state unless offloaded)
+            resident = torch.cuda.memory_allocated(world.device) / 2**30 if world.device.type == "cuda" else None
             timer.start()
             stats = objective.forward_backward(model, micro_batches, optim.offload.arm)
             stats["optim/grad_norm"] = optim.grad_norm(max_norm)
@@ -192,6 +194,8 @@ def train_loop(
                 "time/data_wait": data_wait,
                 "time/offload_wait": offload_wait,
             }
+            if resident is not None:
+                metrics["perf/resident_memory"] = resident
             if publisher is not None:
                 metrics["time/publish_weights"] = publisher.publish(done)
                 write_time = getattr(publisher, "last_write_time", None)

@@ -20,7 +20,7 @@ from prime_rl.common.rundir import RunDir
 from prime_rl.common.weight_sync.nixl_source import NixlWeightSender
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
-from prime_rl.trainer.rl.publish import _Publisher, publish_state
+from prime_rl.trainer.rl.publish import _Publisher
 from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
 
@@ -55,7 +55,7 @@ class NixlPublisher(_Publisher):
         start = time.perf_counter()
         self.flush()
         # Every rank stages a slice of every group, so every rank keeps the full tensors (on its device).
-        full = dict(gather_full_tensors(publish_state(self.model), self.dtype, keep=True))
+        full = dict(gather_full_tensors(self.state, self.dtype, keep=True))
         self.sender.stage(version, model_state_dict_to_hf(full, self.model.config).items())
         del full
         blocked = time.perf_counter() - start

@@ -62,7 +62,10 @@ def gather_full_tensors(
     in flight cannot see the optimizer's next in-place update. ``cast_on_cpu=False`` yields CPU tensors
     uncast (the caller's synchronous ``copy_`` into a ``dtype`` buffer casts in the same pass)."""
     for name, value in state.items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if isinstance(value, DTensor):  # a one-rank mesh holds the whole tensor: skip the collective machinery
+            full = value.to_local() if value.device_mesh.size() == 1 else value.full_tensor()
+        else:
+            full = value
         if keep:
             if full.device.type == "cpu" and not cast_on_cpu:
                 yield name, full.detach()
@@ -102,35 +105,46 @@ class HostStaging:
         self, state: dict[str, torch.Tensor], tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
     ) -> None:
         """Copy every yielded tensor into the buffer (asynchronously on CUDA). The previous capture must
-        be consumed (``wait`` + its reader done): the buffer is overwritten in place."""
+        be consumed (``wait`` + its reader done): the buffer is overwritten in place.
+
+        On CUDA the copies go out in chunks of up to ``max_in_flight_bytes``: the chunk's cast tensors
+        are queued on the compute stream, the side stream waits for them once and copies the whole
+        chunk (one wait and one event per chunk, not per tensor: ~300 tensors cost milliseconds of
+        host time otherwise); the host waits only when an older chunk is still in flight beyond that."""
         self._plan(state, dtype)
         assert self.buffer is not None
         by_name = {e.name: e for e in self.entries}
-        in_flight: deque[tuple[torch.cuda.Event, int]] = deque()
-        pending = 0
+        in_flight: deque[torch.cuda.Event] = deque()
+        chunk: list[tuple[torch.Tensor, torch.Tensor]] = []
+        chunk_bytes = 0
+
+        def flush_chunk() -> None:
+            assert self._stream is not None
+            if in_flight:  # bound the device memory held by cast copies to about two chunks
+                in_flight.popleft().synchronize()
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                for target, tensor in chunk:
+                    target.copy_(tensor, non_blocking=True)
+                    tensor.record_stream(self._stream)  # its memory is not reused before the copy has read it
+                in_flight.append(self._stream.record_event())
+
         for name, tensor in tensors:
             entry = by_name[name]
             target = self.buffer[entry.offset : entry.offset + entry.num_bytes].view(dtype).view(entry.shape)
             if not self._cuda:
                 target.copy_(tensor)  # casts if ``tensor`` is not in ``dtype`` yet (one pass over the bytes)
                 continue
-            assert self._stream is not None
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                target.copy_(tensor, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            tensor.record_stream(self._stream)  # its memory is not reused before the copy has read it
-            in_flight.append((event, entry.num_bytes))
-            pending += entry.num_bytes
-            while pending > self.max_in_flight_bytes and len(in_flight) > 1:
-                done, num_bytes = in_flight.popleft()
-                done.synchronize()
-                pending -= num_bytes
+            chunk.append((target, tensor))
+            chunk_bytes += entry.num_bytes
+            if chunk_bytes >= self.max_in_flight_bytes:
+                flush_chunk()
+                chunk, chunk_bytes = [], 0
         if self._cuda:
+            if chunk:
+                flush_chunk()
             assert self._stream is not None
-            self._done = torch.cuda.Event()
-            self._done.record(self._stream)
+            self._done = self._stream.record_event()
 
     def wait(self) -> None:
         """Block until the last capture's copies have landed in the buffer (any thread may call it)."""
