@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ _ROUTER_RE = re.compile(r"^layers\.(\d+)\.mlp\.router\.weight$")
 _STACKED_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
 # Files copied next to saved weights so the directory is a complete HF model (tokenizer, templates).
 _SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
-_WEIGHT_INDEX = "model.safetensors.index.json"
+WEIGHT_INDEX = "model.safetensors.index.json"
 
 
 def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -84,7 +85,7 @@ def model_state_dict_to_hf(sd: dict[str, torch.Tensor], config: ModelConfig) -> 
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / _WEIGHT_INDEX
+    index = model_dir / WEIGHT_INDEX
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return [model_dir / f for f in sorted(set(weight_map.values()))]
@@ -170,13 +171,24 @@ def save_hf_weights(
     full_sd = {k: _to_full_cpu(v) for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
     hf_sd = {k: _to_full_cpu(v) for k, v in model_state_dict_to_hf(full_sd, config).items()}
     # A previous save with another sharding would leave files that loaders pick up next to ours.
-    for stale in [*out_dir.glob("*.safetensors"), out_dir / _WEIGHT_INDEX]:
+    for stale in [*out_dir.glob("*.safetensors"), out_dir / WEIGHT_INDEX]:
         stale.unlink(missing_ok=True)
-    _write_shards(hf_sd, out_dir, max_shard_bytes)
-    _write_side_files(config, out_dir)
+    write_shards(hf_sd, out_dir, max_shard_bytes)
+    write_side_files(config, out_dir)
 
 
-def _write_shards(hf_sd: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> None:
+def _save_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def write_shards(
+    hf_sd: Mapping[str, torch.Tensor],
+    out_dir: Path,
+    max_shard_bytes: int,
+    write: Callable[[Path, dict[str, torch.Tensor], dict[str, str]], None] = _save_file,
+) -> None:
+    """HF-named tensors as ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards of at
+    most ``max_shard_bytes`` plus the index; ``write(path, tensors, metadata)`` writes one file."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in hf_sd.items():
@@ -187,22 +199,23 @@ def _write_shards(hf_sd: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes
         shards[-1][name] = tensor
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        write(out_dir / "model.safetensors", shards[0], {"format": "pt"})
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / file_name), metadata={"format": "pt"})
+        write(out_dir / file_name, shard, {"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file_name))
     total = sum(t.numel() * t.element_size() for t in hf_sd.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / _WEIGHT_INDEX).write_text(json.dumps(index, indent=2))
+    (out_dir / WEIGHT_INDEX).write_text(json.dumps(index, indent=2))
 
 
-def _write_side_files(config: ModelConfig, out_dir: Path) -> None:
+def write_side_files(config: ModelConfig, out_dir: Path) -> None:
+    """config.json and the source directory's tokenizer / generation files next to the weights."""
     if config.source_dir and Path(config.source_dir).resolve() != out_dir.resolve():
         for path in Path(config.source_dir).iterdir():
-            if path.is_file() and path.suffix in _SIDE_FILE_SUFFIXES and path.name != _WEIGHT_INDEX:
+            if path.is_file() and path.suffix in _SIDE_FILE_SUFFIXES and path.name != WEIGHT_INDEX:
                 shutil.copy2(path, out_dir / path.name)
     if config.hf_config:
         (out_dir / "config.json").write_text(json.dumps(config.hf_config, indent=2) + "\n")

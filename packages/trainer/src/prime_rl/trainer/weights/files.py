@@ -5,7 +5,7 @@
   memory: no per-tensor ``bytes`` copy, so publishing from a host buffer costs no second host copy.
   Tensors are ordered and the header laid out as ``safetensors.torch.save_file`` does for tensors of
   one dtype, so the files are byte-identical to what it writes (tests/ check it).
-- ``write_hf_dir`` shards like ``prime_rl.trainer.models.save_hf_weights`` (same file names, index,
+- ``write_hf_dir`` shards through ``prime_rl.trainer.models.weights.write_shards``, as ``save_hf_weights`` does (same file names, index,
   side files) and fsyncs every file.
 - ``publish_dir`` makes a fully written temporary directory visible under its final name with one
   ``rename`` (atomic on POSIX file systems), after fsyncing it, then fsyncs the parent: a reader sees
@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 from prime_rl.trainer.models.config import ModelConfig
-from prime_rl.trainer.models.weights import _write_side_files
+from prime_rl.trainer.models.weights import write_shards, write_side_files
 
-WEIGHT_INDEX = "model.safetensors.index.json"
 TMP_SUFFIX = ".tmp"
 """A directory still being written: ``step_<n>.tmp`` (never matched by ``RunDir.broadcast_steps``)."""
 
@@ -99,27 +98,8 @@ def write_hf_dir(
 ) -> None:
     """HF-named tensors as (sharded) safetensors plus config.json and tokenizer files, all fsynced."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in hf_state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        write_safetensors(out_dir / "model.safetensors", shards[0], {"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(out_dir / file_name, shard, {"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file_name))
-        total = sum(t.numel() * t.element_size() for t in hf_state.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / WEIGHT_INDEX).write_text(json.dumps(index, indent=2))
-    _write_side_files(config, out_dir)
+    write_shards(hf_state, out_dir, max_shard_bytes, write=write_safetensors)
+    write_side_files(config, out_dir)
     for path in out_dir.iterdir():
         if path.is_file() and not path.name.endswith(".safetensors"):  # weight files are fsynced already
             with open(path, "rb+") as f:
