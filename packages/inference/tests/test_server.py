@@ -28,6 +28,7 @@ from prime_rl.common.wire import (
     PauseRequest,
     ResumeRequest,
 )
+from prime_rl.inference.testing import server_logprobs as served_logprobs
 
 pytestmark = pytest.mark.xdist_group("vllm_server")
 
@@ -36,15 +37,7 @@ TOL = 1e-4  # fp32 model: vLLM and transformers agree to ~1e-6
 
 
 def server_logprobs(server, ids: list[int] = PROMPT) -> list[float]:
-    """logprob of token i+1 given tokens <= i, from vLLM's prompt_logprobs."""
-    r = httpx.post(
-        f"{server.url}/v1/completions",
-        json={"model": str(server.model_dir), "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0},
-        timeout=60,
-    )
-    r.raise_for_status()
-    entries = r.json()["choices"][0]["prompt_logprobs"][1:]
-    return [entry[str(tok)]["logprob"] for entry, tok in zip(entries, ids[1:])]
+    return served_logprobs(server, ids)
 
 
 def hf_logprobs(model_dir: Path, state_dict: dict[str, torch.Tensor], ids: list[int] = PROMPT) -> list[float]:

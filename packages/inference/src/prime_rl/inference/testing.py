@@ -105,3 +105,16 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)  # our own session only (start_new_session=True)
             proc.wait()
+
+
+def server_logprobs(server: Server, ids: list[int]) -> list[float]:
+    """logprob of token i+1 given tokens <= i, from the server's ``prompt_logprobs``: what the served
+    weights compute, to compare against a reference or against the same call before an update."""
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": str(server.model_dir), "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0},
+        timeout=60,
+    )
+    r.raise_for_status()
+    entries = r.json()["choices"][0]["prompt_logprobs"][1:]
+    return [entry[str(tok)]["logprob"] for entry, tok in zip(entries, ids[1:], strict=True)]
