@@ -66,3 +66,13 @@ def make_agent(prefix: str, progress_thread: bool):
     name = f"{prefix}-{uuid.uuid4().hex[:12]}"
     config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
     return api.nixl_agent(name, config), name
+
+
+def release_agent(agent, peers, registration) -> None:  # noqa: ANN001 - nixl objects
+    """Forget every peer agent (one that is gone already is skipped) and deregister our memory."""
+    for name in peers:
+        try:
+            agent.remove_remote_agent(name)
+        except Exception:  # the peer may be gone already
+            pass
+    agent.deregister_memory(registration)

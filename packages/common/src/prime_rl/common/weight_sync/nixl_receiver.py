@@ -44,7 +44,7 @@ from prime_rl.common.nixl_layout import (
     source_slices,
 )
 from prime_rl.common.nixl_metadata import MetadataClient
-from prime_rl.common.weight_sync.nixl_agent import Backoff, allocate_buffers, make_agent, mem_type
+from prime_rl.common.weight_sync.nixl_agent import Backoff, allocate_buffers, make_agent, mem_type, release_agent
 from prime_rl.common.wire import NixlLayout, NixlPeer
 
 logger = logging.getLogger(__name__)
@@ -305,9 +305,4 @@ class NixlReceiver:
             handle.release()
         for dlist in self._dlists:
             dlist.release()
-        for name in self.source_names:
-            try:
-                self.agent.remove_remote_agent(name)
-            except Exception:  # the peer may be gone already
-                pass
-        self.agent.deregister_memory(self._reg)
+        release_agent(self.agent, self.source_names, self._reg)

@@ -44,7 +44,7 @@ from prime_rl.common.nixl_layout import (
     source_slices,
 )
 from prime_rl.common.nixl_metadata import MetadataClient, MetadataService, is_serving
-from prime_rl.common.weight_sync.nixl_agent import Backoff, allocate_buffers, make_agent, mem_type
+from prime_rl.common.weight_sync.nixl_agent import Backoff, allocate_buffers, make_agent, mem_type, release_agent
 from prime_rl.common.weight_sync.servers import InferenceServers
 from prime_rl.common.wire import (
     AwaitWeightsRequest,
@@ -166,12 +166,7 @@ class NixlSource:
             self.wait_credits(version, g)
 
     def close(self) -> None:
-        for name in self.receivers:
-            try:
-                self.agent.remove_remote_agent(name)
-            except Exception:  # the peer may be gone already
-                pass
-        self.agent.deregister_memory(self._reg)
+        release_agent(self.agent, self.receivers, self._reg)
 
 
 class NixlWeightSender:
