@@ -23,7 +23,7 @@ $PIP install -q hatchling editables
 $PIP install -q --no-build-isolation \
   -e "packages/common[testing,torch,wandb,test]" \
   -e "packages/kernels" \
-  -e "packages/trainer[nixl]" \
+  -e "packages/trainer[nixl,test]" \
   -e "packages/inference[cpu,router,nixl]" \
   -e "packages/orchestrator[envs]" \
   -e "packages/launcher[test]"

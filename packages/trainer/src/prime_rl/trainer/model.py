@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.common.config.trainer import ModelConfig
 from prime_rl.kernels import fused_logprobs_entropy, vanilla_logprobs_entropy
+from prime_rl.trainer.lora import apply_lora, init_lora_weights, is_lora_param
 from prime_rl.trainer.models import build_model, load_hf_weights
 from prime_rl.trainer.parallel import ParallelDims, parallelize_model
 
@@ -49,10 +50,14 @@ def build_training_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh,
     # fp32 masters, except under full offload: the masters live on CPU, the device keeps bf16 weights
     dtype = torch.bfloat16 if cfg.offload == "full" else torch.float32
     model = build_model(cfg.name, attn=cfg.attn, dtype=dtype, device="meta")
+    if cfg.lora is not None:  # before parallelize: adapters shard, checkpoint and compile with their block
+        apply_lora(model, cfg.lora)
     chunk = None if cfg.fused_lm_head_token_chunk_size == "disabled" else cfg.fused_lm_head_token_chunk_size
     root = CausalLM(model, chunk)
     parallelize_model(root, model, dims, mesh, cfg)
     root.to_empty(device=device)
     model.tie_weights()
-    load_hf_weights(model, Path(cfg.name))
+    load_hf_weights(model, Path(cfg.name), ignore=is_lora_param)
+    if cfg.lora is not None:
+        init_lora_weights(model, seed=torch.initial_seed())
     return root

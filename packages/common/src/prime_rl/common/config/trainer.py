@@ -86,6 +86,36 @@ class MoEConfig(BaseConfig):
     """Expert-parallel token dispatch: `type = "torch"`, `"deepep"` or `"mega_moe"`."""
 
 
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoRAConfig(BaseConfig):
+    """Low-rank adapters (LoRA): W x + (alpha / rank) B A x on the targeted linear layers; the base weights stay
+    frozen (no gradient, no optimizer state) and only the adapters (plus `modules_to_save`) train and are saved."""
+
+    rank: int = Field(16, ge=1)
+    """Rank r of each adapter: A is (r, in_features), B is (out_features, r)."""
+
+    alpha: float = Field(32.0, gt=0)
+    """Scaling numerator: the adapter's output is multiplied by alpha / rank."""
+
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (training only; the base path never sees it)."""
+
+    target_modules: list[str] | str = DEFAULT_LORA_TARGETS
+    """Linear layers to adapt, as in peft: a list of module-name suffixes ("q_proj", "self_attn.o_proj") or one
+    regular expression matched against the whole module name ("layers\\.[0-3]\\..*_proj")."""
+
+    modules_to_save: list[str] = []
+    """Modules trained in full beside the adapters (e.g. "lm_head", "embed_tokens", "norm"), matched by suffix."""
+
+    name: str | None = None
+    """Name the adapter is served under by inference (rollouts request model=<name>); None: the run name."""
+
+    export_merged: bool = False
+    """With ckpt.export_hf: also write the merged Hugging Face weights (W + alpha/r B A) next to the adapter."""
+
+
 class ModelConfig(BaseConfig):
     """The model and how it is laid out across GPUs."""
 
@@ -128,6 +158,9 @@ class ModelConfig(BaseConfig):
 
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter / all-reduce (parameters compute in bf16, masters stay fp32)."""
+
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters on a frozen base (`[model.lora]`); None trains every weight."""
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":

@@ -106,11 +106,12 @@ def read_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Copy an HF checkpoint into `model` (plain or DTensor parameters), casting to each parameter's dtype."""
+def load_hf_weights(model: nn.Module, model_dir: str | Path, ignore: Callable[[str], bool] | None = None) -> None:
+    """Copy an HF checkpoint into `model` (plain or DTensor parameters), casting to each parameter's dtype.
+    State-dict keys for which `ignore(name)` is true (LoRA adapters) are not in the checkpoint and stay as they are."""
     config: ModelConfig = model.config
     sd = hf_state_dict_to_model(read_hf_state_dict(model_dir), config)
-    targets = model.state_dict()
+    targets = {k: v for k, v in model.state_dict().items() if ignore is None or not ignore(k)}
     missing, unexpected = sorted(set(targets) - set(sd)), sorted(set(sd) - set(targets))
     if missing or unexpected:
         raise ValueError(
