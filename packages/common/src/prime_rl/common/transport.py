@@ -20,8 +20,14 @@ Design decisions:
 - ``ControlClient`` follows ZeroMQ's "lazy pirate" pattern: after a timeout the REQ socket is
   stuck mid-exchange, so it is closed and reopened.
 
-Left out: encryption/auth (the processes of one run trust each other on a private network), an
-asyncio server and receiver (run ``ControlServer.serve_forever`` / ``Receiver.recv`` in a thread).
+- Closed by default: every socket of a run authenticates with the run secret (``prime_rl.common.auth``:
+  ZeroMQ CURVE, keys derived from ``PRIME_RL_SECRET_FILE``, which the launcher sets). Without a secret
+  a socket may only bind loopback; binding another interface without one is refused. Receivers and
+  control servers record the peer address of the last message (``last_origin``) so handlers can log
+  who asked for a weight load or a pause.
+
+Left out: an asyncio server and receiver (run ``ControlServer.serve_forever`` / ``Receiver.recv`` in a
+thread).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from prime_rl.common.auth import SECRET_ENV, RunSecret, is_loopback
 from prime_rl.common.wire import (
     MESSAGE_TYPES,
     ControlReply,
@@ -59,7 +66,7 @@ class _Unset(enum.Enum):
     UNSET = 0
 
 
-_UNSET = _Unset.UNSET  # "use the instance's timeout_s" (None already means "wait forever")
+_UNSET = _Unset.UNSET  # "use the default": the instance's timeout_s, the environment's run secret (None means none)
 
 
 class Received(NamedTuple):
@@ -229,12 +236,48 @@ def decode_frames(frames: Sequence[zmq.Frame | bytes], types: Sequence[type[Mess
     return Received(message, arrays)
 
 
-class _Socket:
-    """A ZeroMQ socket with an endpoint, bind-or-connect, and context-manager closing."""
+def _resolve_secret(secret: RunSecret | None | _Unset) -> RunSecret | None:
+    return RunSecret.from_env() if secret is _UNSET else secret
 
-    def __init__(self, kind: int, endpoint: str, bind: bool, context: zmq.Context | None, linger_s: float) -> None:
+
+def check_bind_allowed(endpoint: str, secret: RunSecret | None) -> None:
+    """Refuse to bind a non-loopback endpoint without a run secret (anyone on the network could use it)."""
+    if secret is None and not is_loopback(endpoint):
+        raise PermissionError(
+            f"refusing to bind {endpoint} without a run secret: anyone who can reach it could load weights, "
+            f"pause inference or take batches; bind 127.0.0.1, or set {SECRET_ENV} to a secret file "
+            "(`python -m prime_rl.common.auth <file>`; the launcher does this for a run)"
+        )
+
+
+def frame_origin(frame: zmq.Frame) -> str:
+    """The peer address a received frame came from ("?" when the transport does not say, e.g. inproc)."""
+    try:
+        return frame.get("Peer-Address") or "?"
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return "?"
+
+
+class _Socket:
+    """A ZeroMQ socket with an endpoint, bind-or-connect, run authentication, and context-manager closing."""
+
+    def __init__(
+        self,
+        kind: int,
+        endpoint: str,
+        bind: bool,
+        context: zmq.Context | None,
+        linger_s: float,
+        secret: RunSecret | None | _Unset = _UNSET,
+    ) -> None:
         self.endpoint = endpoint
         self.bind = bind
+        self.secret = _resolve_secret(secret)
+        """The run secret this socket authenticates with (None: plain, loopback-only when binding)."""
+        self.last_origin = "?"
+        """Peer address of the last message received."""
+        if bind:
+            check_bind_allowed(endpoint, self.secret)
         self._kind = kind
         self._context = context or zmq.Context.instance()
         self._linger_ms = _ms(linger_s)
@@ -246,6 +289,8 @@ class _Socket:
     def _open(self) -> zmq.Socket:
         socket = self._context.socket(self._kind)
         socket.setsockopt(zmq.LINGER, self._linger_ms)
+        if self.secret is not None:
+            self.secret.apply(socket, self.bind)
         self._configure(socket)
         try:
             if self.bind:
@@ -281,10 +326,11 @@ class Sender(_Socket):
         timeout_s: float | None = 60.0,
         context: zmq.Context | None = None,
         linger_s: float = 5.0,
+        secret: RunSecret | None | _Unset = _UNSET,
     ) -> None:
         self.timeout_s = timeout_s
         self._pool = BufferPool()
-        super().__init__(zmq.PUSH, endpoint, bind, context, linger_s)
+        super().__init__(zmq.PUSH, endpoint, bind, context, linger_s, secret)
 
     def _configure(self, socket: zmq.Socket) -> None:
         socket.setsockopt(zmq.IMMEDIATE, 1)  # no peer => block (and time out), don't queue blindly
@@ -340,6 +386,7 @@ class Receiver(_Socket):
         types: Sequence[type[Message]] = MESSAGE_TYPES,
         context: zmq.Context | None = None,
         linger_s: float = 0.0,
+        secret: RunSecret | None | _Unset = _UNSET,
     ) -> None:
         self.timeout_s = timeout_s
         self.types = tuple(types)
@@ -347,7 +394,7 @@ class Receiver(_Socket):
         """Messages refused so far (malformed, other schema version)."""
         self.last_error: str | None = None
         """Why the last refused message was refused."""
-        super().__init__(zmq.PULL, endpoint, bind, context, linger_s)
+        super().__init__(zmq.PULL, endpoint, bind, context, linger_s, secret)
 
     def recv(self, timeout_s: float | None | _Unset = _UNSET) -> Received:
         """Next well-formed message; raises ``TimeoutError`` when none arrives within the timeout."""
@@ -360,12 +407,13 @@ class Receiver(_Socket):
                     f"no message on {self.endpoint} within {timeout}s; is the sender running and connected here?"
                 )
             frames = self._socket.recv_multipart(copy=False)
+            self.last_origin = frame_origin(frames[0])
             try:
                 return decode_frames(frames, self.types)
             except WireError as e:
                 self.num_rejected += 1
                 self.last_error = str(e)
-                logger.error("refused a message on %s: %s", self.endpoint, e)
+                logger.error("refused a message on %s from %s: %s", self.endpoint, self.last_origin, e)
 
 
 Handler = Callable[[Message, dict[str, np.ndarray]], Message]
@@ -383,22 +431,24 @@ class ControlServer(_Socket):
         types: Sequence[type[Message]] = MESSAGE_TYPES,
         context: zmq.Context | None = None,
         linger_s: float = 1.0,
+        secret: RunSecret | None | _Unset = _UNSET,
     ) -> None:
         self.types = tuple(types)
         self.num_rejected = 0
         """Requests refused (malformed, other schema version) or whose handler raised."""
-        super().__init__(zmq.REP, endpoint, bind, context, linger_s)
+        super().__init__(zmq.REP, endpoint, bind, context, linger_s, secret)
 
     def serve_once(self, handler: Handler, timeout_s: float | None = None) -> bool:
         """Handle one request if one arrives within ``timeout_s``; return whether one was handled."""
         if not self._socket.poll(_ms(timeout_s), zmq.POLLIN):
             return False
         frames = self._socket.recv_multipart(copy=False)
+        self.last_origin = frame_origin(frames[0])  # read by handlers to log who asked
         try:
             request = decode_frames(frames, self.types)
         except WireError as e:
             self.num_rejected += 1
-            logger.error("refused a control request on %s: %s", self.endpoint, e)
+            logger.error("refused a control request on %s from %s: %s", self.endpoint, self.last_origin, e)
             reply: Message = ControlReply(ok=False, error=f"refused request: {e}")
         else:
             try:
@@ -428,10 +478,11 @@ class ControlClient(_Socket):
         timeout_s: float | None = 60.0,
         types: Sequence[type[Message]] = MESSAGE_TYPES,
         context: zmq.Context | None = None,
+        secret: RunSecret | None | _Unset = _UNSET,
     ) -> None:
         self.timeout_s = timeout_s
         self.types = tuple(types)
-        super().__init__(zmq.REQ, endpoint, False, context, linger_s=0.0)
+        super().__init__(zmq.REQ, endpoint, False, context, 0.0, secret)
 
     def request(
         self,
@@ -477,10 +528,12 @@ class AsyncControlClient:
         timeout_s: float | None = 60.0,
         types: Sequence[type[Message]] = MESSAGE_TYPES,
         context: zmq.asyncio.Context | None = None,
+        secret: RunSecret | None | _Unset = _UNSET,
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.types = tuple(types)
+        self.secret = _resolve_secret(secret)
         self._context = context or zmq.asyncio.Context.instance()
         self._lock = asyncio.Lock()
         self._socket = self._open()
@@ -488,6 +541,8 @@ class AsyncControlClient:
     def _open(self) -> zmq.asyncio.Socket:
         socket = self._context.socket(zmq.REQ)
         socket.setsockopt(zmq.LINGER, 0)
+        if self.secret is not None:
+            self.secret.apply(socket, bind=False)
         socket.connect(self.endpoint)
         return socket
 
