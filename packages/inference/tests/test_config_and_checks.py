@@ -36,6 +36,24 @@ def test_config_refuses_colliding_ports():
         )
 
 
+def test_listeners_are_loopback_by_default_and_open_http_needs_a_key():
+    cfg = InferenceConfig()
+    assert (cfg.server.host, cfg.server.control_host) == ("127.0.0.1", "127.0.0.1")
+    with pytest.raises(ConfigError, match="server.api_key"):
+        load_config(InferenceConfig, ["--server.host", "0.0.0.0"])
+    cfg = load_config(InferenceConfig, ["--server.host", "0.0.0.0", "--server.api-key", "k"])
+    assert cfg.server.api_key == "k"
+
+
+def test_api_key_reaches_vllm():
+    pytest.importorskip("vllm", reason="builds vLLM's argument parser: needs the cpu or gpu extra")
+    from prime_rl.inference.server import build_vllm_args
+
+    cfg = load_config(InferenceConfig, ["--model.name", "m", "--server.host", "0.0.0.0", "--server.api-key", "k"])
+    assert build_vllm_args(cfg).api_key == ["k"]
+    assert build_vllm_args(InferenceConfig()).api_key is None
+
+
 def test_vllm_args_mapping_and_unknown_key():
     pytest.importorskip("vllm", reason="builds vLLM's argument parser: needs the cpu or gpu extra")
     from prime_rl.inference.server import WORKER_EXTENSION, build_vllm_args

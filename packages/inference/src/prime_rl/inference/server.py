@@ -32,6 +32,8 @@ def build_vllm_args(config: InferenceConfig, port: int | None = None) -> argpars
     args = parser.parse_args(["--model", config.model.name])
     args.host = config.server.host
     args.port = config.server.port if port is None else port
+    if config.server.api_key is not None:
+        args.api_key = [config.server.api_key]  # vLLM checks the Bearer token on every /v1 route
     # /inference/v1/generate (token ids in, token ids + logprobs + weight-version spans out) is the
     # endpoint that says which weights produced each token; it is off in vLLM unless asked for.
     if hasattr(args, "enable_scale_out"):
@@ -95,6 +97,8 @@ async def serve(config: InferenceConfig, *, port: int | None = None, control_por
                 pause_mode=config.weights.pause_mode,
                 marker=config.weights.marker,
                 broadcast_timeout_s=config.weights.broadcast_timeout,
+                model_dir=str(_resolve_model_dir(config.model.name)),
+                verify_data=config.weights.verify_data,
             )
             await controller.start()
             endpoint = f"tcp://{config.server.control_host}:{control_port}"

@@ -14,6 +14,10 @@ Design decisions:
   another value in ``[vllm]`` is refused.
 - The HTTP API is vLLM's own OpenAI-compatible server; the control plane (pause / resume / load weights /
   broadcast / health) is a separate ZeroMQ endpoint speaking ``prime_rl.common.wire`` messages.
+- Closed by default: both listen on loopback. The control endpoint authenticates with the run secret
+  (``PRIME_RL_SECRET_FILE``, ``prime_rl.common.auth``) and refuses to bind another interface without
+  one; the HTTP API on another interface needs ``server.api_key`` (vLLM's ``--api-key``: every /v1 call
+  must carry ``Authorization: Bearer <key>``).
 - ``[router]`` with ``replicas > 1`` starts that many independent servers on this node behind one
   ``vllm-router`` endpoint (``server.port``); replica ``i`` serves HTTP on ``server.port + 1 + i`` and
   control on ``control_port + i``. Weight updates must be sent to every replica's control endpoint.
@@ -25,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from prime_rl.common.auth import is_loopback
 from prime_rl.common.config.base import BaseConfig
 
 PROCESSED_LOGPROBS = "processed_logprobs"
@@ -43,14 +48,26 @@ class InferenceModelConfig(BaseConfig):
 class ServerConfig(BaseConfig):
     """Where the HTTP API and the control plane listen."""
 
-    host: str = "0.0.0.0"
-    """Interface of the OpenAI-compatible HTTP API (and of the router, with replicas)."""
+    host: str = "127.0.0.1"
+    """Interface of the OpenAI-compatible HTTP API (and of the router, with replicas); another than loopback needs api_key."""
     port: int = Field(8000, ge=1, le=65535)
     """Port of the OpenAI-compatible HTTP API (and of the router, with replicas)."""
-    control_host: str = "0.0.0.0"
-    """Interface the ZeroMQ control endpoint binds on."""
+    control_host: str = "127.0.0.1"
+    """Interface the ZeroMQ control endpoint binds on; another than loopback needs the run secret (PRIME_RL_SECRET_FILE)."""
     control_port: int | None = Field(None, ge=1, le=65535)
     """Port of the ZeroMQ control endpoint; None means ``port + 100``."""
+
+    api_key: str | None = None
+    """Bearer token every /v1 HTTP request must carry (vLLM --api-key); required when host is not loopback."""
+
+    @model_validator(mode="after")
+    def _open_http_needs_a_key(self) -> ServerConfig:
+        if self.api_key is None and not is_loopback(self.host):
+            raise ValueError(
+                f"server.host={self.host!r} exposes the HTTP API beyond this machine without authentication; "
+                "set server.api_key (clients send it as a Bearer token), or bind 127.0.0.1"
+            )
+        return self
 
     @property
     def resolved_control_port(self) -> int:
@@ -102,6 +119,8 @@ class WeightUpdateConfig(BaseConfig):
     """File a checkpoint directory must contain before it is loaded (written last by the trainer)."""
     broadcast_timeout: float = Field(600.0, gt=0)
     """Seconds a worker waits for the trainer while joining the broadcast group or receiving a bucket."""
+    verify_data: bool = True
+    """Read every byte of a filesystem update (sizes, the trainer's checksums, no NaN/Inf) before the engine loads it."""
 
 
 class RouterConfig(BaseConfig):
