@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from prime_rl.common.net import free_port
+from prime_rl.common.weight_checksum import write_checksums
 from prime_rl.common.wire import (
     ControlReply,
     HealthReply,
@@ -142,7 +144,17 @@ def test_filesystem_update_matches_transformers(server, tmp_path):
 
 @pytest.mark.parametrize(
     "defect",
-    ["no_marker", "missing_tensor", "wrong_shape", "wrong_dtype", "unknown_tensor", "no_directory"],
+    [
+        "no_marker",
+        "missing_tensor",
+        "wrong_shape",
+        "wrong_dtype",
+        "unknown_tensor",
+        "no_directory",
+        "truncated_data",
+        "nan_value",
+        "bad_checksum",
+    ],
 )
 def test_bad_filesystem_update_is_refused(server, tmp_path, defect):
     version_before = health(server).weight_version
@@ -157,9 +169,18 @@ def test_bad_filesystem_update_is_refused(server, tmp_path, defect):
         sd[name] = sd[name].to(torch.bfloat16)
     elif defect == "unknown_tensor":
         sd["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2, 2)
+    elif defect == "nan_value":
+        sd[name][3, 5] = float("nan")
     path = write_step(tmp_path, 99, sd, marker=defect != "no_marker")
     if defect == "no_directory":
         path = tmp_path / "does_not_exist"
+    elif defect == "truncated_data":  # header intact, data cut: passed the old header-only check
+        file = path / "model.safetensors"
+        file.write_bytes(file.read_bytes()[:-1000])
+    elif defect == "bad_checksum":  # a finite, well-sized tensor changed after the trainer wrote it
+        write_checksums(path)
+        sd["model.norm.weight"][0] += 1.0
+        save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
     reply = request(server, LoadWeightsRequest(path=str(path), version=99))
     assert not reply.ok
     expected = {
@@ -169,10 +190,33 @@ def test_bad_filesystem_update_is_refused(server, tmp_path, defect):
         "wrong_dtype": "wrong dtype",
         "unknown_tensor": "does not have",
         "no_directory": "does not exist",
+        "truncated_data": "truncated",
+        "nan_value": "NaN/Inf",
+        "bad_checksum": "crc32",
     }[defect]
     assert expected in reply.error and (defect == "no_directory" or str(path) in reply.error)
     assert reply.weight_version == version_before == health(server).weight_version
     assert max_diff(server_logprobs(server), logprobs_before) < 1e-6  # still serving the old weights
+
+
+def test_failed_worker_load_restores_the_previous_weights(server, tmp_path):
+    """Probe: a checkpoint that passes every check in the API process but fails in the workers (here a
+    header the safetensors reader rejects) must not leave the model half-loaded (meta device)."""
+    version_before = health(server).weight_version
+    logprobs_before = server_logprobs(server)
+    path = write_step(tmp_path, 98, perturbed(server.model_dir, seed=8))
+    file = path / "model.safetensors"
+    raw = file.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = raw[8 : 8 + n].replace(b'"format":"pt"', b'"format":1   ')  # same length: data offsets stay valid
+    assert header != raw[8 : 8 + n]
+    file.write_bytes(raw[:8] + header + raw[8 + n :])
+    reply = request(server, LoadWeightsRequest(path=str(path), version=98))
+    assert not reply.ok and "serves again" in reply.error, reply.error
+    assert reply.weight_version == version_before
+    state = health(server)
+    assert state.ok and state.error == "" and state.weight_version == version_before
+    assert max_diff(server_logprobs(server), logprobs_before) < 1e-6  # the old weights, and a live engine
 
 
 def _trainer_process(control: str, model_dir: str, version: int, seed: int, port: int, corrupt: bool, out) -> None:

@@ -332,6 +332,11 @@ class HealthReply(Message):
     """Requests queued."""
     model: str = ""
     """Served model name."""
+    run_id: str = ""
+    """Fingerprint of the run secret the server was started with ("" without one): a launcher calls a
+    server ready only if this is its own run's id (``prime_rl.common.auth.RunSecret.run_id``)."""
+    error: str = ""
+    """Why ``ok`` is False: e.g. a failed weight update whose previous weights could not be restored."""
 
 
 # ---------------------------------------------------------------------------------------------

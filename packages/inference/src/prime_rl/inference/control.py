@@ -13,6 +13,12 @@ to ``Controller.handle`` on the server's event loop, where the ``AsyncLLM`` live
    (``weight_versions`` spans in ``/inference/v1/generate`` responses);
 6. resumes generation if step 2 paused it.
 
+Before step 2 a filesystem update is read in full in a thread (``weights.verify``: sizes, the trainer's
+per-tensor checksums, finite values) while the old weights keep serving. If the workers still fail to
+load it, the previous weights are reloaded from where they came from (the model directory or the last
+good ``broadcasts/step_<n>``); health reports ``ok=False`` with the reason until an update succeeds.
+Every pause, resume and weight update is logged with the peer address it came from.
+
 Updates are serialized by one lock. A broadcast is two requests: ``BroadcastWeightsRequest`` is
 answered once the specs are validated and the workers wait for data (so the trainer may start sending),
 ``AwaitWeightsRequest`` once the weights are loaded.
@@ -48,10 +54,16 @@ from prime_rl.inference.weights.manifest import (
     check_bucket_layout,
     check_checkpoint_dir,
 )
+from prime_rl.inference.weights.verify import verify_weights_dir
 
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class RestoreFailed(RuntimeError):
+    def __init__(self, path: str, error: Exception) -> None:
+        super().__init__(f"restoring the previous weights from {path} failed too ({type(error).__name__}: {error})")
 
 
 class Controller:
@@ -66,6 +78,9 @@ class Controller:
         pause_mode: str = "keep",
         marker: str = "STABLE",
         broadcast_timeout_s: float = 600.0,
+        run_id: str = "",
+        model_dir: str | None = None,
+        verify_data: bool = True,
     ) -> None:
         self.engine = engine
         self.manifest = manifest
@@ -74,6 +89,11 @@ class Controller:
         self.marker = marker
         self.broadcast_timeout_s = broadcast_timeout_s
         self.weight_version = 0
+        self.run_id = run_id
+        self.verify_data = verify_data
+        self.failure = ""
+        """Why the served weights are not trustworthy ("" when they are); health reports it."""
+        self._restore_path = model_dir  # where the served weights can be reloaded from
         self._client_paused = False
         self._lock = asyncio.Lock()
         self._broadcasts: dict[int, asyncio.Task] = {}
@@ -83,7 +103,10 @@ class Controller:
 
     # -- dispatch ------------------------------------------------------------------------------
 
-    async def handle(self, request: Message) -> Message:
+    async def handle(self, request: Message, origin: str = "?") -> Message:
+        """Carry out ``request``; ``origin`` (the peer address) is logged for every state change."""
+        if not isinstance(request, HealthRequest):
+            logger.info("control request %s from %s", _describe(request), origin)
         try:
             if isinstance(request, HealthRequest):
                 return await self._health()
@@ -127,22 +150,40 @@ class Controller:
         return self._reply(True)
 
     async def _health(self) -> HealthReply:
+        errored = bool(self.engine.errored)
         return HealthReply(
-            ok=not self.engine.errored,
+            ok=not errored and not self.failure,
             weight_version=self.weight_version,
             paused=await self.engine.is_paused(),
             model=self.model_name,
+            run_id=self.run_id,
+            error="the engine has errored" if errored else self.failure,
         )
 
     # -- weight updates ------------------------------------------------------------------------
 
-    async def _apply(self, version: int, method: str, *args: Any) -> list[dict]:
-        """Pause if needed, run ``method`` in every worker, invalidate caches, tag the version, resume."""
+    async def _apply(self, version: int, method: str, *args: Any, restore_path: str | None = None) -> list[dict]:
+        """Pause if needed, run ``method`` in every worker, invalidate caches, tag the version, resume.
+
+        If ``method`` fails and ``restore_path`` is set, the weights there are reloaded before generation
+        resumes (a half-loaded model never serves a request), then the original error is raised.
+        """
         paused_here = not self._client_paused
         if paused_here:
             await self.engine.pause_generation(mode=self.pause_mode)
         try:
-            results = await self.engine.collective_rpc(method, args=args)
+            try:
+                results = await self.engine.collective_rpc(method, args=args)
+            except Exception as e:
+                if restore_path is None:
+                    raise
+                logger.error("%s failed (%s: %s); restoring %s", method, type(e).__name__, e, restore_path)
+                try:
+                    await self.engine.collective_rpc("prime_load_checkpoint", args=(restore_path,))
+                except Exception as restore_error:
+                    raise RestoreFailed(restore_path, restore_error) from e
+                await self.engine.reset_prefix_cache(reset_running_requests=True)
+                raise
             # Preempt running requests too: their KV was computed with the old weights.
             await self.engine.reset_prefix_cache(reset_running_requests=True)
             await self.engine.update_weight_version(str(version))
@@ -155,10 +196,35 @@ class Controller:
     async def _load(self, request: LoadWeightsRequest) -> ControlReply:
         specs = check_checkpoint_dir(request.path, self.marker)
         self.manifest.check(specs, source=request.path)
+        if self.verify_data:
+            # Off the event loop: serving continues while every byte is read.
+            report = await asyncio.to_thread(verify_weights_dir, request.path)
+            logger.info("verified %s: %s", request.path, report)
         async with self._lock:
-            results = await self._apply(request.version, "prime_load_checkpoint", str(request.path))
+            try:
+                results = await self._apply(
+                    request.version, "prime_load_checkpoint", str(request.path), restore_path=self._restore_path
+                )
+            except Exception as e:
+                return self._load_failed(request, e)
+        self._restore_path = str(request.path)
+        self.failure = ""
         logger.info("loaded weights version %d from %s: %s", request.version, request.path, results)
         return self._reply(True)
+
+    def _load_failed(self, request: LoadWeightsRequest, error: Exception) -> ControlReply:
+        """Reply to a load the workers failed; health stays failed unless the previous weights came back."""
+        cause = error.__cause__ if isinstance(error, RestoreFailed) else error
+        what = f"loading weights version {request.version} from {request.path} failed ({type(cause).__name__}: {cause})"
+        if isinstance(error, RestoreFailed):
+            self.failure = f"{what}; {error}"
+        elif self._restore_path is None:
+            self.failure = f"{what}; no previous weights on disk to restore, the served weights may be partial"
+        else:
+            logger.warning("restored weights version %d from %s", self.weight_version, self._restore_path)
+            return self._reply(False, f"{what}; version {self.weight_version} from {self._restore_path} serves again")
+        logger.error("%s", self.failure)
+        return self._reply(False, self.failure)
 
     async def _init_broadcast(self, request: InitBroadcastRequest) -> ControlReply:
         if request.backend not in ("gloo", "nccl"):
@@ -205,6 +271,7 @@ class Controller:
             finally:
                 self._lock.release()
 
+        self._restore_path = None  # broadcast weights exist nowhere on disk
         self._broadcasts[request.version] = asyncio.create_task(receive())
         # Give the collective_rpc a moment to reach the workers before the trainer starts sending;
         # not needed for correctness (the collective waits for both sides), it keeps the logs in order.
@@ -219,14 +286,16 @@ class Controller:
             results = await task
         except WeightUpdateError as e:  # already says what happened to the served weights
             logger.error("update to version %d failed: %s", request.version, e)
+            self.failure = str(e)
             return self._reply(False, str(e))
         except Exception as e:
             logger.exception("broadcast of version %d failed", request.version)
-            return self._reply(
-                False,
+            self.failure = (
                 f"broadcast of version {request.version} failed in the workers: {type(e).__name__}: {e}; "
-                "the weights may be partially updated, send a full update again",
+                "the weights may be partially updated, send a full update again"
             )
+            return self._reply(False, self.failure)
+        self.failure = ""
         logger.info("received weights version %d by broadcast: %s", request.version, results)
         return self._reply(True)
 
@@ -262,6 +331,7 @@ class Controller:
                 "versions must increase",
             )
         await self._lock.acquire()  # released when the receive task ends
+        self._restore_path = None  # NIXL keeps its own rollback copy; nothing on disk holds these weights
 
         async def receive() -> list[dict]:
             try:
@@ -277,19 +347,35 @@ class Controller:
         return self._reply(True)
 
 
+def _describe(request: Message) -> str:
+    if isinstance(request, LoadWeightsRequest):
+        return f"LoadWeightsRequest(version={request.version}, path={request.path})"
+    if isinstance(request, PauseRequest):
+        return f"PauseRequest(mode={request.mode})"
+    version = getattr(request, "version", None)
+    return type(request).__name__ + (f"(version={version})" if version is not None else "")
+
+
 class ControlThread:
-    """Runs a ``ControlServer`` in a thread and forwards each request to ``controller`` on ``loop``."""
+    """Runs a ``ControlServer`` in a thread and forwards each request to ``controller`` on ``loop``.
+
+    The server authenticates with the run secret from the environment (``prime_rl.common.auth``); the
+    controller reports that secret's run id in its health replies.
+    """
 
     def __init__(self, endpoint: str, controller: Controller, loop: asyncio.AbstractEventLoop) -> None:
         self.server = ControlServer(endpoint)
         self.endpoint = self.server.endpoint
+        if self.server.secret is not None:
+            controller.run_id = self.server.secret.run_id
         self._controller = controller
         self._loop = loop
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prime-rl-control", daemon=True)
 
     def _handle(self, request: Message, arrays: dict) -> Message:
-        return asyncio.run_coroutine_threadsafe(self._controller.handle(request), self._loop).result()
+        origin = self.server.last_origin
+        return asyncio.run_coroutine_threadsafe(self._controller.handle(request, origin), self._loop).result()
 
     def _run(self) -> None:
         try:

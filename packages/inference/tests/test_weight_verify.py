@@ -1,0 +1,111 @@
+"""A weights directory is read in full before the engine sees it (issue #17: truncated data passed the
+header check and left the model on the meta device; NaN weights were accepted)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from prime_rl.common.weight_checksum import CHECKSUMS_FILE, compute_checksums, read_checksums, write_checksums
+from prime_rl.inference.weights.manifest import WeightUpdateError
+from prime_rl.inference.weights.verify import verify_weights_dir
+
+
+def _weights(tmp_path: Path, checksums: bool = True) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    tensors = {
+        "a.weight": rng.standard_normal((64, 32)).astype(np.float32),
+        "b.weight": rng.standard_normal((16,)).astype(np.float16),
+        "c.ids": np.arange(10, dtype=np.int64),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    if checksums:
+        write_checksums(tmp_path)
+    (tmp_path / "STABLE").touch()
+    return tmp_path
+
+
+def _poke(file: Path, tensor: str, value: bytes, at: int = 0) -> None:
+    """Overwrite bytes of one tensor in place (header untouched)."""
+    (header_len,) = struct.unpack("<Q", file.read_bytes()[:8])
+    begin = json.loads(file.read_bytes()[8 : 8 + header_len])[tensor]["data_offsets"][0]
+    with open(file, "r+b") as f:
+        f.seek(8 + header_len + begin + at)
+        f.write(value)
+
+
+def test_a_sound_directory_passes_with_and_without_checksums(tmp_path):
+    report = verify_weights_dir(_weights(tmp_path / "x"))
+    assert (report.files, report.tensors, report.checksummed) == (1, 3, True)
+    assert report.bytes == 64 * 32 * 4 + 16 * 2 + 10 * 8
+    assert not verify_weights_dir(_weights(tmp_path / "y", checksums=False)).checksummed
+
+
+def test_checksums_round_trip(tmp_path):
+    path = _weights(tmp_path)
+    assert read_checksums(path) == compute_checksums(path)
+    assert set(read_checksums(path)) == {"a.weight", "b.weight", "c.ids"}
+
+
+@pytest.mark.parametrize("cut", [1, 4096])
+def test_truncated_data_with_an_intact_header_is_refused(tmp_path, cut):
+    path = _weights(tmp_path)
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-cut])
+    with pytest.raises(WeightUpdateError, match="truncated"):
+        verify_weights_dir(path)
+
+
+def test_padded_file_is_refused(tmp_path):
+    path = _weights(tmp_path)
+    with open(path / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 8)
+    with pytest.raises(WeightUpdateError, match="padded"):
+        verify_weights_dir(path)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "value"),
+    [
+        ("a.weight", np.array([np.nan], np.float32).tobytes()),
+        ("a.weight", np.array([-np.inf], np.float32).tobytes()),
+        ("b.weight", np.array([np.inf], np.float16).tobytes()),
+    ],
+)
+def test_non_finite_values_are_refused(tmp_path, tensor, value):
+    path = _weights(tmp_path, checksums=False)
+    _poke(path / "model.safetensors", tensor, value, at=8)
+    with pytest.raises(WeightUpdateError, match="1 NaN/Inf"):
+        verify_weights_dir(path)
+    verify_weights_dir(path, check_finite=False)  # the only defect is the value
+
+
+def test_bfloat16_nan_is_found_on_raw_bits(tmp_path):
+    # numpy has no bfloat16: write the file by hand; 0x7FC0 is a bf16 NaN, 0x3F80 is 1.0.
+    data = np.array([0x3F80, 0x3F80, 0x7FC0, 0x3F80], np.uint16).tobytes()
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, len(data)]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + data)
+    with pytest.raises(WeightUpdateError, match="tensor w has 1 NaN/Inf"):
+        verify_weights_dir(tmp_path)
+
+
+def test_data_changed_after_checksum_is_refused(tmp_path):
+    path = _weights(tmp_path)
+    _poke(path / "model.safetensors", "c.ids", np.array([7], np.int64).tobytes())  # finite, right size
+    with pytest.raises(WeightUpdateError, match="c.ids has crc32 .* but checksums.json says"):
+        verify_weights_dir(path)
+
+
+def test_checksum_list_must_match_the_tensors(tmp_path):
+    path = _weights(tmp_path)
+    sums = json.loads((path / CHECKSUMS_FILE).read_text())
+    del sums["tensors"]["b.weight"]
+    (path / CHECKSUMS_FILE).write_text(json.dumps(sums))
+    with pytest.raises(WeightUpdateError, match="no checksum for tensor b.weight"):
+        verify_weights_dir(path)
