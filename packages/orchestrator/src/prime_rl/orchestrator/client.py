@@ -48,6 +48,15 @@ class ChatResult:
     completions: list[Completion]
 
 
+@dataclass
+class TokenCompletion:
+    """One choice of a token-id completion request: what the server conditioned on and what it sampled."""
+
+    prompt_ids: list[int]
+    """The prompt as the server echoed it back (the ground truth of what the sample conditioned on)."""
+    completion: Completion
+
+
 @dataclass(frozen=True)
 class SamplingArgs:
     """Every sampling parameter vLLM would otherwise take from the model's generation_config.json."""
@@ -141,12 +150,63 @@ class InferenceClient:
         data = await self._post(self.build_request(messages, n, sampling))
         return parse_chat_response(data, n)
 
-    async def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+    # Token-level API (multi-turn rollouts, see multiturn.py): the server's own chat template renders
+    # messages to ids (/tokenize), and generation takes ids in (/v1/completions with a token-id prompt).
+
+    @property
+    def server_root(self) -> str:
+        """The server's root URL (vLLM serves /tokenize and /detokenize there, not under /v1)."""
+        return self.base_url.removesuffix("/v1")
+
+    async def tokenize_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        """Token ids of `messages` rendered by the server's chat template (vLLM's /tokenize)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "add_special_tokens": False,
+        }
+        if tools:
+            body["tools"] = tools
+        if chat_template is not None:
+            body["chat_template"] = chat_template
+        data = await self._post(body, url=f"{self.server_root}/tokenize")
+        return [int(t) for t in data["tokens"]]
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        data = await self._post({"model": self.model, "tokens": token_ids}, url=f"{self.server_root}/detokenize")
+        return data["prompt"]
+
+    def build_completion_request(self, prompt_ids: list[int], n: int, sampling: SamplingArgs) -> dict[str, Any]:
+        body = self.build_request([], n, sampling)
+        del body["messages"], body["top_logprobs"]
+        body.pop("chat_template", None)
+        body.update(prompt=prompt_ids, logprobs=0, echo=False)
+        return body
+
+    async def complete(self, prompt_ids: list[int], n: int, sampling: SamplingArgs) -> list[TokenCompletion]:
+        """Sample `n` continuations of exactly `prompt_ids` (vLLM's /v1/completions with a token-id prompt)."""
+        data = await self._post(
+            self.build_completion_request(prompt_ids, n, sampling), url=f"{self.base_url}/completions"
+        )
+        return parse_completion_response(data, n)
+
+    async def _post(self, body: dict[str, Any], url: str | None = None) -> dict[str, Any]:
+        url = url or self.url
         start = time.monotonic()
         last_error = ""
         for attempt in range(self.max_retries + 1):
             try:
-                response = await self._http.post(self.url, json=body)
+                response = await self._http.post(url, json=body)
             except httpx.TransportError as e:  # connect refused, DNS, timeouts, dropped connections
                 last_error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             else:
@@ -154,7 +214,7 @@ class InferenceClient:
                     return response.json()
                 if response.status_code < 500:
                     raise InferenceError(
-                        f"{self.url} refused the request with HTTP {response.status_code}: {response.text[:500]}"
+                        f"{url} refused the request with HTTP {response.status_code}: {response.text[:500]}"
                     )
                 last_error = f"HTTP {response.status_code}: {response.text[:200]}"
             if attempt == self.max_retries:
@@ -162,11 +222,11 @@ class InferenceClient:
             delay = min(self.max_backoff, self.retry_backoff * 2**attempt)
             logger.warning(
                 "inference request to %s failed (%s); retry %d/%d in %.1fs",
-                self.url, last_error, attempt + 1, self.max_retries, delay,
+                url, last_error, attempt + 1, self.max_retries, delay,
             )  # fmt: skip
             await asyncio.sleep(delay)
         raise InferenceUnreachableError(
-            f"inference server at {self.url} unreachable after {self.max_retries + 1} attempts over "
+            f"inference server at {url} unreachable after {self.max_retries + 1} attempts over "
             f"{time.monotonic() - start:.1f}s (last error: {last_error}); check that it is running and that "
             "orchestrator.model.client.base_url points at it"
         )
@@ -205,3 +265,23 @@ def parse_chat_response(data: dict[str, Any], n: int) -> ChatResult:
         text = message.get("content") or ""
         completions.append(Completion(token_ids, logprobs, text, choice.get("finish_reason")))
     return ChatResult([int(t) for t in prompt_ids], completions)
+
+
+def parse_completion_response(data: dict[str, Any], n: int) -> list[TokenCompletion]:
+    """Turn a /v1/completions body (vLLM flavour, `return_token_ids`, `logprobs=0`) into completions."""
+    choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+    if len(choices) != n:
+        raise InferenceError(f"asked for n={n} completions, got {len(choices)}")
+    out = []
+    for choice in choices:
+        if choice.get("token_ids") is None or choice.get("prompt_token_ids") is None:
+            raise InferenceError(
+                "completion choice has no token_ids / prompt_token_ids; the server must support vLLM's "
+                "return_token_ids=true"
+            )
+        logprobs = [float(lp) for lp in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+        completion = Completion(
+            [int(t) for t in choice["token_ids"]], logprobs, choice.get("text") or "", choice.get("finish_reason")
+        )
+        out.append(TokenCompletion([int(t) for t in choice["prompt_token_ids"]], completion))
+    return out

@@ -37,8 +37,9 @@ from prime_rl.common.wire import TrainingBatch
 from prime_rl.orchestrator.batch import build_training_batch
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
 from prime_rl.orchestrator.curriculum import Curriculum
-from prime_rl.orchestrator.envs.base import Environment
+from prime_rl.orchestrator.envs.base import Environment, is_multi_turn
 from prime_rl.orchestrator.filtering import split_by_difficulty
+from prime_rl.orchestrator.multiturn import ChatRenderer
 from prime_rl.orchestrator.off_policy import OffPolicyFilter
 from prime_rl.orchestrator.packing import pack_batch
 from prime_rl.orchestrator.policy import PolicyState
@@ -94,6 +95,7 @@ def batch_metrics(groups: list[Group]) -> dict[str, float]:
     advantages = np.asarray([a for g in groups for a in g.advantages], dtype=np.float64)
     prompt_lens = np.asarray([len(g.prompt_ids) for g in groups for _ in g.completions], dtype=np.float64)
     completion_lens = np.asarray([len(c.token_ids) for g in groups for c in g.completions], dtype=np.float64)
+    # completion = everything after the first prompt; multi-turn: sampled tokens plus environment messages
     seq_lens = prompt_lens + completion_lens
     truncated = sum(c.finish_reason == "length" for g in groups for c in g.completions)
     return {
@@ -149,6 +151,10 @@ class Orchestrator:
             poll_interval=config.weights_poll_interval,
         )
         self.off_policy = OffPolicyFilter(config.max_off_policy_steps)
+        self.renderer = None
+        if is_multi_turn(env):
+            self.renderer = ChatRenderer(client, tools=env.tools, chat_template=config.model.chat_template)
+            env.tool_call_parser = config.model.tool_call_parser
         self.scheduler = RolloutScheduler(
             env,
             client,
@@ -166,6 +172,8 @@ class Orchestrator:
             advantage=config.advantage,
             curriculum=Curriculum(config.curriculum) if config.curriculum is not None else None,
             teacher=teacher,
+            renderer=self.renderer,
+            max_len=config.seq_len,
         )
         self.step = self.start_step
 
@@ -174,6 +182,8 @@ class Orchestrator:
 
     async def run(self) -> None:
         """Run until max_steps (forever if None); every background task stops with it."""
+        if self.renderer is not None:  # bad template / tool schemas: one clear error before any rollout
+            await self.renderer.setup()
         await self.updater.recover(self.run_dir.broadcasts_dir, max_version=self.start_step)
         self.scheduler.start()
         poller = asyncio.create_task(self.updater.run(), name="weight-poller")

@@ -5,8 +5,9 @@ index i belongs to token `input_ids[i]`; the trainer shifts logits to predict to
 - samples sit back to back (prompt then completion); `position_ids` restart at 0 at every
   sample start, which is how the trainer recovers document boundaries (varlen attention);
 - the tail is padding: token 0, its own run of positions 0, 1, ..., loss_mask False;
-- `loss_mask` is True on completion tokens only; `advantages` carry the sample's advantage on
-  them (0 elsewhere); `inference_logprobs` the sampler's logprob of each completion token (0 elsewhere).
+- `loss_mask` is True on completion tokens only (multi-turn: on sampled tokens only, not on the
+  environment's messages between turns); `advantages` carry the sample's advantage on them (0
+  elsewhere); `inference_logprobs` the sampler's logprob of each completion token (0 elsewhere).
 
 Packing is first-fit decreasing (few bins, a handful of percent padding on mixed lengths).
 Balancing gives every rank the same number of micro-batches (an all-zero, zero-loss micro-batch
@@ -80,6 +81,7 @@ def fit_to_seq_len(sample: Sample, seq_len: int) -> tuple[Sample | None, str]:
         sample.advantage,
         sample.reward,
         None if sample.token_advantages is None else sample.token_advantages[:room],
+        None if sample.completion_mask is None else sample.completion_mask[:room],
     )
     return cut, "truncated"
 
@@ -142,10 +144,11 @@ def build_micro_batch(samples: list[Sample], seq_len: int) -> PackedMicroBatch:
         mb.input_ids[start : start + n_prompt] = s.prompt_ids
         mb.input_ids[start + n_prompt : end] = s.completion_ids
         mb.position_ids[start:end] = np.arange(n_total, dtype=np.int32)
-        mb.loss_mask[start + n_prompt : end] = True
+        mb.loss_mask[start + n_prompt : end] = True if s.completion_mask is None else s.completion_mask
         mb.advantages[start + n_prompt : end] = s.advantage
         if s.token_advantages is not None:  # per-token terms (distillation) on top of the sample's advantage
             mb.advantages[start + n_prompt : end] += np.asarray(s.token_advantages, dtype=np.float32)
+        mb.advantages[start:end] *= mb.loss_mask[start:end]  # multi-turn: 0 on tokens nobody sampled
         mb.inference_logprobs[start + n_prompt : end] = s.completion_logprobs
         start = end
     # Padding is its own "document" so it never attends into (or is attended by) a real sample.

@@ -17,6 +17,10 @@ class Completion:
     logprobs: list[float]
     text: str
     finish_reason: str | None = None
+    mask: list[bool] | None = None
+    """Multi-turn: True on sampled tokens, False on tokens the environment / chat template added; None = all sampled."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Per-rollout counters summed into the step's metrics (turns, tool calls, token mismatches)."""
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
@@ -24,6 +28,12 @@ class Completion:
                 f"completion has {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs; "
                 "the inference server must return one logprob per sampled token (request logprobs)"
             )
+        if self.mask is not None and len(self.mask) != len(self.token_ids):
+            raise ValueError(f"completion has {len(self.token_ids)} token ids but a mask of {len(self.mask)}")
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.token_ids) if self.mask is None else sum(self.mask)
 
 
 @dataclass
@@ -37,6 +47,8 @@ class Sample:
     reward: float = 0.0
     token_advantages: list[float] | None = None
     """Per-token terms added to `advantage` on each completion token (on-policy distillation); None = none."""
+    completion_mask: list[bool] | None = None
+    """Which completion tokens are trained on (multi-turn: the sampled ones); None = all."""
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +76,7 @@ class Group:
             raise ValueError("advantages are not computed for this group yet")
         token_advantages = self.token_advantages or [None] * len(self.completions)
         return [
-            Sample(self.prompt_ids, c.token_ids, c.logprobs, float(a), float(r), t)
+            Sample(self.prompt_ids, c.token_ids, c.logprobs, float(a), float(r), t, c.mask)
             for c, a, r, t in zip(self.completions, self.advantages, self.rewards, token_advantages)
         ]
 

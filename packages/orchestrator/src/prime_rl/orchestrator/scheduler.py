@@ -30,7 +30,8 @@ from prime_rl.common.config.orchestrator import AdvantageConfig
 from prime_rl.orchestrator.advantages import group_advantages
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
 from prime_rl.orchestrator.curriculum import Curriculum
-from prime_rl.orchestrator.envs.base import Environment, score_safely
+from prime_rl.orchestrator.envs.base import Environment, Score, is_multi_turn, score_safely
+from prime_rl.orchestrator.multiturn import ChatRenderer, sample_group
 from prime_rl.orchestrator.policy import PolicyState
 from prime_rl.orchestrator.rollout import Group
 from prime_rl.orchestrator.teacher import Distiller
@@ -58,6 +59,8 @@ class RolloutScheduler:
         advantage: AdvantageConfig | None = None,
         curriculum: Curriculum | None = None,
         teacher: Distiller | None = None,
+        renderer: ChatRenderer | None = None,
+        max_len: int | None = None,
     ) -> None:
         self.env, self.client, self.policy, self.rng, self.sampling = env, client, policy, rng, sampling
         self.group_size = group_size
@@ -70,6 +73,12 @@ class RolloutScheduler:
         # baseline / length shaping; std_normalize and eps above are the fallback when no config is given
         self.advantage = advantage or AdvantageConfig(std_normalize=std_normalize, eps=eps)
         self.curriculum, self.teacher = curriculum, teacher
+        # multi-turn environments: token-exact rollouts through the server's chat template (multiturn.py)
+        self.renderer, self.max_len = renderer, max_len
+        if is_multi_turn(env) and (renderer is None or max_len is None):
+            raise ValueError(f"environment {env.name} is multi-turn: the scheduler needs a ChatRenderer and max_len")
+        self._rollout_stats: Counter[str] = Counter()
+        self._num_rollouts = 0
         self._length_penalties: list[float] = []
         self.queue: asyncio.Queue[Group | BaseException] = asyncio.Queue()
         self.counters: Counter[str] = Counter()  # env/prompt_failed, rollouts/aborted
@@ -103,6 +112,10 @@ class RolloutScheduler:
         for part in (self.curriculum, self.teacher):
             if part is not None:
                 metrics.update(part.pop_metrics())
+        if self._num_rollouts:  # multi-turn: sums, plus the mean turns per rollout
+            metrics.update({k: float(v) for k, v in self._rollout_stats.items()})
+            metrics["rollout/turns"] = self._rollout_stats["rollout/turns"] / self._num_rollouts
+            self._rollout_stats, self._num_rollouts = Counter(), 0
         return metrics
 
     def pop_counters(self) -> Counter[str]:
@@ -138,17 +151,34 @@ class RolloutScheduler:
         sampling = self.sampling
         if sampling.seed is not None:  # vLLM seeds the group's n samples seed, seed + 1, ...
             sampling = dataclasses.replace(sampling, seed=sampling.seed + ticket * self.group_size)
-        result = await self.client.sample(messages, self.group_size, sampling)
+        if is_multi_turn(self.env):
+            result = await sample_group(
+                self.client, self.renderer, self.env, task, messages, self.group_size, sampling, max_len=self.max_len
+            )
+            conversations = [t.messages for t in result.trajectories]
+            errors = [t.error for t in result.trajectories]
+        else:
+            result = await self.client.sample(messages, self.group_size, sampling)
+            conversations = [None] * self.group_size
+            errors = [None] * self.group_size
         if any(c.finish_reason == "abort" for c in result.completions):
             self.counters["rollouts/aborted"] += 1
             return None
+        for c in result.completions:
+            self._rollout_stats.update(c.stats)
+            self._num_rollouts += bool(c.stats)
         # Scoring may be CPU-heavy (code execution, parsing): keep it off the event loop.
-        scores = await asyncio.to_thread(lambda: [score_safely(self.env, task, c.text) for c in result.completions])
+        scores = await asyncio.to_thread(
+            lambda: [
+                Score(0.0, True, e) if e is not None else score_safely(self.env, task, c.text, m)
+                for c, m, e in zip(result.completions, conversations, errors)
+            ]
+        )
         rewards = [s.reward for s in scores]
         num_failed = sum(s.failed for s in scores)
         adv = self.advantage
         advantages, penalties = group_advantages(
-            rewards, [len(c.token_ids) for c in result.completions], max_tokens=self.sampling.max_tokens,
+            rewards, [c.num_sampled for c in result.completions], max_tokens=self.sampling.max_tokens,
             baseline=adv.baseline, std_normalize=adv.std_normalize, eps=adv.eps,
             overlong_window=adv.overlong_window, overlong_penalty=adv.overlong_penalty,
         )  # fmt: skip

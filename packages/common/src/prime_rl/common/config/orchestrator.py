@@ -58,6 +58,9 @@ class ModelConfig(BaseConfig):
     """The inference API endpoint."""
     chat_template: str | None = None
     """Jinja chat template sent with each request; None uses the model's own template."""
+    tool_call_parser: Literal["hermes"] = "hermes"
+    """How the model writes tool calls (vLLM parser name); multi-turn rollouts parse them in the orchestrator.
+    Chat-API users of the same server set the same name as `[inference.vllm] tool_call_parser`."""
 
 
 class ReverseTextEnvConfig(BaseConfig):
@@ -99,8 +102,21 @@ class ReasoningGymEnvConfig(BaseConfig):
     """Extra keyword arguments for reasoning_gym.create_dataset."""
 
 
+class ToolArithmeticEnvConfig(BaseConfig):
+    """Multi-turn tool use: call the `add` (or `multiply`) tool, read its result, reply with the number."""
+
+    type: Literal["tool_arithmetic"] = "tool_arithmetic"
+    """Environment kind."""
+    max_value: int = Field(default=99, ge=1)
+    """Largest operand (operands are drawn from 0..max_value)."""
+    ops: list[Literal["add", "multiply"]] = Field(default=["add"], min_length=1)
+    """Operations drawn from; each has its own tool."""
+    max_turns: int = Field(default=3, ge=2)
+    """Most assistant turns per rollout (a call, then the answer: 2)."""
+
+
 EnvConfig = Annotated[
-    ReverseTextEnvConfig | ArithmeticEnvConfig | ReasoningGymEnvConfig,
+    ReverseTextEnvConfig | ArithmeticEnvConfig | ReasoningGymEnvConfig | ToolArithmeticEnvConfig,
     Field(discriminator="type"),
 ]
 

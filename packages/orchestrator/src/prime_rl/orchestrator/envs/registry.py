@@ -7,6 +7,7 @@ from prime_rl.common.config.orchestrator import (
     EnvConfig,
     ReasoningGymEnvConfig,
     ReverseTextEnvConfig,
+    ToolArithmeticEnvConfig,
 )
 from prime_rl.orchestrator.envs.arithmetic import ArithmeticEnv
 from prime_rl.orchestrator.envs.base import Environment
@@ -22,4 +23,8 @@ def build_environment(config: EnvConfig) -> Environment:
         from prime_rl.orchestrator.envs.reasoning_gym import ReasoningGymEnv
 
         return ReasoningGymEnv(config.name, config.size, config.seed, **config.kwargs)
+    if isinstance(config, ToolArithmeticEnvConfig):
+        from prime_rl.orchestrator.envs.tool_arithmetic import ToolArithmeticEnv
+
+        return ToolArithmeticEnv(config.max_value, tuple(config.ops), config.max_turns)
     raise ValueError(f"unknown environment config {type(config).__name__}")
