@@ -153,3 +153,77 @@ def test_help_is_grouped_and_shows_required_fields():
     assert out.returncode == 0 and "PydanticUndefined" not in out.stdout
     assert "[trainer.model]" in out.stdout and "--trainer.model.name STR          (required)" in out.stdout
     assert '--deployment.type {single_node,multi_node}  (default: "single_node")' in out.stdout
+
+
+def test_inference_is_ready_only_for_its_own_run(model_dir, tmp_path):
+    """Probe: a second run on the same port was declared ready against the first run's server."""
+    import http.server
+    import threading
+
+    from prime_rl.common.auth import RunSecret
+    from prime_rl.common.net import free_port
+    from prime_rl.common.transport import ControlServer
+    from prime_rl.common.wire import HealthReply
+    from prime_rl.launcher.rl import inference_ready
+
+    first, second = RunSecret.create(tmp_path / "a.secret"), RunSecret.create(tmp_path / "b.secret")
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    http_server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    control_port = free_port()
+    control = ControlServer(f"tcp://127.0.0.1:{control_port}", secret=first)
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=http_server.serve_forever, daemon=True),
+        threading.Thread(
+            target=control.serve_forever, args=(lambda m, a: HealthReply(ok=True, run_id=first.run_id), stop)
+        ),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        cfg = load_config(
+            RLConfig,
+            ["--model.name", str(model_dir), "--inference.server.port", str(http_server.server_port),
+             "--inference.server.control-port", str(control_port)],
+        )  # fmt: skip
+        assert inference_ready(cfg, first)
+        assert not inference_ready(cfg, second)  # the first run's server: its CURVE keys are not ours
+    finally:
+        stop.set()
+        http_server.shutdown()
+        threads[1].join()
+        control.close()
+
+
+def test_status_is_final_when_the_launcher_is_stopped(model_dir, tmp_path):
+    """Probe: STATUS stayed "running" after the launcher died. Also: the run secret is private."""
+    import json
+    import os
+    import signal
+    import stat
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prime_rl.launcher.rl", "--model.name", str(model_dir), "--output-dir", str(tmp_path),
+         "--run.name", "r", "--inference.server.port", "18555"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    status = tmp_path / "r" / "logs" / "latest" / "STATUS"
+    deadline = time.monotonic() + 30
+    while not status.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the launcher never wrote STATUS"
+        time.sleep(0.1)
+    assert json.loads(status.read_text())["state"] == "running"
+    assert stat.S_IMODE((tmp_path / "r" / "control.secret").stat().st_mode) == 0o600
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    final = json.loads(status.read_text())
+    assert final["state"] == "failed" and "SIGTERM" in final["reason"], final
+    assert os.path.exists(tmp_path / "r" / "control.secret")

@@ -139,3 +139,44 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
     grandchild = int(pidfile.read_text())
     if _alive(grandchild):  # a plain script does not forward SIGTERM to its child; torchrun and vLLM do
         os.kill(grandchild, signal.SIGKILL)
+
+
+# Like torchrun: the rank runs in a session of its own, out of reach of a killpg on the agent.
+AGENT = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    open(sys.argv[1], "w").write(f"{os.getpid()} {rank.pid}\\n")
+    time.sleep(600)
+    """
+)
+
+
+def test_sigkilled_torchrun_agent_takes_its_ranks_down(tmp_path):
+    """Probe: SIGKILL of the torchrun agent left the rank training after the launcher reported failure."""
+    pidfile = tmp_path / "agent.pid"
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from pathlib import Path
+        from prime_rl.launcher.supervisor import Component, Supervisor
+        comps = [Component("trainer", [sys.executable, "-c", {AGENT!r}, {str(pidfile)!r}],
+                           Path({str(tmp_path)!r}) / "trainer.log")]
+        sup = Supervisor(comps, stop_timeout_s=5)
+        rc = sup.run()
+        print("REASON", sup.reason, flush=True)
+        sys.exit(rc)
+        """
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    _wait_for(pidfile)
+    agent, rank = map(int, pidfile.read_text().split())
+    os.kill(agent, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert launcher.wait(timeout=20) == 1
+    assert time.monotonic() - t0 < 10
+    assert "REASON trainer exited with code -9" in launcher.stdout.read()
+    deadline = time.monotonic() + 5
+    while _alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(rank), "the rank outlived its agent and the launcher"

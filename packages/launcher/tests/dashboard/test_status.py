@@ -113,3 +113,22 @@ def test_write_status_round_trip(tmp_path: Path) -> None:
     assert tracker.state(metrics_mtime(run)) == "finished"
     with pytest.raises(ValueError, match="not one of"):
         write_status(run, "exploded")
+
+
+def test_running_status_of_a_vanished_launcher_reads_failed(tmp_path: Path) -> None:
+    """Probe: STATUS stayed "running" after the launcher was SIGKILLed."""
+    import socket
+    import subprocess
+    import sys
+
+    from prime_rl.launcher.dashboard.status import read_status
+
+    run = make_run(tmp_path, "r", steps=1)
+    write_status(run, "running", pid=os.getpid(), host=socket.gethostname())
+    assert read_status(run)[0] == "running"  # this process is alive
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    write_status(run, "running", pid=int(dead.stdout), host=socket.gethostname())
+    state, reason = read_status(run)
+    assert state == "failed" and "is gone" in reason
+    write_status(run, "running", pid=int(dead.stdout), host="another-node")  # cannot tell from here
+    assert read_status(run)[0] == "running"

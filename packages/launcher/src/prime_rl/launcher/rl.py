@@ -9,6 +9,12 @@ runs on the CPU and the trainer runs `num_train_gpus` gloo processes.
 Ports: the ports users set (`inference.server.port`, its control port) are kept; the internal ones
 nobody set (the orchestrator's batch port, torchrun's rendezvous, the broadcast group) are picked
 free at launch, so two runs side by side need only different inference ports and run names.
+
+Closed control plane: the launcher writes the run secret (`<run_dir>/control.secret`, 0600) and hands
+it to every process through PRIME_RL_SECRET_FILE, so every ZeroMQ socket of the run (control, batches,
+weight announcements, NIXL metadata) authenticates with it (`prime_rl.common.auth`). Inference is
+ready only when its control plane answers, over that secret, with this run's id: a server left over
+from another run on the same port is never mistaken for ours.
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ import urllib.request
 import warnings
 from pathlib import Path
 
+from prime_rl.common.auth import SECRET_ENV, SECRET_FILE_NAME, RunSecret
 from prime_rl.common.config import ConfigError, ConfigWarning, parse_config, write_toml
 from prime_rl.common.config.deployment import SingleNodeDeployment
 from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
+from prime_rl.common.transport import ControlClient
+from prime_rl.common.wire import HealthReply, HealthRequest
 from prime_rl.launcher.dashboard.status import write_status
 from prime_rl.launcher.supervisor import Component, Supervisor
 
@@ -166,11 +175,31 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def build_components(cfg: RLConfig, run_dir: RunDir, configs: dict[str, Path], infer_gpus, train_gpus) -> list:
+def inference_ready(cfg: RLConfig, secret: RunSecret) -> bool:
+    """HTTP health answers and every replica's control plane says it serves this run (its run id)."""
+    server = cfg.inference.server
+    if not _http_ok(f"http://127.0.0.1:{server.port}/health"):
+        return False
+    for i in range(cfg.inference.router.replicas):
+        endpoint = f"tcp://127.0.0.1:{server.resolved_control_port + i}"
+        try:
+            with ControlClient(endpoint, timeout_s=2.0, secret=secret) as client:
+                reply = client.request(HealthRequest())
+        except TimeoutError:  # not up yet, or another run's server (its CURVE keys differ)
+            return False
+        if not isinstance(reply, HealthReply) or not reply.ok or reply.run_id != secret.run_id:
+            if isinstance(reply, HealthReply) and reply.run_id != secret.run_id:
+                log.warning("%s answers for run %r, not this run (%s)", endpoint, reply.run_id, secret.run_id)
+            return False
+    return True
+
+
+def build_components(
+    cfg: RLConfig, run_dir: RunDir, configs: dict[str, Path], infer_gpus, train_gpus, secret: RunSecret
+) -> list:
     logs = run_dir.attempt_logs_dir()
     py = sys.executable
     gpu_env = lambda gpus: {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}  # noqa: E731
-    health = f"http://127.0.0.1:{cfg.inference.server.port}/health"
     nproc = cfg.deployment.num_train_gpus
     torchrun_log_dir = run_dir.trainer_log_dir()
     trainer_cmd = [
@@ -183,7 +212,7 @@ def build_components(cfg: RLConfig, run_dir: RunDir, configs: dict[str, Path], i
             [py, "-m", "prime_rl.inference.entrypoint", "@", str(configs["inference"])],
             logs / "inference.log",
             env=gpu_env(infer_gpus),
-            ready=lambda: _http_ok(health),
+            ready=lambda: inference_ready(cfg, secret),
             ready_timeout_s=900,
         ),
         Component(
@@ -242,9 +271,19 @@ def main(argv: list[str] | None = None) -> None:
         ",".join(infer_gpus) or "CPU",
         ",".join(train_gpus) or "CPU",
     )
-    write_status(run_dir.root, "running")
-    rc = Supervisor(build_components(cfg, run_dir, configs, infer_gpus, train_gpus)).run()
-    write_status(run_dir.root, "finished" if rc == 0 else "failed", reason="" if rc == 0 else f"exit code {rc}")
+    secret = RunSecret.create(run_dir.root / SECRET_FILE_NAME)
+    os.environ[SECRET_ENV] = str(run_dir.root / SECRET_FILE_NAME)  # inherited by every component
+    write_status(run_dir.root, "running", pid=os.getpid(), host=socket.gethostname())
+    rc, reason = 1, "the launcher failed before the run ended"
+    try:
+        supervisor = Supervisor(build_components(cfg, run_dir, configs, infer_gpus, train_gpus, secret))
+        rc = supervisor.run()
+        reason = "" if rc == 0 else supervisor.reason or f"exit code {rc}"
+    except BaseException as e:  # every exit path leaves a final STATUS, whatever ended the launcher
+        reason = f"launcher error: {type(e).__name__}: {e}"
+        raise
+    finally:
+        write_status(run_dir.root, "finished" if rc == 0 else "failed", reason=reason)
     sys.exit(rc)
 
 

@@ -5,6 +5,10 @@ Design:
   spawned (torchrun's ranks, vLLM's engine processes) with one ``killpg``.
 - Each child also gets PR_SET_PDEATHSIG: if the launcher itself is killed with SIGKILL, the direct
   children get SIGTERM and take their own children down, so no orphans are left behind.
+- The launcher is a child subreaper (PR_SET_CHILD_SUBREAPER): a process whose parent dies is adopted
+  by the launcher instead of init. torchrun starts each rank in a session of its own, so when the
+  torchrun agent is SIGKILLed its ranks are beyond the agent's process group; as the launcher's
+  adoptees they are still found (by walking /proc) and stopped with everything else.
 - A component that exits non-zero fails the job: the message names it and its log file. A
   component marked ``finishes_run`` that exits 0 ends the job successfully; the others are stopped.
 - Ctrl-C (SIGINT) or SIGTERM to the launcher stops every component and exits 130 / 143.
@@ -26,6 +30,36 @@ from pathlib import Path
 log = logging.getLogger("prime_rl.launcher")
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except OSError:
+        pass  # not Linux: orphans of a killed torchrun agent go to init
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (children first), from /proc; empty where /proc is absent."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Field 4 is the parent pid; field 2 (the command) may hold spaces, so split after its ")".
+        ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, frontier = [], [root]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            found.append(child)
+            frontier.append(child)
+    return found
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -69,6 +103,8 @@ class Supervisor:
         self.poll_s = poll_s
         self.stop_timeout_s = stop_timeout_s
         self.running: list[_Running] = []
+        self.reason = ""
+        """Why the job ended when it did not succeed (names the component), for the run's STATUS."""
         self._signal: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -91,6 +127,7 @@ class Supervisor:
     def run(self) -> int:
         """Start everything, wait for the job to end, stop what is left; return the exit code."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        _become_subreaper()
         try:
             for comp in self.components:
                 self.start(comp)
@@ -110,6 +147,7 @@ class Supervisor:
         self._echo()
         if self._signal is not None:
             log.warning("received %s: stopping all processes", signal.Signals(self._signal).name)
+            self.reason = f"stopped by {signal.Signals(self._signal).name}"
             return 128 + self._signal
         for r in self.running:
             rc = r.proc.poll()
@@ -124,6 +162,7 @@ class Supervisor:
                     r.component.log_path,
                 )
                 self._print_tail(r.component.log_path)
+                self.reason = f"{r.component.name} exited with code {rc}; see {r.component.log_path}"
                 return 1
             if r.component.finishes_run:
                 self._echo()
@@ -150,15 +189,23 @@ class Supervisor:
                     comp.log_path,
                 )
                 self._print_tail(comp.log_path)
+                self.reason = f"{comp.name} was not ready after {comp.ready_timeout_s:.0f}s; see {comp.log_path}"
                 return 1
             time.sleep(max(self.poll_s, 0.5))
         return rc
 
     def stop(self) -> None:
-        """SIGTERM every process group still alive, then SIGKILL what outlives the timeout."""
+        """SIGTERM every process group still alive, then SIGKILL what outlives the timeout.
+
+        Processes that left their component's group (torchrun ranks run in sessions of their own) are
+        found among the launcher's descendants and get the same treatment.
+        """
+        strays = set(descendants(os.getpid())) - {r.proc.pid for r in self.running}
         alive = [r for r in self.running if r.proc.poll() is None]
         for r in alive:
             _killpg(r.proc.pid, signal.SIGTERM)
+        for pid in strays:
+            _kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout_s
         for r in alive:
             try:
@@ -173,6 +220,17 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 log.error("process '%s' (pid %d) could not be killed", r.component.name, r.proc.pid)
             r.log_file.close()
+        self._kill_strays(strays)
+
+    def _kill_strays(self, strays: set[int]) -> None:
+        deadline = time.monotonic() + self.stop_timeout_s
+        while strays and time.monotonic() < deadline:
+            strays = {pid for pid in strays if _alive(pid)}
+            time.sleep(0.05)
+        for pid in strays | set(descendants(os.getpid())):
+            log.warning("killing leftover process %d", pid)
+            _kill(pid, signal.SIGKILL)
+        _reap(strays)
 
     # ------------------------------------------------------------------ console
     def _echo(self) -> None:
@@ -198,6 +256,33 @@ class Supervisor:
         except FileNotFoundError:
             return
         sys.stderr.write(f"--- last {len(tail)} lines of {path} ---\n" + "\n".join(tail) + "\n")
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie); reaps it if it is an adopted orphan that has exited."""
+    _reap({pid})
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+
+
+def _reap(pids: set[int]) -> None:
+    """Collect exited adoptees (only these pids: never a component's own Popen, whose status it needs)."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
 
 
 def _killpg(pid: int, sig: int) -> None:

@@ -130,6 +130,8 @@ class RLConfig(BaseConfig):
         replicas = self.inference.router.replicas
         if "base_url" not in self.orchestrator.model.client.model_fields_set:
             self.orchestrator.model.client.base_url = f"http://127.0.0.1:{server.port}/v1"
+        if server.api_key is not None and self.orchestrator.model.client.api_key in (None, "", "EMPTY"):
+            self.orchestrator.model.client.api_key = server.api_key  # the HTTP API refuses requests without it
         if not self.orchestrator.inference.addresses and self.trainer.weight_broadcast.type == "filesystem":
             self.orchestrator.inference.addresses = [
                 f"tcp://127.0.0.1:{server.resolved_control_port + i}" for i in range(replicas)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,10 +64,27 @@ def read_status(run_dir: Path) -> tuple[str, str] | None:
             obj = text
         if isinstance(obj, dict):
             detail = str(obj.get("reason") or obj.get("message") or "")
+            if obj.get("state") == "running" and _launcher_gone(obj):
+                # SIGKILL (or a lost node) gave the launcher no chance to write a final state.
+                return "failed", f"the launcher (pid {obj['pid']} on {obj['host']}) is gone without a final status"
             obj = obj.get("state")
         if isinstance(obj, str) and obj.strip().lower() in STATES:
             return obj.strip().lower(), detail or f"{rel} says so"
     return None
+
+
+def _launcher_gone(status: dict) -> bool:
+    """A "running" status whose launcher process, on this very host, no longer exists."""
+    pid, host = status.get("pid"), status.get("host")
+    if not isinstance(pid, int) or host != socket.gethostname():
+        return False  # written elsewhere (SLURM): this machine cannot tell
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def read_status_file(run_dir: Path) -> str | None:
