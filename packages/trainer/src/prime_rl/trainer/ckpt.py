@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from prime_rl.common.rundir import RunDir
+from prime_rl.trainer.lora import checkpoint_options
 from prime_rl.trainer.models import save_hf_weights
 
 DONE = ".done"
@@ -63,7 +64,8 @@ class CheckpointManager:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
     ) -> Path:
         path = self.run_dir.trainer_checkpoint_dir(step)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        # LoRA: the adapters (and their optimizer state) only; the frozen base is re-read from model.name
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=checkpoint_options(model))
         state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": step}
         dcp.save(state, checkpoint_id=str(path))
         dist.barrier()
@@ -81,10 +83,13 @@ class CheckpointManager:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
     ) -> int:
         path = self.run_dir.trainer_checkpoint_dir(step)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        options = checkpoint_options(model)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": 0}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+        )
         scheduler.load_state_dict(state["scheduler"])
         return int(state["step"])
 

@@ -27,6 +27,7 @@ embedding and on the LM head (the fused LM head reads its weight directly: train
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -178,6 +179,20 @@ def num_trainable_params(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts of the whole (unsharded) model; a tied weight counts once."""
     params = {id(p): p for p in model.parameters()}.values()
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def log_lora(model: nn.Module, logger: logging.Logger) -> None:
+    """One line on what trains: adapted layers, rank, trainable parameters (nothing without LoRA)."""
+    inner = getattr(model, "model", model)
+    cfg: LoRAConfig | None = getattr(inner, "lora_config", None)
+    if cfg is None:
+        return
+    trainable, total = num_trainable_params(model)
+    logger.info(
+        f"LoRA rank {cfg.rank}, alpha {cfg.alpha:g} on {len(lora_modules(model))} layers"
+        f"{' + ' + ', '.join(cfg.modules_to_save) + ' in full' if cfg.modules_to_save else ''}: "
+        f"{trainable:,} of {total:,} parameters train ({trainable / total:.2%})"
+    )
 
 
 def checkpoint_options(model: nn.Module) -> StateDictOptions:

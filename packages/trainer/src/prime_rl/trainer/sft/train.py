@@ -30,6 +30,7 @@ from prime_rl.trainer.ckpt import export_hf
 from prime_rl.trainer.data import DataLoader, MicroBatch, build_data_loader
 from prime_rl.trainer.logs import redirect_rank_output
 from prime_rl.trainer.loop import Trainer, to_host, train_loop
+from prime_rl.trainer.lora import check_lora, export_lora, log_lora
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import load_model_config, model_flops_per_token
 from prime_rl.trainer.optim.setup import build_optimization
@@ -79,6 +80,8 @@ def setup(cfg: SFTConfig, world: World) -> tuple[ParallelDims, DataLoader, objec
     model_dir = check_model_dir(cfg.model.name)
     model_config = load_model_config(str(model_dir))
     dims = resolve_parallel_dims(cfg.model, world.world_size, model_config)
+    if cfg.model.lora is not None:  # target patterns and rank against the model's layers, on a meta copy
+        check_lora(cfg.model.lora, model_config)
     tokenizer = load_tokenizer(model_dir, model_config.vocab_size) if isinstance(cfg.data, SFTDataConfig) else None
     rank_in_dp = dims.dp_rank(world.rank)  # the cp ranks of one sequence read the same rows
     loader = build_data_loader(cfg.data, tokenizer, model_config.vocab_size, rank_in_dp, dims.dp)
@@ -142,6 +145,7 @@ def train(cfg: SFTConfig) -> None:
     torch.manual_seed(cfg.seed)
     mesh = dims.build_mesh(world.device.type)
     model = build_training_model(cfg.model, dims, mesh, world.device)
+    log_lora(model, logger)
     optim = build_optimization(cfg.model, cfg.optim, cfg.scheduler, cfg.max_steps, model, world.device, logger)
     flops_per_token = model_flops_per_token(model_config, cfg.data.seq_len)
     trainer = Trainer(
@@ -161,7 +165,10 @@ def train(cfg: SFTConfig) -> None:
     source.close()
     if cfg.ckpt.export_hf:
         out = run_dir.root / "weights" / f"step_{cfg.max_steps}"
-        export_hf(model, model.model, out, world.is_main)
+        if cfg.model.lora is not None:  # the adapter in peft format (+ merged HF weights in out/merged)
+            export_lora(model, out, world.is_main, merged=cfg.model.lora.export_merged)
+        else:
+            export_hf(model, model.model, out, world.is_main)
         logger.info(f"exported Hugging Face weights to {out}")
     close_world()
 
