@@ -108,3 +108,14 @@ def test_sockets_take_the_secret_from_the_environment(secret, tmp_path, monkeypa
 
 def test_curve_is_available():
     assert zmq.has("curve"), "pyzmq was built without CURVE (libsodium); the run secret cannot be enforced"
+
+
+def test_http_key_for_job_scripts(secret, tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_rl.common.auth", "--http-key", str(tmp_path / "control.secret")],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == secret.http_api_key and len(secret.http_api_key) == 64

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from prime_rl.common.auth import RunSecret
 from prime_rl.common.config import load_config
 from prime_rl.common.config.trainer import SFTConfig
 from prime_rl.common.net import free_port
@@ -301,6 +302,14 @@ def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path
     else:  # the trainer pushes the weights itself; a load request would find only the marker
         assert "--inference.addresses" not in orch
     assert arg_after(orch, "--num-train-ranks") == "4"
+    # Closed control plane across nodes: every process gets the run secret, control binds beyond
+    # loopback (authenticated), and the HTTP key reaches the router and the orchestrator.
+    secret = tmp_path / "out" / "r" / "control.secret"
+    assert (secret.stat().st_mode & 0o777) == 0o600
+    assert f'export PRIME_RL_SECRET_FILE="{secret.resolve()}"' in script
+    assert arg_after(by_name["inference-node0"], "--server.control-host") == "0.0.0.0"
+    http_key = RunSecret.load(secret).http_api_key
+    assert arg_after(by_name["router"], "--api-key") == http_key == arg_after(orch, "--model.client.api-key")
     for rank, node in enumerate(["t1", "t2"]):
         argv = by_name[f"trainer-node{rank}"]
         assert f"--nodelist={node}" in argv and arg_after(argv, "--node-rank") == str(rank)

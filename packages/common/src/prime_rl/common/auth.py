@@ -69,6 +69,11 @@ class RunSecret:
         """A public fingerprint of the secret: equal run ids mean the same run."""
         return self._derive(b"run-id").hex()[:16]
 
+    @functools.cached_property
+    def http_api_key(self) -> str:
+        """Bearer token for a run's HTTP APIs when they must listen beyond loopback (SLURM replicas)."""
+        return self._derive(b"http-api-key").hex()
+
     def _keypair(self, label: bytes) -> tuple[bytes, bytes]:
         secret_key = zmq.utils.z85.encode(self._derive(label))
         return zmq.curve_public(secret_key), secret_key
@@ -166,6 +171,11 @@ def is_loopback(host: str) -> bool:
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) != 2:
-        sys.exit(f"usage: python -m prime_rl.common.auth <secret-file>  (then export {SECRET_ENV}=<secret-file>)")
-    print(f"run secret in {sys.argv[1]} (run id {RunSecret.create(sys.argv[1]).run_id})")
+    if len(sys.argv) == 3 and sys.argv[1] == "--http-key":  # for job scripts: export VLLM_API_KEY=$(...)
+        print(RunSecret.load(sys.argv[2]).http_api_key)
+    elif len(sys.argv) == 2:
+        print(f"run secret in {sys.argv[1]} (run id {RunSecret.create(sys.argv[1]).run_id})")
+    else:
+        sys.exit(
+            f"usage: python -m prime_rl.common.auth [--http-key] <secret-file>  (then export {SECRET_ENV}=<secret-file>)"
+        )

@@ -25,6 +25,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -62,7 +63,8 @@ class ServerConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _open_http_needs_a_key(self) -> ServerConfig:
-        if self.api_key is None and not is_loopback(self.host):
+        # vLLM also takes the key from VLLM_API_KEY (how SLURM jobs pass it, out of `ps` output).
+        if self.api_key is None and not os.environ.get("VLLM_API_KEY") and not is_loopback(self.host):
             raise ValueError(
                 f"server.host={self.host!r} exposes the HTTP API beyond this machine without authentication; "
                 "set server.api_key (clients send it as a Bearer token), or bind 127.0.0.1"

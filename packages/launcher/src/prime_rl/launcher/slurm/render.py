@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 
+from prime_rl.common.auth import SECRET_ENV, SECRET_FILE_NAME
 from prime_rl.launcher.slurm.job import SlurmJob
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -66,7 +67,12 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "submitted_config": str(launcher_dir / f"{job.kind}.toml"),
         "configs": {name: str(job.run_dir.config_path(name).resolve()) for name in job.process_configs},
         "install_command": job.slurm.install_command,
-        "env_vars": {**DEFAULT_ENV_VARS, **job.slurm.env_vars},
+        # Every process of the job authenticates its ZeroMQ sockets with the run secret (shared filesystem).
+        "env_vars": {
+            **DEFAULT_ENV_VARS,
+            SECRET_ENV: str(job.run_dir.root.resolve() / SECRET_FILE_NAME),
+            **job.slurm.env_vars,
+        },
         "rdzv_port": job.slurm.rdzv_port,
         "router_port": job.slurm.router_port,
         "replica_port": job.slurm.replica_port,

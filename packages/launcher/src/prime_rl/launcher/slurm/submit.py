@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from prime_rl.common.auth import SECRET_FILE_NAME, RunSecret
 from prime_rl.common.config import write_toml
 from prime_rl.launcher.slurm.job import SlurmJob
 from prime_rl.launcher.slurm.render import render_job
@@ -27,6 +28,7 @@ class WrittenJob:
 def write_job(job: SlurmJob, python: str | None = None) -> WrittenJob:
     """Render the script and write it with every resolved config (what ``--dry-run`` leaves behind)."""
     script_text = render_job(job, python)
+    RunSecret.create(job.run_dir.root / SECRET_FILE_NAME)  # 0600, on the shared filesystem every node reads
     launcher_dir = job.run_dir.launcher_dir
     (launcher_dir / "logs").mkdir(parents=True, exist_ok=True)
     config = (
