@@ -8,6 +8,7 @@ last trainer checkpoint must resume both from that step.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -59,8 +60,12 @@ def test_resume_after_pruning(tmp_path):
     config = OrchestratorConfig(output_dir=tmp_path, run_name="run", ckpt={"resume_step": 3})
     orchestrator = Orchestrator(config, ReverseTextEnv(), None, NoInferenceControl(), lambda batches: None)
     assert orchestrator.step == 3 and orchestrator.scheduler.tasks_drawn == 6
-    # pruning went on after the resume and still spared the orchestrator
-    assert not run_dir.trainer_checkpoint_dir(3).exists() and (run_dir.trainer_checkpoint_dir(4) / ".done").exists()
+    # pruning went on after the resume and still spared the orchestrator; step 3 stays whole: it is the
+    # newest step complete for both (the orchestrator did not save step 4 here), the only one to resume from
+    assert (run_dir.trainer_checkpoint_dir(3) / ".done").exists() and (
+        run_dir.trainer_checkpoint_dir(4) / ".done"
+    ).exists()
+    assert run_dir.latest_complete_checkpoint() == 3
     assert all((run_dir.orchestrator_checkpoint_dir(s) / "state.json").is_file() for s in (1, 2, 3))
 
 
@@ -71,7 +76,74 @@ def test_pruning_removes_step_dirs_nobody_else_uses(tmp_path):
     for step in (1, 2, 3):
         run_dir.trainer_checkpoint_dir(step).mkdir(parents=True)
         (run_dir.trainer_checkpoint_dir(step) / DONE).touch()
-    save_state(OrchestratorState.capture(2, 4, np.random.default_rng(0), 0), run_dir.orchestrator_checkpoint_dir(2))
+    for step in (2, 3):
+        save_state(
+            OrchestratorState.capture(step, 4, np.random.default_rng(0), 0), run_dir.orchestrator_checkpoint_dir(step)
+        )
     CheckpointManager(run_dir, keep_last=1, is_main=True)._prune()
     assert run_dir.checkpoint_steps() == [2, 3]  # step_1 had only the trainer's part
     assert sorted(p.name for p in run_dir.checkpoint_dir(2).iterdir()) == ["orchestrator"]
+
+
+def test_pruning_keeps_the_newest_step_complete_for_every_component(tmp_path):
+    """Probe: keep_last=1 pruned the trainer's step 4 once it saved step 8, but the orchestrator (killed)
+    had saved only step 4: no step was left to resume from."""
+    from prime_rl.trainer.ckpt import DONE, CheckpointManager
+
+    run_dir = RunDir(tmp_path, "run")
+    for step in (2, 4, 8):
+        run_dir.trainer_checkpoint_dir(step).mkdir(parents=True)
+        (run_dir.trainer_checkpoint_dir(step) / DONE).touch()
+    for step in (2, 4):
+        save_state(
+            OrchestratorState.capture(step, 0, np.random.default_rng(0), 0), run_dir.orchestrator_checkpoint_dir(step)
+        )
+    CheckpointManager(run_dir, keep_last=1, is_main=True)._prune()
+    assert not (run_dir.trainer_checkpoint_dir(2)).exists()
+    assert run_dir.complete_checkpoint_steps() == [4]  # still resumable
+    save_state(OrchestratorState.capture(8, 0, np.random.default_rng(0), 0), run_dir.orchestrator_checkpoint_dir(8))
+    CheckpointManager(run_dir, keep_last=1, is_main=True)._prune()
+    assert run_dir.complete_checkpoint_steps() == [8]  # now step 4's trainer part may go
+
+
+def _dcp_save_world_1(path_setup, tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    from prime_rl.trainer.ckpt import CheckpointManager
+
+    run_dir = RunDir(tmp_path, "run")
+    path_setup(run_dir)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(64, 64)
+        optimizer = torch.optim.AdamW(model.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        return CheckpointManager(run_dir, keep_last=None, is_main=True).save(5, model, optimizer, scheduler)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_disk_full_names_itself(tmp_path):
+    """ENOSPC from the kernel (writes through a symlink to /dev/full) becomes one named error."""
+    from prime_rl.common.diskfull import DiskFullError
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (Linux)")
+    run_dir = RunDir(tmp_path, "run")
+    state_dir = run_dir.orchestrator_checkpoint_dir(3)
+    state_dir.mkdir(parents=True)
+    os.symlink("/dev/full", state_dir / "state.json.tmp")
+    with pytest.raises(
+        DiskFullError, match=r"disk full while writing the orchestrator state of step 3 to .*state.json \(.* free of"
+    ):
+        save_state(OrchestratorState.capture(3, 0, np.random.default_rng(0), 0), state_dir)
+    assert not (state_dir / "state.json").exists()  # no commit marker for a part that was not written
+
+    def full_shard(run: RunDir) -> None:
+        run.trainer_checkpoint_dir(5).mkdir(parents=True)
+        os.symlink("/dev/full", run.trainer_checkpoint_dir(5) / "__0_0.distcp")
+
+    with pytest.raises(DiskFullError, match="trainer checkpoint of step 5 .* lower ckpt.keep_last"):
+        _dcp_save_world_1(full_shard, tmp_path / "t")
+    assert not (RunDir(tmp_path / "t", "run").trainer_checkpoint_dir(5) / ".done").exists()

@@ -56,3 +56,47 @@ def test_bad_run_name(tmp_path, name):
 def test_bad_step(tmp_path, step):
     with pytest.raises(ValueError, match="step"):
         RunDir(tmp_path, "exp").checkpoint_dir(step)
+
+
+def _checkpoint(run: RunDir, step: int, parts: tuple[str, ...]) -> None:
+    from prime_rl.common.rundir import CHECKPOINT_MARKERS
+
+    for part in parts:
+        d = run.checkpoint_dir(step) / part
+        d.mkdir(parents=True, exist_ok=True)
+        (d / CHECKPOINT_MARKERS[part]).write_text("{}")
+
+
+def test_latest_is_the_newest_step_complete_for_every_component(tmp_path):
+    """Probe: a kill between the orchestrator's and the trainer's checkpoint resumed them at 8 and 4."""
+    run = RunDir(tmp_path, "r")
+    _checkpoint(run, 4, ("trainer", "orchestrator"))
+    _checkpoint(run, 8, ("orchestrator",))  # the trainer was killed while writing step 8
+    (run.trainer_checkpoint_dir(8)).mkdir()  # ... without its marker
+    assert run.complete_checkpoint_steps() == [4]
+    assert run.resolve_resume_step("latest") == 4
+    assert run.resolve_resume_step(None) is None
+    assert run.resolve_resume_step("latest", components=("trainer",)) == 4  # sft: the trainer alone
+    with pytest.raises(FileNotFoundError, match=r"step_8 is not complete .*'trainer': False.* complete steps: \[4\]"):
+        run.resolve_resume_step(8)
+    assert RunDir(tmp_path, "empty").resolve_resume_step("latest") is None
+
+
+def test_discard_after_sets_aside_everything_newer_than_the_resume_point(tmp_path):
+    """Probe: the resumed orchestrator loaded the dead attempt's newer broadcasts/step_7."""
+    run = RunDir(tmp_path, "r")
+    run.start_attempt()
+    for step in (2, 4, 6):
+        _checkpoint(run, step, ("trainer", "orchestrator"))
+    for step in range(1, 8):
+        run.broadcast_dir(step).mkdir(parents=True)
+    moved = run.discard_after(4)
+    assert run.checkpoint_steps() == [2, 4] and run.broadcast_steps() == [1, 2, 3, 4]
+    assert sorted(p.name for p in moved) == sorted(
+        ["step_6.discarded-1", "step_5.discarded-1", "step_6.discarded-1", "step_7.discarded-1"]
+    )
+    assert (run.checkpoints_dir / "step_6.discarded-1" / "trainer" / ".done").is_file()  # set aside, not lost
+    run.broadcast_dir(5).mkdir()
+    assert run.discard_after(4)[0].name == "step_5.discarded-1.1"  # never overwrites an earlier discard
+    run.discard_after(None)  # a fresh start keeps nothing a component could pick up
+    assert run.checkpoint_steps() == [] and run.broadcast_steps() == []

@@ -8,6 +8,7 @@ import tomllib
 import pytest
 
 from prime_rl.common.config import load_config
+from prime_rl.common.config.base import ConfigError
 from prime_rl.common.config.deployment import SingleNodeDeployment
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.testing import make_tiny_model
@@ -227,3 +228,26 @@ def test_status_is_final_when_the_launcher_is_stopped(model_dir, tmp_path):
     final = json.loads(status.read_text())
     assert final["state"] == "failed" and "SIGTERM" in final["reason"], final
     assert os.path.exists(tmp_path / "r" / "control.secret")
+
+
+def test_resume_latest_is_resolved_once_for_both_components(model_dir, tmp_path):
+    """Probe: "latest" resolved by each component resumed them at steps 8 and 4 (then hung)."""
+    from prime_rl.common.rundir import RunDir
+    from prime_rl.launcher.rl import resolve_resume
+
+    run = RunDir(tmp_path, "r")
+    for step, parts in ((4, ("trainer", "orchestrator")), (8, ("orchestrator",))):
+        for part, marker in (("trainer", ".done"), ("orchestrator", "state.json")):
+            if part in parts:
+                (run.checkpoint_dir(step) / part).mkdir(parents=True)
+                (run.checkpoint_dir(step) / part / marker).write_text("{}")
+    flags = ["--model.name", str(model_dir), "--output-dir", str(tmp_path), "--run.name", "r"]
+    cfg = load_config(RLConfig, [*flags, "--ckpt.resume-step", "latest"])
+    assert resolve_resume(cfg, run) == 4
+    assert cfg.trainer.ckpt.resume_step == cfg.orchestrator.ckpt.resume_step == 4
+    cfg = load_config(RLConfig, [*flags, "--trainer.ckpt.resume-step", "8", "--orchestrator.ckpt.resume-step", "4"])
+    with pytest.raises(ConfigError, match="differ"):
+        resolve_resume(cfg, run)
+    # The launcher refuses a step that is not complete for both, naming the complete ones (exit 2).
+    out = _rl(*flags, "--ckpt.resume-step", "8", "--dry-run")
+    assert out.returncode == 2 and "complete steps: [4]" in out.stderr, out.stderr

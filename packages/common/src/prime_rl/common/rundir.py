@@ -16,6 +16,14 @@ Design decisions:
   ``logs/latest`` atomically (symlink to a temp name, then ``os.replace``), so a reader never sees
   a missing ``latest``. Processes started by the launcher log under ``attempt_dir`` (which follows
   ``latest``), so they need no attempt number passed down.
+- A checkpoint step is complete only when every component's part is: each part's commit marker
+  (``CHECKPOINT_MARKERS``) is the last thing its writer puts there, so a part with its marker is whole.
+  ``latest_complete_checkpoint(components)`` is what "latest" means for a run with those components,
+  resolved once by the launcher and handed to every component as an explicit step.
+- ``discard_after(step)`` renames what a dead attempt left beyond the resume point (newer
+  checkpoint steps, complete or not, and newer weight broadcasts) to ``*.discarded-<n>`` so no component can
+  load it (a broadcast newer than the resumed trainer would be served as a future policy), without
+  deleting anything a person may still want.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ import re
 from pathlib import Path
 
 _ATTEMPT = re.compile(r"^attempt_(\d+)$")
+CHECKPOINT_MARKERS = {"trainer": ".done", "orchestrator": "state.json"}
+"""Per component: the file its checkpoint writer creates last inside ``checkpoints/step_<n>/<component>/``."""
+BROADCAST_MARKER = "STABLE"
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -142,6 +153,49 @@ class RunDir:
         """Steps with a ``checkpoints/step_<n>`` directory, ascending."""
         return _steps(self.checkpoints_dir, _STEP)
 
+    def checkpoint_part_complete(self, step: int, component: str) -> bool:
+        return (self.checkpoint_dir(step) / component / CHECKPOINT_MARKERS[component]).is_file()
+
+    def complete_checkpoint_steps(self, components: tuple[str, ...] = ("trainer", "orchestrator")) -> list[int]:
+        """Steps whose every listed component's part is complete, ascending."""
+        return [s for s in self.checkpoint_steps() if all(self.checkpoint_part_complete(s, c) for c in components)]
+
+    def latest_complete_checkpoint(self, components: tuple[str, ...] = ("trainer", "orchestrator")) -> int | None:
+        steps = self.complete_checkpoint_steps(components)
+        return steps[-1] if steps else None
+
+    def resolve_resume_step(
+        self, resume_step: int | str | None, components: tuple[str, ...] = ("trainer", "orchestrator")
+    ) -> int | None:
+        """One resume step for every component: "latest" = newest complete for all; an explicit step must be."""
+        if resume_step is None:
+            return None
+        complete = self.complete_checkpoint_steps(components)
+        if resume_step == "latest":
+            return complete[-1] if complete else None
+        if resume_step not in complete:
+            partial = {c: self.checkpoint_part_complete(resume_step, c) for c in components}
+            raise FileNotFoundError(
+                f"ckpt.resume_step={resume_step}: checkpoints/step_{resume_step} is not complete for every component "
+                f"(complete parts: {partial}); complete steps: {complete or 'none'}; pick one of them or 'latest'"
+            )
+        return int(resume_step)
+
+    def discard_after(self, step: int | None) -> list[Path]:
+        """Rename checkpoint steps and broadcasts newer than ``step`` (all of them for a fresh start, None).
+
+        What is left is exactly the history up to the resume point; returns the new paths.
+        """
+        attempt = max(self.attempts(), default=0)
+        moved = []
+        for s in self.checkpoint_steps():
+            if step is None or s > step:
+                moved.append(_rename_aside(self.checkpoint_dir(s), attempt))
+        for s in self.broadcast_steps():
+            if step is None or s > step:
+                moved.append(_rename_aside(self.broadcast_dir(s), attempt))
+        return moved
+
     @property
     def broadcasts_dir(self) -> Path:
         return self.root / "broadcasts"
@@ -163,6 +217,16 @@ class RunDir:
         for d in (self.configs_dir, self.logs_dir, self.metrics_path.parent, self.checkpoints_dir, self.broadcasts_dir):
             d.mkdir(parents=True, exist_ok=True)
         return self
+
+
+def _rename_aside(path: Path, attempt: int) -> Path:
+    target = path.with_name(f"{path.name}.discarded-{attempt}")
+    n = 0
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.discarded-{attempt}.{n}")
+    os.rename(path, target)
+    return target
 
 
 def _check_step(step: int) -> int:

@@ -139,6 +139,26 @@ def resolve(cfg: RLConfig) -> None:
         wb.dtype = served_dtype(cfg)
 
 
+def resolve_resume(cfg: RLConfig, run_dir: RunDir) -> int | None:
+    """One resume step for trainer and orchestrator: "latest" is the newest step complete for both.
+
+    Each component resolving "latest" on its own resumed them at different steps after a kill between
+    their checkpoints; the resolved step is written into both configs instead.
+    """
+    trainer_step, orchestrator_step = cfg.trainer.ckpt.resume_step, cfg.orchestrator.ckpt.resume_step
+    if trainer_step != orchestrator_step:
+        raise ConfigError(
+            f"trainer.ckpt.resume_step={trainer_step!r} and orchestrator.ckpt.resume_step={orchestrator_step!r} "
+            "differ, so trainer and orchestrator would continue from different steps; set [ckpt] resume_step "
+            "(it sets both)",
+            keys=["trainer.ckpt.resume_step", "orchestrator.ckpt.resume_step"],
+        )
+    step = run_dir.resolve_resume_step(trainer_step)
+    cfg.trainer.ckpt.resume_step = step
+    cfg.orchestrator.ckpt.resume_step = step
+    return step
+
+
 def _free_port_block(n: int) -> int:
     """A base port such that base .. base + n - 1 are free now (one batch socket per trainer rank)."""
     for _ in range(100):
@@ -257,6 +277,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         infer_gpus, train_gpus = place(cfg.deployment, visible_gpus())
         resolve(cfg)
+        resume_step = resolve_resume(cfg, run_dir)
+    except ConfigError as e:
+        sys.stderr.write(f"rl: error: {e}\n")
+        sys.exit(2)
     except (PlacementError, FileNotFoundError) as e:
         sys.stderr.write(f"rl: error: {e}\n")
         sys.exit(2)
@@ -265,6 +289,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {', '.join(str(p) for p in configs.values())}")
         return
     run_dir.start_attempt()
+    # What a dead attempt left beyond the resume point must not be loaded (newer weights, newer or
+    # half-written checkpoints): set aside before any component starts.
+    for path in run_dir.discard_after(resume_step):
+        log.warning("set aside %s: newer than the resume point (%s)", path, resume_step or "fresh start")
     log.info(
         "run %s: inference on %s, trainer on %s",
         run_dir.root,

@@ -7,7 +7,11 @@ crash mid-save never leaves a "latest" checkpoint that cannot be loaded.
 
 Pruning (`keep_last`) removes only the trainer's part of old steps: `step_<n>/orchestrator/` belongs to
 the orchestrator, which keeps every step (its state is a few bytes) and resumes from it. A step
-directory is removed once nothing is left in it.
+directory is removed once nothing is left in it. In an RL run (orchestrator parts exist) pruning never
+removes the trainer part of the newest step complete for both: until the orchestrator has saved the
+newer steps, that one is the only step a killed run can resume from.
+
+A full disk during a save raises one `DiskFullError` naming the checkpoint and the space left.
 """
 
 import shutil
@@ -23,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from prime_rl.common.diskfull import naming_disk_full
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.lora import checkpoint_options
 from prime_rl.trainer.models import save_hf_weights
@@ -67,7 +72,8 @@ class CheckpointManager:
         # LoRA: the adapters (and their optimizer state) only; the frozen base is re-read from model.name
         model_sd, optim_sd = get_state_dict(model, optimizer, options=checkpoint_options(model))
         state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": step}
-        dcp.save(state, checkpoint_id=str(path))
+        with naming_disk_full(path, f"the trainer checkpoint of step {step}", "free space or lower ckpt.keep_last"):
+            dcp.save(state, checkpoint_id=str(path))
         dist.barrier()
         if self.is_main:
             (path / DONE).touch()
@@ -96,7 +102,14 @@ class CheckpointManager:
     def _prune(self) -> None:
         if self.keep_last is None:
             return
+        # Resumable needs every component's part: keep the newest step the orchestrator completed too.
+        has_orchestrator = any(
+            self.run_dir.orchestrator_checkpoint_dir(s).is_dir() for s in self.run_dir.checkpoint_steps()
+        )
+        protected = self.run_dir.latest_complete_checkpoint() if has_orchestrator else None
         for step in list_checkpoints(self.run_dir)[: -self.keep_last]:
+            if step == protected:
+                continue
             shutil.rmtree(self.run_dir.trainer_checkpoint_dir(step), ignore_errors=True)
             try:
                 self.run_dir.checkpoint_dir(step).rmdir()  # only if no other component saved there

@@ -46,6 +46,10 @@ def _section(data: dict, *path: str) -> dict:
     return node
 
 
+DEFAULT_KEEP_LAST = 3
+"""Trainer checkpoints an rl run keeps unless told otherwise: a full state per step fills a disk fast."""
+
+
 class SharedCheckpointConfig(BaseConfig):
     """Checkpoint trainer and orchestrator together, and resume both from the same step."""
 
@@ -53,8 +57,8 @@ class SharedCheckpointConfig(BaseConfig):
     """Save both every this many steps; None saves none."""
     resume_step: int | Literal["latest"] | None = None
     """Resume both from checkpoints/step_<N>/; "latest" picks the newest complete one."""
-    keep_last: int | None = Field(None, ge=1)
-    """Keep only the newest this many trainer checkpoints."""
+    keep_last: int | None = Field(DEFAULT_KEEP_LAST, ge=1)
+    """Keep only the newest this many trainer checkpoints (plus the newest one complete for both); None keeps all."""
 
 
 class RLConfig(BaseConfig):
@@ -118,6 +122,9 @@ class RLConfig(BaseConfig):
         if "monitor" in data:  # one W&B group: a run per process
             trainer.setdefault("monitor", data["monitor"])
             orch.setdefault("monitor", data["monitor"])
+        # keep_last has a default here (unlike the trainer's own config, shared with sft) so that an rl run
+        # never keeps every checkpoint by accident; `keep_last = None` in [ckpt] keeps them all.
+        _section(trainer, "ckpt").setdefault("keep_last", (data.get("ckpt") or {}).get("keep_last", DEFAULT_KEEP_LAST))
         for key, value in (data.get("ckpt") or {}).items():
             _section(trainer, "ckpt").setdefault(key, value)
             if key != "keep_last":  # the orchestrator's state is tiny: it keeps every step
