@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from prime_rl.common.diskfull import naming_disk_full
+
 STATE_FILE = "state.json"
 
 
@@ -40,11 +42,16 @@ class OrchestratorState:
 
 
 def save_state(state: OrchestratorState, directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write ``state.json`` atomically; it is the orchestrator part's commit marker (``rundir.CHECKPOINT_MARKERS``)."""
     path = directory / STATE_FILE
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(asdict(state), indent=1))
-    os.replace(tmp, path)
+    with naming_disk_full(path, f"the orchestrator state of step {state.step}"):
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(json.dumps(asdict(state), indent=1))
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the commit marker
+        os.replace(tmp, path)
     return path
 
 
