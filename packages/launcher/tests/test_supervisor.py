@@ -6,8 +6,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from prime_rl.launcher.supervisor import Component, Supervisor
 
@@ -180,3 +183,36 @@ def test_sigkilled_torchrun_agent_takes_its_ranks_down(tmp_path):
     while _alive(rank) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(rank), "the rank outlived its agent and the launcher"
+
+
+# Like vLLM's engine: a shared-memory segment the resource tracker will not clean up.
+SHM_OWNER = textwrap.dedent(
+    """
+    import sys, time
+    from multiprocessing import resource_tracker, shared_memory
+    shm = shared_memory.SharedMemory(create=True, size=1 << 20)
+    resource_tracker.unregister(shm._name, "shared_memory")
+    open(sys.argv[1], "w").write(shm.name + "\\n")
+    time.sleep(600)
+    """
+)
+
+
+def test_shared_memory_of_a_killed_engine_is_released(tmp_path):
+    """Probe: each SIGKILL of the inference server leaked vLLM shared-memory segments."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("needs /dev/shm")
+    namefile = tmp_path / "shm.name"
+    comps = [Component("inference", [sys.executable, "-c", SHM_OWNER, str(namefile)], tmp_path / "inf.log")]
+    sup = Supervisor(comps, poll_s=0.05)
+
+    def kill_engine():
+        _wait_for(namefile)
+        os.killpg(sup.running[0].proc.pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=kill_engine)
+    thread.start()
+    assert sup.run() == 1
+    thread.join()
+    name = namefile.read_text().strip()
+    assert not (Path("/dev/shm") / name).exists(), f"/dev/shm/{name} leaked"

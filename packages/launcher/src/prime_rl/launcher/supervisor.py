@@ -9,6 +9,9 @@ Design:
   by the launcher instead of init. torchrun starts each rank in a session of its own, so when the
   torchrun agent is SIGKILLed its ranks are beyond the agent's process group; as the launcher's
   adoptees they are still found (by walking /proc) and stopped with everything else.
+- Shared memory: vLLM's engine processes talk through POSIX shared memory (``/dev/shm/psm_*``, 160-250
+  MB each); a SIGKILLed engine never unlinks it. After stopping everything, segments that appeared
+  during the job and that no live process still maps or holds open are removed.
 - A component that exits non-zero fails the job: the message names it and its log file. A
   component marked ``finishes_run`` that exits 0 ends the job successfully; the others are stopped.
 - Ctrl-C (SIGINT) or SIGTERM to the launcher stops every component and exits 130 / 143.
@@ -128,6 +131,7 @@ class Supervisor:
         """Start everything, wait for the job to end, stop what is left; return the exit code."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         _become_subreaper()
+        shm_before = shm_segments()
         try:
             for comp in self.components:
                 self.start(comp)
@@ -136,6 +140,8 @@ class Supervisor:
             return self._wait()
         finally:
             self.stop()
+            for name in release_shm(shm_segments() - shm_before):
+                log.info("removed shared memory /dev/shm/%s left by a stopped process", name)
             for s, handler in old.items():
                 signal.signal(s, handler)
 
@@ -256,6 +262,52 @@ class Supervisor:
         except FileNotFoundError:
             return
         sys.stderr.write(f"--- last {len(tail)} lines of {path} ---\n" + "\n".join(tail) + "\n")
+
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIXES = ("psm_", "sem.mp-")
+"""multiprocessing.shared_memory segments and semaphores (what vLLM's engine processes create)."""
+
+
+def shm_segments() -> set[str]:
+    try:
+        return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def _shm_in_use() -> set[str]:
+    """Names under /dev/shm that some live process maps or holds open."""
+    used: set[str] = set()
+    prefix = str(SHM_DIR) + "/"
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                used.update(line.split(prefix, 1)[1].split()[0] for line in f if prefix in line)
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                if target.startswith(prefix):
+                    used.add(target[len(prefix) :].split()[0])
+        except OSError:
+            continue
+    return used
+
+
+def release_shm(candidates: set[str]) -> list[str]:
+    """Unlink the ``candidates`` no live process uses; return those removed."""
+    if not candidates:
+        return []
+    in_use = _shm_in_use()
+    removed = []
+    for name in sorted(candidates - in_use):
+        try:
+            (SHM_DIR / name).unlink()
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
 def _kill(pid: int, sig: int) -> None:
