@@ -20,6 +20,26 @@ def test_packed_seqs_boundaries():
     assert seqs.max_seqlen == 4 and seqs.num_docs == 5
 
 
+def test_packed_seqs_to_keeps_boundaries_and_drops_cache():
+    seqs = PackedSeqs.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0]]))
+    seqs.cache["sdpa_mask"] = torch.ones(1)
+    moved = seqs.to("meta")  # the training loop builds on the host, then moves to the accelerator
+    assert moved.cu_seqlens.device.type == moved.doc_ids.device.type == moved.position_ids.device.type == "meta"
+    assert (moved.max_seqlen, moved.num_docs, moved.num_tokens) == (3, 3, 6)
+    assert moved.cache == {}  # masks are per device: rebuilt there
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("attn", ["sdpa", "flex"])
+def test_host_built_seqs_give_the_same_forward(hf_model_factory, packed, attn):
+    """The trainer passes boundaries built on the host (no device sync); the model must not care."""
+    model = _model(hf_model_factory, "qwen3", attn)
+    input_ids, position_ids = packed(LENGTHS, model.config.vocab_size)
+    with torch.no_grad():  # FlexAttention has no backward on CPU
+        given = model(input_ids, position_ids, seqs=PackedSeqs.from_position_ids(position_ids.clone()))
+        torch.testing.assert_close(given, model(input_ids, position_ids), atol=0, rtol=0)
+
+
 def _loss(model, input_ids, position_ids):
     """Sum of next-token cross entropy within each document (the last token of a doc predicts nothing)."""
     logits = model.lm_head(model(input_ids, position_ids))[0].float()  # (T, V)

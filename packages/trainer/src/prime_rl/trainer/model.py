@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from prime_rl.common.config.trainer import ModelConfig
 from prime_rl.kernels import fused_logprobs_entropy, vanilla_logprobs_entropy
 from prime_rl.trainer.lora import apply_lora, init_lora_weights, is_lora_param
-from prime_rl.trainer.models import build_model, load_hf_weights
+from prime_rl.trainer.models import PackedSeqs, build_model, load_hf_weights
 from prime_rl.trainer.parallel import ParallelDims, parallelize_model
 
 
@@ -35,10 +35,16 @@ class CausalLM(nn.Module):
         return self.model.config
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        seqs: PackedSeqs | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(1, T) ids, positions, targets -> (logprobs, entropy), each (T,) fp32; targets < 0 give logprob 0."""
-        hidden = self.model(input_ids, position_ids).flatten(0, 1)  # (T, H)
+        """(1, T) ids, positions, targets -> (logprobs, entropy), each (T,) fp32; targets < 0 give logprob 0.
+        ``seqs``: the document boundaries built on the host (``PackedSeqs``), which saves a device sync."""
+        hidden = self.model(input_ids, position_ids, seqs=seqs).flatten(0, 1)  # (T, H)
         weight = self.model.lm_head.weight  # (V, H), gathered by the root FSDP unit
         targets = targets.flatten()  # (T,)
         if self.chunk_size is None:

@@ -4,6 +4,12 @@ The orchestrator packs samples into one row and restarts positions at 0 for each
 document starts wherever `position_ids == 0` (and at the start of every row). Every attention
 backend reads the same `PackedSeqs`; backend-specific masks are built lazily and cached on it so
 all layers of one forward share them.
+
+Build it on the host (`PackedSeqs.from_position_ids(cpu_position_ids).to(device)`) and pass it to the
+model's forward as `seqs=`: the boundaries need host ints (document count, longest document), and
+deriving them from device position_ids is a device-to-host copy inside the forward. That copy waits for
+every earlier transfer in the device's copy queue: behind the weight publisher's 3.4 GB device-to-host
+copy it stalled each RL step by ~50 ms on an H200 (benchmarks/results/rl_trainer.md).
 """
 
 from __future__ import annotations
@@ -47,4 +53,11 @@ class PackedSeqs:
             cu_seqlens=cu_seqlens,
             max_seqlen=int(lengths.max().item()),  # one host sync per forward, not per layer
             num_docs=int(lengths.numel()),
+        )
+
+    def to(self, device: torch.device | str) -> PackedSeqs:
+        """The same boundaries on ``device`` (tensors copied asynchronously; host ints kept, cache dropped)."""
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return PackedSeqs(
+            move(self.position_ids), move(self.doc_ids), move(self.cu_seqlens), self.max_seqlen, self.num_docs
         )

@@ -113,11 +113,15 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, seqs: PackedSeqs | None = None
+    ) -> torch.Tensor:
         """input_ids, position_ids (B, T) -> final-normed hidden states (B, T, H).
 
         Rows are concatenated into one packed sequence; documents start where position_ids == 0 and
-        at each row start, and attention never crosses a document boundary.
+        at each row start, and attention never crosses a document boundary. ``seqs``: those boundaries
+        built on the host from the same position_ids (see ``PackedSeqs``); without it they are derived
+        here, at the cost of one device-to-host sync.
         """
         if input_ids.shape != position_ids.shape or input_ids.dim() != 2:
             raise ValueError(
@@ -125,7 +129,8 @@ class Transformer(nn.Module):
                 "must both be (B, T); pass packed rows as (1, T)"
             )
         batch, seq_len = input_ids.shape
-        seqs = PackedSeqs.from_position_ids(position_ids)
+        if seqs is None:
+            seqs = PackedSeqs.from_position_ids(position_ids)
         prepare_masks(seqs, self.attn)
         x = self.embed_tokens(input_ids.reshape(-1))  # (T, H)
         cos, sin = self.rotary(seqs.position_ids, x.dtype)

@@ -30,7 +30,7 @@ from prime_rl.common.logging import setup_logger
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.loop import Trainer, to_host, train_loop
 from prime_rl.trainer.model import CausalLM, build_training_model
-from prime_rl.trainer.models import load_model_config, model_flops_per_token
+from prime_rl.trainer.models import PackedSeqs, load_model_config, model_flops_per_token
 from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
@@ -85,14 +85,17 @@ class RLObjective:
             if before_last is not None and i == len(batches) - 1:
                 before_last()
             sample_ids = mb.sample_ids().to(world.device, non_blocking=True)
+            seqs = PackedSeqs.from_position_ids(mb.position_ids).to(world.device)  # on the host: no device sync
             mb = mb.to(world.device)
             # (T,) each: logprob / entropy of token t+1 at position t, like every array of the micro-batch
-            logprobs, entropy = model(mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature)
+            logprobs, entropy = model(mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature, seqs=seqs)
             inference = mb.inference_logprobs if mb.inference_logprobs is not None else logprobs.detach()
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref, _ = self.ref_model(mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature)
+                    ref, _ = self.ref_model(
+                        mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature, seqs=seqs
+                    )
             weights = None
             if self.norm == "sequence":  # 1 / (the sample's loss tokens): each sample weighs the same
                 per_sample = segment_sum(mb.loss_mask.float(), sample_ids)

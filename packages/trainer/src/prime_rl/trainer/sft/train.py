@@ -32,7 +32,7 @@ from prime_rl.trainer.logs import redirect_rank_output
 from prime_rl.trainer.loop import Trainer, to_host, train_loop
 from prime_rl.trainer.lora import check_lora, export_lora, log_lora
 from prime_rl.trainer.model import CausalLM, build_training_model
-from prime_rl.trainer.models import load_model_config, model_flops_per_token
+from prime_rl.trainer.models import PackedSeqs, load_model_config, model_flops_per_token
 from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.context import shard_micro_batch
@@ -199,8 +199,9 @@ def forward_backward(
     for i, mb in enumerate(micro_batches):
         if before_last is not None and i == len(micro_batches) - 1:
             before_last()
+        seqs = PackedSeqs.from_position_ids(mb.position_ids).to(world.device)  # on the host: no device sync
         mb = mb.to(world.device)
-        logprobs, _ = model(mb.input_ids, mb.position_ids, mb.targets)  # (T,)
+        logprobs, _ = model(mb.input_ids, mb.position_ids, mb.targets, seqs=seqs)  # (T,)
         nll = -logprobs.sum()  # ignored targets have logprob 0
         (nll * scale).backward()
         nll_sum += nll.detach()
