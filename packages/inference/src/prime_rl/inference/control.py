@@ -46,6 +46,7 @@ from prime_rl.common.wire import (
     PauseRequest,
     ResumeRequest,
 )
+from prime_rl.inference.lora import is_adapter_dir, load_adapter
 from prime_rl.inference.weights.manifest import (
     ITEMSIZE,
     Manifest,
@@ -194,6 +195,8 @@ class Controller:
         return results
 
     async def _load(self, request: LoadWeightsRequest) -> ControlReply:
+        if is_adapter_dir(request.path):  # a LoRA adapter: loaded by name over the base (prime_rl.inference.lora)
+            return await load_adapter(self, request)
         specs = check_checkpoint_dir(request.path, self.marker)
         self.manifest.check(specs, source=request.path)
         if self.verify_data:

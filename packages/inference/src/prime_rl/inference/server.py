@@ -16,6 +16,7 @@ from typing import Any
 
 from prime_rl.common.config.inference import PROCESSED_LOGPROBS, InferenceConfig
 from prime_rl.inference.control import Controller, ControlThread
+from prime_rl.inference.lora import AdapterLoader, apply_lora_args
 from prime_rl.inference.weights.manifest import Manifest
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def build_vllm_args(config: InferenceConfig, port: int | None = None) -> argpars
             f"extension {WORKER_EXTENSION}; remove it"
         )
     args.worker_extension_cls = WORKER_EXTENSION
+    apply_lora_args(args, config.lora)  # --enable-lora, --max-lora-rank, --max-loras, --lora-modules from [lora]
     # Logprobs of the distribution actually sampled (after temperature etc.), not of the raw model:
     # the trainer's importance ratio is only right against those. The config refuses other values.
     if args.logprobs_mode != PROCESSED_LOGPROBS:
@@ -100,6 +102,7 @@ async def serve(config: InferenceConfig, *, port: int | None = None, control_por
                 model_dir=str(_resolve_model_dir(config.model.name)),
                 verify_data=config.weights.verify_data,
             )
+            controller.adapters = AdapterLoader.for_server(config, args.port)  # LoRA adapters loaded by name
             await controller.start()
             endpoint = f"tcp://{config.server.control_host}:{control_port}"
             control = ControlThread(endpoint, controller, asyncio.get_running_loop()).start()

@@ -125,6 +125,35 @@ class WeightUpdateConfig(BaseConfig):
     """Read every byte of a filesystem update (sizes, the trainer's checksums, no NaN/Inf) before the engine loads it."""
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks vLLM's --max-lora-rank accepts."""
+
+
+class InferenceLoRAConfig(BaseConfig):
+    """Serve LoRA adapters over the one base model (vLLM --enable-lora). Clients pick one by name
+    (`"model": "<adapter>"`); the base stays servable under its own name. Adapters published by a LoRA RL
+    trainer (`broadcasts/step_<n>/` in peft format) are loaded, or replaced in place, by name through the control
+    plane, like full weights; other adapters can be listed here to serve from the start."""
+
+    max_rank: int = 16
+    """Largest adapter rank served (vLLM --max-lora-rank: one of 1, 8, 16, 32, 64, 128, 256, 320, 512)."""
+    max_loras: int = Field(1, ge=1)
+    """Adapters that can be in one batch at once (vLLM --max-loras); more than that wait for a slot."""
+    adapters: dict[str, str] = {}
+    """Adapters served from the start, name -> peft adapter directory (vLLM --lora-modules name=path)."""
+
+    @field_validator("max_rank")
+    @classmethod
+    def _vllm_rank(cls, value: int) -> int:
+        if value not in LORA_RANKS:
+            bigger = [r for r in LORA_RANKS if r >= value]
+            raise ValueError(
+                f"lora.max_rank={value} is not a rank vLLM allocates for; use one of {LORA_RANKS}"
+                + (f" (e.g. {bigger[0]})" if bigger else "")
+            )
+        return value
+
+
 class RouterConfig(BaseConfig):
     """Independent replicas of the server on this node behind one vllm-router endpoint."""
 
@@ -155,6 +184,8 @@ class InferenceConfig(BaseConfig):
     """Replicas and the router in front of them."""
     env_vars: dict[str, str] = {}
     """Environment variables set before vLLM starts (e.g. VLLM_CPU_KVCACHE_SPACE)."""
+    lora: InferenceLoRAConfig | None = None
+    """Serve LoRA adapters (`[lora]`, needed by LoRA RL); None serves the base model only."""
 
     @model_validator(mode="after")
     def _ports_do_not_collide(self) -> InferenceConfig:

@@ -207,6 +207,17 @@ class RLTrainerConfig(BaseConfig):
         fake = self.data.fake
         if fake is not None and fake.doc_len is not None and not fake.generate_samples:
             raise ValueError("data.fake.doc_len needs data.fake.generate_samples = true (it sets each sample's length)")
+        lora = self.model.lora
+        if lora is not None and self.weight_broadcast.type != "filesystem":
+            raise ValueError(
+                f"weight_broadcast.type={self.weight_broadcast.type!r} with model.lora: adapters are published "
+                'through the filesystem only (vLLM loads LoRA adapters from a path); set weight_broadcast.type = "filesystem"'
+            )
+        if lora is not None and lora.modules_to_save:
+            raise ValueError(
+                f"model.lora.modules_to_save={lora.modules_to_save} in RL: vLLM serves LoRA adapters only, not modules "
+                "trained in full, so inference would sample from other weights than the trainer's; leave it empty for RL"
+            )
         return self
 
     @property

@@ -352,4 +352,8 @@ def build_publisher(
         return NixlPublisher(cfg, run_dir, model, world)
     if isinstance(cfg, NCCLBroadcastConfig):
         return BroadcastPublisher(cfg, run_dir, model, world)
+    if getattr(model.model, "lora_config", None) is not None:  # LoRA: the adapter alone, in peft format
+        from prime_rl.trainer.rl.publish_lora import build_lora_publisher
+
+        return build_lora_publisher(cfg, run_dir, model, world)
     return FilesystemPublisher(cfg, run_dir, model, world)

@@ -29,6 +29,7 @@ from prime_rl.common.config.trainer import ModelConfig
 from prime_rl.common.logging import setup_logger
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.loop import Trainer, to_host, train_loop
+from prime_rl.trainer.lora import check_lora, log_lora
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import PackedSeqs, load_model_config, model_flops_per_token
 from prime_rl.trainer.optim.setup import build_optimization
@@ -189,6 +190,8 @@ def train(cfg: RLTrainerConfig) -> None:
         model_dir = check_model_dir(cfg.model.name)
         model_config = load_model_config(str(model_dir))
         dims = resolve_parallel_dims(cfg.model, world.world_size, model_config)
+        if cfg.model.lora is not None:  # target patterns and rank against the model's layers, on a meta copy
+            check_lora(cfg.model.lora, model_config)
         dp_rank = dims.dp_rank(world.rank)  # the cp ranks of one sequence train on the same rows
         if dims.cp_enabled and (cfg.loss.type == "sequence" or cfg.loss.norm != "token"):
             raise ValueError(
@@ -213,6 +216,7 @@ def train(cfg: RLTrainerConfig) -> None:
     torch.manual_seed(cfg.seed)
     mesh = dims.build_mesh(world.device.type)
     model = build_training_model(cfg.model, dims, mesh, world.device)
+    log_lora(model, logger)
     optim = build_optimization(cfg.model, cfg.optim, cfg.scheduler, cfg.max_steps, model, world.device, logger)
     publisher = build_publisher(cfg.weight_broadcast, run_dir, model, world)
     flops_per_token = model_flops_per_token(model_config, cfg.data.seq_len)
