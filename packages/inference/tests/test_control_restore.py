@@ -128,3 +128,30 @@ def test_pause_and_resume_are_logged_with_their_origin(caplog):
         asyncio.run(run())
     assert "PauseRequest(mode=keep) from 192.168.1.9" in caplog.text
     assert "ResumeRequest from 192.168.1.9" in caplog.text
+
+
+def test_heartbeat_reports_a_client_pause_with_its_deadline(tmp_path):
+    """Probe: one PauseRequest froze a run silently. The server now reports who paused it and for how long
+    that may last; the launcher's watchdog ends the run past ``weights.max_pause``."""
+    from prime_rl.common.heartbeat import Heartbeat, read_beats
+    from prime_rl.inference.control import beat_forever
+
+    controller = _controller(FakeEngine(), None)
+    heartbeat = Heartbeat(tmp_path, "inference", min_interval_s=0.0)
+
+    async def run():
+        task = asyncio.create_task(beat_forever(controller, heartbeat, max_pause_s=5.0, interval_s=0.01))
+        await asyncio.sleep(0.05)
+        serving = read_beats(tmp_path)[0]
+        await controller.handle(PauseRequest(mode="keep"), "10.1.2.3")
+        await asyncio.sleep(0.05)
+        paused = read_beats(tmp_path)[0]
+        await asyncio.sleep(0.05)
+        still = read_beats(tmp_path)[0]
+        task.cancel()
+        return serving, paused, still
+
+    serving, paused, still = asyncio.run(run())
+    assert serving.phase == "serving" and serving.deadline_s == 60.0
+    assert paused.phase == "paused by 10.1.2.3" and paused.deadline_s == 5.0
+    assert still.since == paused.since  # a pause is not progress: its clock keeps running

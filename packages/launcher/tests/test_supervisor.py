@@ -216,3 +216,56 @@ def test_shared_memory_of_a_killed_engine_is_released(tmp_path):
     thread.join()
     name = namefile.read_text().strip()
     assert not (Path("/dev/shm") / name).exists(), f"/dev/shm/{name} leaked"
+
+
+# A rank that beats, logs, then stops dead (SIGSTOP: no exit code, no progress: a hang).
+STUCK_RANK = textwrap.dedent(
+    """
+    import os, signal, sys
+    from prime_rl.common.heartbeat import Heartbeat
+    hb = Heartbeat(sys.argv[1], "trainer", rank=1, log=sys.argv[2])
+    hb.beat("step", 7, deadline_s=1.0)
+    with open(sys.argv[2], "a") as f:
+        f.write("all_reduce of bucket 3 started\\n")
+    os.kill(os.getpid(), signal.SIGSTOP)
+    """
+)
+
+
+def test_watchdog_stops_a_stuck_rank_in_seconds_naming_it(tmp_path, caplog):
+    """Probe: a stuck rank hung the run forever (exits only after 1800-3600 s timeouts)."""
+    beats, rank_log = tmp_path / "heartbeats", tmp_path / "1.log"
+    comps = [
+        Component("trainer", [sys.executable, "-c", STUCK_RANK, str(beats), str(rank_log)], tmp_path / "t.log"),
+        Component("orchestrator", [sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / "o.log"),
+    ]
+    sup = Supervisor(comps, poll_s=0.05, heartbeat_dir=beats, watch_interval_s=0.2, stop_timeout_s=5)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="prime_rl.launcher"):
+        assert sup.run() == 1
+    assert time.monotonic() - t0 < 15
+    assert "watchdog: trainer rank 1" in sup.reason and "phase 'step' at step 7" in sup.reason
+    assert "last log line: all_reduce of bucket 3 started" in sup.reason and str(rank_log) in sup.reason
+    assert "stalled" in caplog.text
+    assert all(r.proc.poll() is not None for r in sup.running)  # the stopped rank was killed too
+
+
+def test_watchdog_ignores_beats_within_their_deadline_and_from_earlier_attempts(tmp_path):
+    from prime_rl.common.heartbeat import Heartbeat
+
+    beats = tmp_path / "heartbeats"
+    Heartbeat(beats, "trainer", rank=0).beat("step", 1, deadline_s=0.0)  # an earlier attempt's, long overdue
+    time.sleep(0.05)
+    script = textwrap.dedent(
+        f"""
+        import time
+        from prime_rl.common.heartbeat import Heartbeat
+        hb = Heartbeat({str(beats)!r}, "trainer", rank=1, min_interval_s=0)
+        for step in range(15):
+            hb.beat("step", step, deadline_s=1.0)
+            time.sleep(0.1)
+        """
+    )
+    comps = [Component("trainer", [sys.executable, "-c", script], tmp_path / "t.log", finishes_run=True)]
+    sup = Supervisor(comps, poll_s=0.05, heartbeat_dir=beats, watch_interval_s=0.1)
+    assert sup.run() == 0, sup.reason

@@ -31,6 +31,7 @@ import logging
 import threading
 from typing import Any
 
+from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.transport import ControlServer
 from prime_rl.common.wire import (
     AwaitWeightsRequest,
@@ -95,6 +96,8 @@ class Controller:
         self.failure = ""
         """Why the served weights are not trustworthy ("" when they are); health reports it."""
         self._restore_path = model_dir  # where the served weights can be reloaded from
+        self.paused_by = ""
+        """Origin of the client pause in force ("" when generation is not client-paused)."""
         self._client_paused = False
         self._lock = asyncio.Lock()
         self._broadcasts: dict[int, asyncio.Task] = {}
@@ -112,7 +115,7 @@ class Controller:
             if isinstance(request, HealthRequest):
                 return await self._health()
             if isinstance(request, PauseRequest):
-                return await self._pause(request)
+                return await self._pause(request, origin)
             if isinstance(request, ResumeRequest):
                 return await self._resume()
             if isinstance(request, LoadWeightsRequest):
@@ -137,17 +140,19 @@ class Controller:
 
     # -- pause / resume / health ---------------------------------------------------------------
 
-    async def _pause(self, request: PauseRequest) -> ControlReply:
+    async def _pause(self, request: PauseRequest, origin: str = "?") -> ControlReply:
         if request.mode not in PAUSE_MODES:
             return self._reply(False, f"pause mode {request.mode!r} is not one of {PAUSE_MODES}")
         await self.engine.pause_generation(mode=request.mode)
         self._client_paused = True
+        self.paused_by = origin
         return self._reply(True)
 
     async def _resume(self) -> ControlReply:
         async with self._lock:  # never resume in the middle of an update
             await self.engine.resume_generation()
             self._client_paused = False
+            self.paused_by = ""
         return self._reply(True)
 
     async def _health(self) -> HealthReply:
@@ -348,6 +353,25 @@ class Controller:
         self._broadcasts[request.version] = asyncio.create_task(receive())
         await asyncio.sleep(0)
         return self._reply(True)
+
+
+async def beat_forever(
+    controller: Controller, heartbeat: Heartbeat, max_pause_s: float, interval_s: float = 2.0, liveness_s: float = 60.0
+) -> None:
+    """Report the server's phase to the launcher's watchdog until cancelled.
+
+    "serving" beats with progress every ``interval_s``: if the event loop hangs for ``liveness_s`` the
+    watchdog sees it. A client pause may last ``max_pause_s`` (one that is never resumed froze a run
+    silently); a weight update, ``broadcast_timeout_s``.
+    """
+    while True:
+        if controller._lock.locked():
+            heartbeat.beat("updating weights", controller.weight_version, deadline_s=controller.broadcast_timeout_s)
+        elif controller.paused_by:
+            heartbeat.beat(f"paused by {controller.paused_by}", controller.weight_version, deadline_s=max_pause_s)
+        else:
+            heartbeat.beat("serving", controller.weight_version, deadline_s=liveness_s, progress=True)
+        await asyncio.sleep(interval_s)
 
 
 def _describe(request: Message) -> str:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from prime_rl.common.config.inference import PROCESSED_LOGPROBS, InferenceConfig
-from prime_rl.inference.control import Controller, ControlThread
+from prime_rl.common.heartbeat import Heartbeat
+from prime_rl.inference.control import Controller, ControlThread, beat_forever
 from prime_rl.inference.lora import AdapterLoader, apply_lora_args
 from prime_rl.inference.weights.manifest import Manifest
 
@@ -90,6 +91,7 @@ async def serve(config: InferenceConfig, *, port: int | None = None, control_por
     listen_address, sock = setup_server(args, reuse_port=False)
     control_port = config.server.resolved_control_port if control_port is None else control_port
     control: ControlThread | None = None
+    beats: asyncio.Task | None = None
     try:
         async with build_async_engine_client(args) as engine:
             controller = Controller(
@@ -104,12 +106,16 @@ async def serve(config: InferenceConfig, *, port: int | None = None, control_por
             )
             controller.adapters = AdapterLoader.for_server(config, args.port)  # LoRA adapters loaded by name
             await controller.start()
+            heartbeat = Heartbeat.from_env("inference")  # a no-op outside a launched run
+            beats = asyncio.create_task(beat_forever(controller, heartbeat, config.weights.max_pause))
             endpoint = f"tcp://{config.server.control_host}:{control_port}"
             control = ControlThread(endpoint, controller, asyncio.get_running_loop()).start()
             logger.info("control plane on %s", control.endpoint)
             shutdown_task = await build_and_serve(engine, listen_address, sock, args)
         await shutdown_task
     finally:
+        if beats is not None:
+            beats.cancel()
         if control is not None:
             control.stop()
         sock.close()

@@ -35,6 +35,7 @@ from prime_rl.common.config import ConfigError, ConfigWarning, parse_config, wri
 from prime_rl.common.config.deployment import SingleNodeDeployment
 from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl import RLConfig
+from prime_rl.common.heartbeat import HEARTBEAT_DIR_ENV, STALL_TIMEOUT_ENV
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.transport import ControlClient
@@ -301,10 +302,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     secret = RunSecret.create(run_dir.root / SECRET_FILE_NAME)
     os.environ[SECRET_ENV] = str(run_dir.root / SECRET_FILE_NAME)  # inherited by every component
+    heartbeat_dir = run_dir.root / "heartbeats"
+    os.environ[HEARTBEAT_DIR_ENV] = str(heartbeat_dir)
+    os.environ[STALL_TIMEOUT_ENV] = str(cfg.stall_timeout)
     write_status(run_dir.root, "running", pid=os.getpid(), host=socket.gethostname())
     rc, reason = 1, "the launcher failed before the run ended"
     try:
-        supervisor = Supervisor(build_components(cfg, run_dir, configs, infer_gpus, train_gpus, secret))
+        components = build_components(cfg, run_dir, configs, infer_gpus, train_gpus, secret)
+        supervisor = Supervisor(components, heartbeat_dir=heartbeat_dir)
         rc = supervisor.run()
         reason = "" if rc == 0 else supervisor.reason or f"exit code {rc}"
     except BaseException as e:  # every exit path leaves a final STATUS, whatever ended the launcher

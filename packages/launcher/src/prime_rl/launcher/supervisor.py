@@ -9,6 +9,9 @@ Design:
   by the launcher instead of init. torchrun starts each rank in a session of its own, so when the
   torchrun agent is SIGKILLed its ranks are beyond the agent's process group; as the launcher's
   adoptees they are still found (by walking /proc) and stopped with everything else.
+- Watchdog: with ``heartbeat_dir`` set, every process's heartbeat (``prime_rl.common.heartbeat``) is
+  read once a second; a process past the deadline of its phase stops the job, naming component, rank,
+  phase, step and the last line of its log. A hang ends in seconds instead of never.
 - Shared memory: vLLM's engine processes talk through POSIX shared memory (``/dev/shm/psm_*``, 160-250
   MB each); a SIGKILLed engine never unlinks it. After stopping everything, segments that appeared
   during the job and that no live process still maps or holds open are removed.
@@ -29,6 +32,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prime_rl.common.heartbeat import last_line, read_beats
 
 log = logging.getLogger("prime_rl.launcher")
 
@@ -101,10 +106,21 @@ class JobFailed(RuntimeError):
 
 
 class Supervisor:
-    def __init__(self, components: list[Component], poll_s: float = 0.2, stop_timeout_s: float = 15.0):
+    def __init__(
+        self,
+        components: list[Component],
+        poll_s: float = 0.2,
+        stop_timeout_s: float = 15.0,
+        heartbeat_dir: Path | None = None,
+        watch_interval_s: float = 1.0,
+    ):
         self.components = components
         self.poll_s = poll_s
         self.stop_timeout_s = stop_timeout_s
+        self.heartbeat_dir = heartbeat_dir
+        self.watch_interval_s = watch_interval_s
+        self._started_at = time.time()
+        self._last_watch = 0.0
         self.running: list[_Running] = []
         self.reason = ""
         """Why the job ended when it did not succeed (names the component), for the run's STATUS."""
@@ -132,6 +148,7 @@ class Supervisor:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         _become_subreaper()
         shm_before = shm_segments()
+        self._started_at = time.time()  # heartbeats older than this belong to an earlier attempt
         try:
             for comp in self.components:
                 self.start(comp)
@@ -174,7 +191,34 @@ class Supervisor:
                 self._echo()
                 log.info("process '%s' finished; stopping the others", r.component.name)
                 return 0
+        return self._watch()
+
+    def _watch(self) -> int | None:
+        """1 if a heartbeat is past its deadline (the job is stopped, the culprit named), else None."""
+        if self.heartbeat_dir is None or time.monotonic() - self._last_watch < self.watch_interval_s:
+            return None
+        self._last_watch = time.monotonic()
+        now = time.time()
+        for beat in read_beats(self.heartbeat_dir, newer_than=self._started_at):
+            overdue = beat.overdue_s(now)
+            if overdue <= 0 or not _alive(beat.pid):
+                continue  # within its deadline, or exited (its exit code speaks for it)
+            log_path = beat.log or str(self._log_of(beat.component))
+            step = "" if beat.step is None else f" at step {beat.step}"
+            self.reason = (
+                f"watchdog: {beat.component} rank {beat.rank} (pid {beat.pid}) stalled in phase '{beat.phase}'{step} "
+                f"for {now - beat.since:.0f}s (deadline {beat.deadline_s:.0f}s); last log line: "
+                f"{last_line(log_path) or '(none)'} [{log_path}]"
+            )
+            log.error("%s; stopping all", self.reason)
+            return 1
         return None
+
+    def _log_of(self, name: str) -> Path | str:
+        for r in self.running:
+            if r.component.name == name:
+                return r.component.log_path
+        return ""
 
     def _wait(self) -> int:
         while (rc := self._check()) is None:
@@ -210,8 +254,10 @@ class Supervisor:
         alive = [r for r in self.running if r.proc.poll() is None]
         for r in alive:
             _killpg(r.proc.pid, signal.SIGTERM)
+            _killpg(r.proc.pid, signal.SIGCONT)  # a stopped (SIGSTOP) process handles SIGTERM only once continued
         for pid in strays:
             _kill(pid, signal.SIGTERM)
+            _kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + self.stop_timeout_s
         for r in alive:
             try:
@@ -231,6 +277,7 @@ class Supervisor:
     def _kill_strays(self, strays: set[int]) -> None:
         deadline = time.monotonic() + self.stop_timeout_s
         while strays and time.monotonic() < deadline:
+            _reap(strays)  # adopted orphans only: their exit status is nobody's
             strays = {pid for pid in strays if _alive(pid)}
             time.sleep(0.05)
         for pid in strays | set(descendants(os.getpid())):
@@ -318,8 +365,7 @@ def _kill(pid: int, sig: int) -> None:
 
 
 def _alive(pid: int) -> bool:
-    """Running (not a zombie); reaps it if it is an adopted orphan that has exited."""
-    _reap({pid})
+    """Running (not a zombie). Never reaps: a component's own exit status belongs to its Popen."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()

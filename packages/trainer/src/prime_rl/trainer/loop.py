@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from prime_rl.common.config.monitor import MonitorConfig
+from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.monitor import build_monitor
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.ckpt import CheckpointManager, resolve_resume_step
@@ -165,10 +166,12 @@ def train_loop(
     timer = StepTimer(world.device)
     logger.info(f"training steps {start + 1}..{max_steps} on {world.world_size} rank(s) ({trainer.dims})")
     profiler = StepProfiler(world.is_main)
+    heartbeat = Heartbeat.from_env("trainer", world.rank)  # the launcher's watchdog names a stuck rank
     last_end = time.perf_counter()
     try:
         for step in range(start, max_steps):
             profiler.before(step + 1)
+            heartbeat.beat("step", step + 1)  # waiting for data, computing, publishing, checkpointing
             micro_batches = source.get(step)
             data_wait = time.perf_counter() - last_end
             t0 = time.perf_counter()

@@ -121,6 +121,8 @@ class WeightUpdateConfig(BaseConfig):
     """File a checkpoint directory must contain before it is loaded (written last by the trainer)."""
     broadcast_timeout: float = Field(600.0, gt=0)
     """Seconds a worker waits for the trainer while joining the broadcast group or receiving a bucket."""
+    max_pause: float = Field(600.0, gt=0)
+    """Seconds a client may keep generation paused; longer, and the run's watchdog stops the run naming the pauser."""
     verify_data: bool = True
     """Read every byte of a filesystem update (sizes, the trainer's checksums, no NaN/Inf) before the engine loads it."""
 

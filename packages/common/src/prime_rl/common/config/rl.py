@@ -90,6 +90,9 @@ class RLConfig(BaseConfig):
     """The orchestrator."""
     inference: InferenceConfig = InferenceConfig()
     """The inference server(s)."""
+    stall_timeout: float = Field(1800.0, gt=0)
+    """Seconds a process may stay in one phase (a training step, a wait) without progress before the
+    launcher's watchdog stops the run naming it; phases with their own timeout (a paused server) use that."""
     dry_run: bool = False
     """Write the resolved configs to <run_dir>/configs/ (and, with [slurm], launcher/rl.sbatch) and exit."""
 
