@@ -12,7 +12,9 @@ only a directory that passes it is handed to the workers.
 3. Finite values: no NaN or Inf in any floating tensor, tested on the raw bits (the exponent all
    ones) so bfloat16 needs no torch.
 
-Measured on 2 CPU cores: about 1 GB/s with checksums (crc32 + the exponent test in 16 MiB chunks).
+Measured (2 shared CPU cores, 2026-12-01, a page-cached 0.54 GB fp16 file): 3.4 GB/s with checksums
+and the finite test, 4.6 GB/s checksums only, 6.7 GB/s finite test only; the trainer's
+``write_checksums`` 4.9 GB/s. Qwen3-1.7B in bf16 (3.4 GB): about 1 s, off the serving path.
 """
 
 from __future__ import annotations
