@@ -26,8 +26,9 @@ import argparse
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -49,6 +50,27 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+def write_identity_adapter(out_dir: Path, hf_config: Any) -> Path:
+    """A rank-1 peft adapter with B = 0 on layer 0's o_proj: under its name the server answers exactly as the
+    base model does. Serves a LoRA RL policy's name at step 0, before the trainer's first version replaces it."""
+    import torch
+    from safetensors.torch import save_file
+
+    hidden = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    prefix = "base_model.model.model.layers.0.self_attn.o_proj"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        f"{prefix}.lora_A.weight": torch.zeros(1, heads * head_dim),
+        f"{prefix}.lora_B.weight": torch.zeros(hidden, 1),
+    }
+    save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1, "target_modules": ["o_proj"]}
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config) + "\n")
+    return out_dir
+
+
 def apply_lora_args(args: argparse.Namespace, cfg: InferenceLoRAConfig | None) -> None:
     """vLLM's LoRA flags from `[lora]` (nothing without it), plus runtime loading by name."""
     if cfg is None:
@@ -58,7 +80,15 @@ def apply_lora_args(args: argparse.Namespace, cfg: InferenceLoRAConfig | None) -
     args.enable_lora = True
     args.max_lora_rank = cfg.max_rank
     args.max_loras = cfg.max_loras
-    args.lora_modules = [LoRAModulePath(name=n, path=p) for n, p in cfg.adapters.items()] or None
+    modules = [LoRAModulePath(name=n, path=p) for n, p in cfg.adapters.items()]
+    if cfg.placeholders:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(args.model)
+        root = Path(tempfile.mkdtemp(prefix="prime_rl_lora_"))
+        for name in cfg.placeholders:
+            modules.append(LoRAModulePath(name=name, path=str(write_identity_adapter(root / name, hf_config))))
+    args.lora_modules = modules or None
     # vLLM registers /v1/load_lora_adapter only with this set; it is how published adapters get their name
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
 

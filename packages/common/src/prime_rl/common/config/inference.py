@@ -143,6 +143,9 @@ class InferenceLoRAConfig(BaseConfig):
     """Adapters that can be in one batch at once (vLLM --max-loras); more than that wait for a slot."""
     adapters: dict[str, str] = {}
     """Adapters served from the start, name -> peft adapter directory (vLLM --lora-modules name=path)."""
+    placeholders: list[str] = []
+    """Adapter names served as the base model (a zero adapter) until a trainer publishes their first version:
+    a LoRA RL policy's name at step 0 (`rl` adds the trainer's adapter name)."""
 
     @field_validator("max_rank")
     @classmethod

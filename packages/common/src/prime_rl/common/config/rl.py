@@ -17,10 +17,11 @@ from pydantic import Field, model_validator
 
 from prime_rl.common.config.base import BaseConfig
 from prime_rl.common.config.deployment import Deployment, SingleNodeDeployment, SlurmConfig
-from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.common.config.inference import LORA_RANKS, InferenceConfig
 from prime_rl.common.config.monitor import MonitorConfig
 from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, RLTrainerConfig, WeightBroadcastConfig
+from prime_rl.common.config.trainer import LoRAConfig
 
 
 class RunConfig(BaseConfig):
@@ -114,6 +115,16 @@ class RLConfig(BaseConfig):
         for section in (trainer, orch):
             section.setdefault("output_dir", output_dir)
             section.setdefault("run_name", run_name)
+        lora = _section(trainer, "model").get("lora")
+        if isinstance(lora, dict):  # LoRA RL: rollouts name the adapter; inference serves it (as the base until v1)
+            adapter = lora.get("name") or trainer["run_name"]
+            if _section(orch, "model").get("name") in (None, name):  # not set apart from the shared base model
+                orch["model"]["name"] = adapter
+            served = _section(inference, "lora")
+            rank = lora.get("rank", LoRAConfig.model_fields["rank"].default)
+            served.setdefault("max_rank", next((r for r in LORA_RANKS if r >= rank), rank))
+            placeholders = list(served.get("placeholders", []))
+            served["placeholders"] = placeholders if adapter in placeholders else [*placeholders, adapter]
         if data.get("max_steps") is not None:
             trainer.setdefault("max_steps", data["max_steps"])
             orch.setdefault("max_steps", data["max_steps"])
@@ -151,6 +162,13 @@ class RLConfig(BaseConfig):
             wb.inference_addresses = [f"tcp://127.0.0.1:{server.resolved_control_port + i}" for i in range(replicas)]
         if wb.announce is None:  # trainer rank 0 runs beside the orchestrator (SLURM: on TRAIN_HEAD)
             wb.announce = f"tcp://127.0.0.1:{self.orchestrator.trainer.weights_port}"
+        lora, served = self.trainer.model.lora, self.inference.lora
+        if lora is not None and (served is None or lora.rank > served.max_rank):
+            raise ValueError(
+                f"trainer.model.lora.rank={lora.rank} but inference serves LoRA adapters up to rank "
+                f"{served.max_rank if served else 'none ([inference.lora] is unset)'}: the first weight update "
+                f"would be refused; set inference.lora.max_rank >= {lora.rank}"
+            )
         self.trainer.data.host = "127.0.0.1"
         self.trainer.data.port = self.orchestrator.trainer.port
         if isinstance(self.deployment, SingleNodeDeployment):
