@@ -21,8 +21,8 @@ CPU numbers come from the shared 2-core development machine and carry its load.
 | what | result | goal |
 |---|---|---|
 | SFT trainer, Qwen3-1.7B shape, seq 8192, 1x H200 | 32,727 tokens/s = **1.43x** the anchor (22,915), **52.8% MFU**, 38.9 GiB peak (anchor 69.1) | >= 1.35x, >= 50% MFU |
-| RL trainer (seed's RL command, fake data), same shape and knobs as SFT, 1x H200 | 31,686 tokens/s = **0.985x** `sft` (32,177) in one call, 1.39x the anchor; packed 1024-token docs 36,885 = **0.994x** | >= 0.95x, >= 0.85x packed |
-| RL step wall time with filesystem publication every step | publish blocks **15 ms**; wall **1.056x** the step (packed 1.076x); the step slows 17% while the copy and write overlap it | <= 1.15x |
+| RL trainer (seed's RL command, fake data), same shape and knobs as SFT, 1x H200 | 31,581 tokens/s = **0.972x** `sft` (32,480) in one call, 1.37x the anchor; packed 1024-token docs 36,765 = **0.920x** (39,978) | >= 0.95x, >= 0.85x packed |
+| RL step wall time with filesystem publication every step | publish blocks **24 ms**; wall **1.098x** the step (packed 1.084x), the copy and the 3.4 GB write overlapping the next step | <= 1.15x |
 | SFT trainer, 2x H200 per-GPU scaling | 30,419 tokens/s per GPU = **92.1%** of one GPU (33,012 in the same call) | >= 90% |
 | Fused LM head, T=16384, V=151936, bf16, fwd+bwd | **75.7 ms, 1.27 GiB** extra vs anchor 120.7 ms, 55.8 GiB (1.59x faster); T=65536: 307.9 ms, 1.87 GiB (vanilla OOM) | <= 2 GiB, no slower |
 | NCCL weight broadcast, 3.44 GB bf16, 2x H200 | **10.29 ms, 334.6 GB/s = 86%** of the 386.9 GB/s GPU copy | >= 80%, < 12 ms |
