@@ -129,7 +129,7 @@ class _Policy(torch.nn.Module):
         super().__init__()
         self.logprobs = torch.nn.Parameter(logprobs.clone())
 
-    def forward(self, input_ids, position_ids, targets, temperature=1.0):
+    def forward(self, input_ids, position_ids, targets, temperature=1.0, seqs=None):
         return self.logprobs, torch.zeros_like(self.logprobs)
 
 
