@@ -4,6 +4,7 @@ from prime_rl.kernels.lm_head import (
     IGNORE_INDEX,
     fused_logprobs_entropy,
     fused_logprobs_entropy_torch,
+    fused_nll_sum,
     triton_available,
     vanilla_logprobs_entropy,
 )
@@ -12,6 +13,7 @@ __all__ = [
     "IGNORE_INDEX",
     "fused_logprobs_entropy",
     "fused_logprobs_entropy_torch",
+    "fused_nll_sum",
     "triton_available",
     "vanilla_logprobs_entropy",
 ]

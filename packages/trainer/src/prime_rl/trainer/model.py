@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.common.config.trainer import ModelConfig
-from prime_rl.kernels import fused_logprobs_entropy, vanilla_logprobs_entropy
+from prime_rl.kernels import fused_logprobs_entropy, fused_nll_sum, vanilla_logprobs_entropy
 from prime_rl.trainer.lora import apply_lora, init_lora_weights, is_lora_param
 from prime_rl.trainer.models import PackedSeqs, build_model, load_hf_weights
 from prime_rl.trainer.parallel import ParallelDims, parallelize_model
@@ -41,12 +41,21 @@ class CausalLM(nn.Module):
         targets: torch.Tensor,
         temperature: float = 1.0,
         seqs: PackedSeqs | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        nll_sum: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         """(1, T) ids, positions, targets -> (logprobs, entropy), each (T,) fp32; targets < 0 give logprob 0.
-        ``seqs``: the document boundaries built on the host (``PackedSeqs``), which saves a device sync."""
+        ``seqs``: the document boundaries built on the host (``PackedSeqs``), which saves a device sync.
+
+        ``nll_sum=True`` returns one fp32 scalar instead, -sum of the non-ignored targets' logprobs (SFT's
+        loss), through the cross-entropy-only head ``fused_nll_sum``: no entropy, and three LM-head
+        matmuls instead of four because the gradient is computed in the forward."""
         hidden = self.model(input_ids, position_ids, seqs=seqs).flatten(0, 1)  # (T, H)
         weight = self.model.lm_head.weight  # (V, H), gathered by the root FSDP unit
         targets = targets.flatten()  # (T,)
+        if nll_sum:
+            if self.chunk_size is None:
+                return -vanilla_logprobs_entropy(hidden, weight, targets, temperature)[0].sum()
+            return fused_nll_sum(hidden, weight, targets, temperature=temperature)
         if self.chunk_size is None:
             return vanilla_logprobs_entropy(hidden, weight, targets, temperature)
         return fused_logprobs_entropy(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size)

@@ -179,3 +179,61 @@ def lm_head_dlogits_kernel(
         dz.to(dz_ptr.dtype.element_ty),
         mask=row_ok[:, None] & col_ok[None, :],
     )
+
+
+@triton.jit
+def ce_rows_kernel(
+    z_ptr,  # (C, V) logits in the input dtype; overwritten with dL/dz for L = -sum(logprob)
+    tgt_ptr,  # (C,) target ids, < 0 = ignored
+    lp_ptr,  # (C,) out: fp32 logprob (0 where ignored)
+    V,
+    stride_z,
+    inv_temp,
+    BLOCK_V: tl.constexpr,
+):
+    # One program per token row: an online (max, sum) pass over the vocabulary, then one pass writing
+    # (softmax - onehot) / temperature over the logits in place (the cross-entropy row of fused_nll_sum).
+    row = tl.program_id(0).to(tl.int64)
+    base = z_ptr + row * stride_z
+    tgt = tl.load(tgt_ptr + row)
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, z)
+        s = s * tl.exp(m - m_new) + tl.exp(z - m_new)  # lanes still at -inf stay 0 (exp(-inf) = 0)
+        s = tl.where(m_new == float("-inf"), 0.0, s)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
+    valid = tgt >= 0
+    scale = tl.where(valid, inv_temp, 0.0)
+    z_t = tl.load(base + tl.where(valid, tgt, 0)).to(tl.float32) * inv_temp
+    tl.store(lp_ptr + row, tl.where(valid, z_t - lse, 0.0))
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        ok = cols < V
+        z = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32) * inv_temp
+        g = (tl.exp(z - lse) - tl.where(cols == tgt, 1.0, 0.0)) * scale
+        tl.store(base + cols, g.to(z_ptr.dtype.element_ty), mask=ok)
+
+
+def ce_rows_triton(z, targets, inv_temperature: float):
+    """Triton row pass of ``fused_nll_sum`` (see cross_entropy.py): logprobs [C] fp32, ``z`` overwritten."""
+    import torch
+
+    rows, vocab = z.shape
+    logprobs = torch.empty(rows, dtype=torch.float32, device=z.device)
+    if rows:
+        ce_rows_kernel[(rows,)](
+            z,
+            targets,
+            logprobs,
+            vocab,
+            z.stride(0),
+            inv_temperature,
+            BLOCK_V=4096 if not INTERPRET else 64,
+            num_warps=16 if not INTERPRET else 1,
+        )
+    return logprobs

@@ -201,8 +201,8 @@ def forward_backward(
             before_last()
         seqs = PackedSeqs.from_position_ids(mb.position_ids).to(world.device)  # on the host: no device sync
         mb = mb.to(world.device)
-        logprobs, _ = model(mb.input_ids, mb.position_ids, mb.targets, seqs=seqs)  # (T,)
-        nll = -logprobs.sum()  # ignored targets have logprob 0
+        # -sum of the target logprobs (ignored targets count 0), cross-entropy-only LM head
+        nll = model(mb.input_ids, mb.position_ids, mb.targets, seqs=seqs, nll_sum=True)
         (nll * scale).backward()
         nll_sum += nll.detach()
         tokens += mb.input_ids.numel()
