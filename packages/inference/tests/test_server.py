@@ -219,12 +219,14 @@ def test_failed_worker_load_restores_the_previous_weights(server, tmp_path):
     assert max_diff(server_logprobs(server), logprobs_before) < 1e-6  # the old weights, and a live engine
 
 
-def _trainer_process(control: str, model_dir: str, version: int, seed: int, port: int, corrupt: bool, out) -> None:
+def _trainer_process(control: str, model_dir: str, version: int, seed: int, port: int, corrupt, out) -> None:
     """A trainer-like process: builds the gloo group with the server and pushes a state dict."""
     from prime_rl.common.weight_sync.broadcast import WeightBroadcaster, WeightBroadcastError
 
     sd = perturbed(Path(model_dir), seed=seed)
-    if corrupt:
+    if corrupt == "nan":
+        sd["model.norm.weight"][3] = float("nan")
+    elif corrupt:
         sd["model.norm.weight"] = torch.ones(7)
     b = WeightBroadcaster([control], host="127.0.0.1", port=port, backend="gloo", bucket_bytes=64 * 1024, timeout_s=120)
     try:
@@ -239,7 +241,7 @@ def _trainer_process(control: str, model_dir: str, version: int, seed: int, port
         b.close()
 
 
-def _run_trainer(server, version: int, seed: int, corrupt: bool = False) -> list:
+def _run_trainer(server, version: int, seed: int, corrupt: bool | str = False) -> list:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     p = ctx.Process(
@@ -269,6 +271,18 @@ def test_bad_broadcast_is_refused_before_any_data(server):
     assert results[0][0] == "refused" and "model.norm.weight [7]" in results[0][1], results
     assert health(server).weight_version == 3
     assert max_diff(server_logprobs(server), before) < 1e-6
+
+
+def test_non_finite_broadcast_is_reported_and_a_finite_update_heals(server, tmp_path):
+    """Probe: NaN weights were accepted. A broadcast streams into the model, so it cannot be refused
+    before loading; the server reports it (reply and health) until a finite update loads."""
+    results = _run_trainer(server, version=12, seed=5, corrupt="nan")
+    assert results[0][0] == "refused" and "NaN/Inf" in results[0][1] and "model.norm.weight" in results[0][1], results
+    state = health(server)
+    assert not state.ok and "model.norm.weight" in state.error
+    path = write_step(tmp_path, 13, perturbed(server.model_dir, seed=13))
+    assert request(server, LoadWeightsRequest(path=str(path), version=13)).ok
+    assert health(server).ok and health(server).error == ""
 
 
 def test_pause_with_requests_in_flight_loses_none(server, tmp_path):

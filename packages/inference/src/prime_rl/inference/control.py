@@ -303,6 +303,16 @@ class Controller:
                 "the weights may be partially updated, send a full update again"
             )
             return self._reply(False, self.failure)
+        nonfinite = sorted({name for result in results or [] for name in (result or {}).get("nonfinite", [])})
+        if nonfinite:
+            # Found while streaming into the model (a broadcast is never held whole), so already loaded.
+            self.failure = (
+                f"broadcast of version {request.version} carried NaN/Inf in {len(nonfinite)} tensor(s) "
+                f"({', '.join(nonfinite[:5])}): the served weights are not finite; the trainer diverged, resume "
+                "from an earlier checkpoint (health stays failed until a finite update loads)"
+            )
+            logger.error("%s", self.failure)
+            return self._reply(False, self.failure)
         self.failure = ""
         logger.info("received weights version %d by broadcast: %s", request.version, results)
         return self._reply(True)

@@ -41,6 +41,21 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _finite_checked(
+    batches: Iterable[list[tuple[str, torch.Tensor]]], nonfinite: list[str]
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Pass ``batches`` through, naming in ``nonfinite`` every floating tensor holding NaN or Inf.
+
+    Reported, not refused: stopping a layerwise reload half-way would leave the model on the meta device,
+    which is worse than finite-but-reported; the controller marks the server unhealthy instead.
+    """
+    for batch in batches:
+        for name, tensor in batch:
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                nonfinite.append(name)
+        yield batch
+
+
 class PrimeWorkerExtension:
     """Methods added to vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.rank``)."""
 
@@ -135,8 +150,9 @@ class PrimeWorkerExtension:
         specs = [Spec(n, d, tuple(shape)) for n, d, shape in zip(names, dtypes, shapes)]
         layout = BucketLayout(specs, buckets, offsets, bucket_sizes)
         self._prime_nixl_invalidate()
-        count = self._prime_reload(receive_batches(group, layout))
-        return {"tensors": count, "seconds": time.perf_counter() - start}
+        nonfinite: list[str] = []
+        count = self._prime_reload(_finite_checked(receive_batches(group, layout), nonfinite))
+        return {"tensors": count, "seconds": time.perf_counter() - start, "nonfinite": nonfinite}
 
     # -- nixl ----------------------------------------------------------------------------------
 
