@@ -8,10 +8,11 @@ directory, the tokenizer) run at trainer start-up, before any heavy work.
 """
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_rl.common.config.base import BaseConfig
 from prime_rl.common.config.monitor import MonitorConfig
@@ -114,6 +115,19 @@ class LoRAConfig(BaseConfig):
 
     export_merged: bool = False
     """With ckpt.export_hf: also write the merged Hugging Face weights (W + alpha/r B A) next to the adapter."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _regex_compiles(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, str):
+            try:
+                re.compile(value)
+            except re.error as e:
+                raise ValueError(
+                    f"model.lora.target_modules={value!r} is not a valid regular expression ({e}); fix it, or pass "
+                    'a list of module-name suffixes like ["q_proj", "v_proj"]'
+                ) from None
+        return value
 
 
 class ModelConfig(BaseConfig):

@@ -56,6 +56,14 @@ def main(argv: list[str] | None = None) -> None:
             f"model.name={cfg.model.name!r} is not a Hugging Face model directory (no config.json); "
             "pass a local directory with config.json, *.safetensors and tokenizer files"
         )
+    if cfg.model.lora is not None:  # target patterns and rank against the model's layers (a meta copy)
+        from prime_rl.trainer.lora import check_lora
+        from prime_rl.trainer.models import load_model_config
+
+        try:
+            check_lora(cfg.model.lora, load_model_config(cfg.model.name))
+        except ValueError as e:
+            _fail(str(e))
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # already a rank of some launcher
         from prime_rl.trainer.sft.train import train
 
