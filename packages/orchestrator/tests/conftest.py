@@ -28,6 +28,14 @@ def encode(text: str) -> list[int]:
     return [b + OFFSET for b in text.encode("utf-8")]
 
 
+class HTTPServer(ThreadingHTTPServer):
+    """Python's default listen backlog is 5: a burst of concurrent requests (groups x teacher calls) overflows
+    it and the client sees a reset connection (ReadError), a flaky test rather than a bug in the code."""
+
+    request_queue_size = 256
+    daemon_threads = True
+
+
 def chat_template(messages: list[dict]) -> str:
     return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
 
@@ -65,7 +73,7 @@ class FakeOpenAIServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

@@ -27,6 +27,10 @@ STEPS = 3
 TEACHER_LOGPROB = -0.05
 
 
+class HTTPServer(ThreadingHTTPServer):
+    request_queue_size = 256  # the default backlog of 5 overflows under concurrent teacher calls (ReadError)
+
+
 class FakeTeacher:
     """vLLM's completions answer to `prompt_logprobs=0`: per prompt position None (the first) or
     {"<token id>": {"logprob", "rank", "decoded_token"}}; every token scores TEACHER_LOGPROB."""
@@ -60,7 +64,7 @@ class FakeTeacher:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()

@@ -26,9 +26,39 @@ def test_config_from_toml_and_flags(tmp_path):
     from prime_rl.common.config import load_config
 
     cfg = load_config(OrchestratorConfig, ["@", str(toml), "--max-off-policy-steps", "2", "--trainer.port", "31000"])
-    assert cfg.env.type == "arithmetic" and cfg.env.num_terms == 3
+    # one [env] table is still accepted: a list of one environment
+    assert len(cfg.env) == 1 and cfg.env[0].type == "arithmetic" and cfg.env[0].num_terms == 3
     assert cfg.model.client.base_url == "http://infer:9000/v1" and cfg.groups_per_step == 4
     assert cfg.max_off_policy_steps == 2 and cfg.trainer.port == 31000
+
+
+def test_several_environments_with_weights(tmp_path):
+    from pydantic import ValidationError
+
+    from prime_rl.common.config import load_config
+
+    toml = tmp_path / "orch.toml"
+    toml.write_text(
+        textwrap.dedent(
+            """
+            [[env]]
+            type = "arithmetic"
+            weight = 3
+            [[env]]
+            type = "tool_arithmetic"
+            name = "tools"
+            timeout = 5
+            workers = 2
+            """
+        )
+    )
+    cfg = load_config(OrchestratorConfig, ["@", str(toml)])
+    assert [(e.resolved_name, e.weight, e.workers) for e in cfg.env] == [("arithmetic", 3.0, 1), ("tools", 1.0, 2)]
+    assert cfg.env[1].timeout == 5
+    with pytest.raises(ValidationError, match="appear more than once"):
+        OrchestratorConfig(env=[{"type": "arithmetic"}, {"type": "arithmetic"}])
+    with pytest.raises(ValidationError, match="tool_arithmetic"):  # the discriminator names the valid types
+        OrchestratorConfig(env=[{"type": "no_such_env"}])
 
 
 def test_bad_sizes_rejected_with_fix():

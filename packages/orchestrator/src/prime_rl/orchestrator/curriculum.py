@@ -45,7 +45,10 @@ class Curriculum:
 
     def draw(self, env: Environment, rng: np.random.Generator) -> Task:
         """One task: `candidates` drawn from env, one of them chosen by weight."""
-        candidates = env.sample_tasks(self.config.candidates, rng)
+        return self.choose(env.sample_tasks(self.config.candidates, rng), rng)
+
+    def choose(self, candidates: list[Task], rng: np.random.Generator) -> Task:
+        """One of `candidates` (drawn from an environment), chosen by weight."""
         rates = [self.pass_rates.get(task_key(t)) for t in candidates]
         weights = np.asarray([self.weight(p) for p in rates])
         i = int(rng.choice(len(candidates), p=weights / weights.sum())) if len(candidates) > 1 else 0

@@ -8,13 +8,15 @@ import os
 import sys
 
 from prime_rl.common.config import parse_config, write_toml
-from prime_rl.common.config.orchestrator import OrchestratorConfig
+from prime_rl.common.config.orchestrator import EnvConfig, OrchestratorConfig
 from prime_rl.common.logging import setup_logger
 from prime_rl.common.monitor import build_monitor
 from prime_rl.common.rundir import RunDir
 from prime_rl.orchestrator.batch import BatchSender
 from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.envs import build_environment
+from prime_rl.orchestrator.envs.handle import EnvHandle, LocalEnv
+from prime_rl.orchestrator.envs.worker import WorkerEnv
 from prime_rl.orchestrator.orchestrator import Orchestrator
 from prime_rl.orchestrator.teacher import Distiller
 from prime_rl.orchestrator.weights import InferenceControl, NoInferenceControl, ZmqInferenceControl
@@ -29,9 +31,21 @@ def build_control(config: OrchestratorConfig) -> InferenceControl:
     return ZmqInferenceControl(config.inference.addresses, timeout=config.inference.timeout)
 
 
+def build_env_handles(entries: list[EnvConfig]) -> list[EnvHandle]:
+    """One handle per `[[orchestrator.env]]` entry: worker processes (workers >= 1) or threads here (0)."""
+    handles: list[EnvHandle] = []
+    for entry in entries:
+        name, weight, timeout = entry.resolved_name, entry.weight, entry.timeout
+        if entry.workers > 0:
+            handles.append(WorkerEnv(entry.model_dump(mode="json"), name, weight, timeout, entry.workers))
+        else:
+            handles.append(LocalEnv(build_environment(entry), name, weight, timeout))
+    return handles
+
+
 async def run(config: OrchestratorConfig) -> None:
     run_dir = RunDir(config.output_dir, config.run_name)
-    env = build_environment(config.env)
+    envs = build_env_handles(config.env)
     client_cfg = config.model.client
     client = InferenceClient(
         client_cfg.base_url,
@@ -49,7 +63,7 @@ async def run(config: OrchestratorConfig) -> None:
     monitor = build_monitor(run_dir, config.monitor, "orchestrator", config.model_dump(mode="json"))
     teacher = Distiller.from_config(config.teacher) if config.teacher is not None else None
     try:
-        await Orchestrator(config, env, client, control, sender.send, monitor, teacher=teacher).run()
+        await Orchestrator(config, envs, client, control, sender.send, monitor, teacher=teacher).run()
     finally:
         await client.aclose()
         if teacher is not None:

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prime_rl.orchestrator.client import InferenceClient, InferenceError, SamplingArgs, TokenCompletion
-from prime_rl.orchestrator.envs.base import Messages, MultiTurnEnvironment, Task
+from prime_rl.orchestrator.envs.base import Messages, Task
+from prime_rl.orchestrator.envs.handle import Budget, EnvFailure, EnvHandle
 from prime_rl.orchestrator.rollout import Completion
 from prime_rl.orchestrator.tools import ToolCall, parse_tool_calls, validate_tool_schemas
 
@@ -178,25 +179,29 @@ class Trajectory:
 async def run_rollout(
     client: InferenceClient,
     renderer: ChatRenderer,
-    env: MultiTurnEnvironment,
+    env: EnvHandle,
     task: Task,
     messages: Messages,
     sampling: SamplingArgs,
     *,
     max_len: int,
     prompt_ids: list[int] | None = None,
+    budget: Budget | None = None,
 ) -> Trajectory:
-    """Sample turns until the environment stops, `env.max_turns` turns, or the sequence reaches `max_len`."""
+    """Sample turns until the environment stops, `max_turns` turns, or the sequence reaches `max_len`.
+    The environment's replies share `budget` (its time for this rollout); a failed reply ends the rollout
+    with `error` set (scored 0, counted)."""
+    info = env.info
     messages = [dict(m) for m in messages]
     if prompt_ids is None:
         prompt_ids = await renderer.prompt_ids(messages)
     traj = Trajectory(prompt_ids=list(prompt_ids), messages=messages)
-    for turn in range(env.max_turns):
-        budget = max_len - len(traj.context_ids)
-        if budget <= 0:
+    for turn in range(info.max_turns):
+        room = max_len - len(traj.context_ids)
+        if room <= 0:
             traj.finish_reason = "length"
             break
-        args = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, budget))
+        args = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room))
         (sampled,) = await client.complete(traj.context_ids, 1, args)
         completion = sampled.completion
         traj.finish_reason = completion.finish_reason
@@ -205,9 +210,9 @@ async def run_rollout(
         traj.add_turn(sampled)
         calls: list[ToolCall] = []
         content = completion.text
-        if env.tools:
-            content, calls = parse_tool_calls(completion.text, env.tool_call_parser, call_id_prefix=f"call_{turn}")
-            tool_names = {t["function"]["name"] for t in env.tools}
+        if info.tools:
+            content, calls = parse_tool_calls(completion.text, info.tool_call_parser, call_id_prefix=f"call_{turn}")
+            tool_names = {t["function"]["name"] for t in info.tools}
             traj.num_tool_calls += len(calls)
             traj.num_malformed_calls += sum(c.error is not None or c.name not in tool_names for c in calls)
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -217,14 +222,14 @@ async def run_rollout(
         # A turn cut by the per-turn max_tokens goes on (the bridge closes it with the template's end-of-turn
         # tokens); one cut because the sequence is full ends the rollout.
         if (completion.finish_reason == "length" and args.max_tokens < sampling.max_tokens) or (
-            turn == env.max_turns - 1
+            turn == info.max_turns - 1
         ):
             break
-        try:  # environment code may be slow or CPU-heavy: keep it off the event loop
-            new = await asyncio.to_thread(env.env_response, task, messages, calls)
-        except Exception as e:
-            logger.warning("environment %s failed to respond: %s: %s", env.name, type(e).__name__, e)
-            traj.error = f"{type(e).__name__}: {e}"
+        try:  # in a worker process or a thread, with a deadline (envs/handle.py)
+            new = await env.env_response(task, messages, calls, budget)
+        except EnvFailure as e:
+            logger.warning("%s", e)
+            traj.error = str(e)
             break
         if not new:
             break
@@ -259,13 +264,14 @@ def to_completion(traj: Trajectory) -> Completion:
 async def sample_group(
     client: InferenceClient,
     renderer: ChatRenderer,
-    env: MultiTurnEnvironment,
+    env: EnvHandle,
     task: Task,
     messages: Messages,
     n: int,
     sampling: SamplingArgs,
     *,
     max_len: int,
+    budgets: list[Budget] | None = None,
 ) -> MultiTurnGroup:
     """`n` independent multi-turn rollouts of one task (the shared prompt is rendered once; vLLM's prefix
     cache shares its KV). Sample i uses seed `sampling.seed + i` like a chat request with `n` would."""
@@ -274,10 +280,14 @@ async def sample_group(
     def args(i: int) -> SamplingArgs:
         return sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
 
+    budgets = budgets or [Budget(env.timeout) for _ in range(n)]
     trajectories = await asyncio.gather(
         *(
-            run_rollout(client, renderer, env, task, messages, args(i), max_len=max_len, prompt_ids=prompt_ids)
+            run_rollout(
+                client, renderer, env, task, messages, args(i), max_len=max_len, prompt_ids=prompt_ids,
+                budget=budgets[i],
+            )
             for i in range(n)
         )
-    )
+    )  # fmt: skip
     return MultiTurnGroup(prompt_ids, [to_completion(t) for t in trajectories], list(trajectories))

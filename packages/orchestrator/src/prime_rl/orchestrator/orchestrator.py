@@ -37,9 +37,9 @@ from prime_rl.common.wire import TrainingBatch
 from prime_rl.orchestrator.batch import build_training_batch
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
 from prime_rl.orchestrator.curriculum import Curriculum
-from prime_rl.orchestrator.envs.base import Environment, is_multi_turn
+from prime_rl.orchestrator.envs.base import Environment
+from prime_rl.orchestrator.envs.handle import EnvHandle
 from prime_rl.orchestrator.filtering import split_by_difficulty
-from prime_rl.orchestrator.multiturn import ChatRenderer
 from prime_rl.orchestrator.off_policy import OffPolicyFilter
 from prime_rl.orchestrator.packing import pack_batch
 from prime_rl.orchestrator.policy import PolicyState
@@ -114,11 +114,29 @@ def batch_metrics(groups: list[Group]) -> dict[str, float]:
     }
 
 
+def env_metrics(groups: list[Group], counters: dict[str, float]) -> dict[str, float]:
+    """Per environment: reward, sequence length, failed rollouts, groups this step, and its fault counters
+    (`env/<name>/{timeouts,crashes,failed,restarts}`, zero when none happened)."""
+    metrics: dict[str, float] = {}
+    for name in sorted({g.env for g in groups if g.env}):
+        mine = [g for g in groups if g.env == name]
+        rewards = [r for g in mine for r in g.rewards]
+        lens = [len(g.prompt_ids) + len(c.token_ids) for g in mine for c in g.completions]
+        metrics[f"env/{name}/reward_mean"] = float(np.mean(rewards))
+        metrics[f"env/{name}/seq_len_mean"] = float(np.mean(lens))
+        metrics[f"env/{name}/rollouts_failed"] = float(sum(g.num_failed for g in mine))
+        metrics[f"env/{name}/groups"] = float(len(mine))
+    for key, value in counters.items():
+        if key.startswith("env/") and key.count("/") == 2:
+            metrics[key] = float(value)
+    return metrics
+
+
 class Orchestrator:
     def __init__(
         self,
         config: OrchestratorConfig,
-        env: Environment,
+        env: Environment | EnvHandle | list[EnvHandle],
         client: InferenceClient,
         control: InferenceControl,
         send: SendFn,
@@ -151,10 +169,6 @@ class Orchestrator:
             poll_interval=config.weights_poll_interval,
         )
         self.off_policy = OffPolicyFilter(config.max_off_policy_steps)
-        self.renderer = None
-        if is_multi_turn(env):
-            self.renderer = ChatRenderer(client, tools=env.tools, chat_template=config.model.chat_template)
-            env.tool_call_parser = config.model.tool_call_parser
         self.scheduler = RolloutScheduler(
             env,
             client,
@@ -172,8 +186,9 @@ class Orchestrator:
             advantage=config.advantage,
             curriculum=Curriculum(config.curriculum) if config.curriculum is not None else None,
             teacher=teacher,
-            renderer=self.renderer,
             max_len=config.seq_len,
+            chat_template=config.model.chat_template,
+            tool_call_parser=config.model.tool_call_parser,
         )
         self.step = self.start_step
 
@@ -182,8 +197,9 @@ class Orchestrator:
 
     async def run(self) -> None:
         """Run until max_steps (forever if None); every background task stops with it."""
-        if self.renderer is not None:  # bad template / tool schemas: one clear error before any rollout
-            await self.renderer.setup()
+        # environments start (worker processes), templates and tool schemas are checked: bad input is one
+        # clear error here, before any rollout
+        await self.scheduler.setup()
         await self.updater.recover(self.run_dir.broadcasts_dir, max_version=self.start_step)
         self.scheduler.start()
         poller = asyncio.create_task(self.updater.run(), name="weight-poller")
@@ -195,7 +211,7 @@ class Orchestrator:
         finally:
             poller.cancel()
             await asyncio.gather(poller, return_exceptions=True)
-            await self.scheduler.stop()
+            await self.scheduler.close()
 
     async def collect(self, step: int) -> list[Group]:
         groups: list[Group] = []
@@ -235,6 +251,7 @@ class Orchestrator:
         metrics["env/failed"] = float(sum(g.num_failed for g in groups))
         for key in ("env/prompt_failed", "rollouts/aborted"):
             metrics[key] = float(counters.get(key, 0))
+        metrics.update(env_metrics(groups, counters))
         metrics.update(packing.metrics(cfg.seq_len))
         # the trainer logs the same count as loss/tokens in this batch's row: a check that both rows match
         metrics["batch/loss_tokens"] = float(sum(mb.num_loss_tokens for mbs in per_rank for mb in mbs))

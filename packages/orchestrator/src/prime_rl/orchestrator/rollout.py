@@ -65,6 +65,8 @@ class Group:
     rewards: list[float]
     version: int
     num_failed: int = 0
+    env: str = ""
+    """Name of the environment the task came from (per-environment metrics)."""
     advantages: list[float] = field(default_factory=list)
     token_advantages: list[list[float]] = field(default_factory=list)
     """Per completion, per token: added to its advantage (distillation); empty = none."""

@@ -30,7 +30,8 @@ from prime_rl.common.config.orchestrator import AdvantageConfig
 from prime_rl.orchestrator.advantages import group_advantages
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
 from prime_rl.orchestrator.curriculum import Curriculum
-from prime_rl.orchestrator.envs.base import Environment, Score, is_multi_turn, score_safely
+from prime_rl.orchestrator.envs.base import Environment, Score
+from prime_rl.orchestrator.envs.handle import Budget, EnvFailure, EnvHandle, LocalEnv, pick_env
 from prime_rl.orchestrator.multiturn import ChatRenderer, sample_group
 from prime_rl.orchestrator.policy import PolicyState
 from prime_rl.orchestrator.rollout import Group
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 class RolloutScheduler:
     def __init__(
         self,
-        env: Environment,
+        env: Environment | EnvHandle | list[EnvHandle],
         client: InferenceClient,
         policy: PolicyState,
         rng: np.random.Generator,
@@ -59,10 +60,12 @@ class RolloutScheduler:
         advantage: AdvantageConfig | None = None,
         curriculum: Curriculum | None = None,
         teacher: Distiller | None = None,
-        renderer: ChatRenderer | None = None,
         max_len: int | None = None,
+        chat_template: str | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
-        self.env, self.client, self.policy, self.rng, self.sampling = env, client, policy, rng, sampling
+        self.envs = as_env_handles(env)
+        self.client, self.policy, self.rng, self.sampling = client, policy, rng, sampling
         self.group_size = group_size
         self.groups_per_step = groups_per_step
         self.max_off_policy_steps = max_off_policy_steps
@@ -74,9 +77,8 @@ class RolloutScheduler:
         self.advantage = advantage or AdvantageConfig(std_normalize=std_normalize, eps=eps)
         self.curriculum, self.teacher = curriculum, teacher
         # multi-turn environments: token-exact rollouts through the server's chat template (multiturn.py)
-        self.renderer, self.max_len = renderer, max_len
-        if is_multi_turn(env) and (renderer is None or max_len is None):
-            raise ValueError(f"environment {env.name} is multi-turn: the scheduler needs a ChatRenderer and max_len")
+        self.max_len, self.chat_template, self.tool_call_parser = max_len, chat_template, tool_call_parser
+        self.renderers: dict[str, ChatRenderer] = {}
         self._rollout_stats: Counter[str] = Counter()
         self._num_rollouts = 0
         self._length_penalties: list[float] = []
@@ -84,6 +86,27 @@ class RolloutScheduler:
         self.counters: Counter[str] = Counter()  # env/prompt_failed, rollouts/aborted
         self._tickets = 0
         self._workers: list[asyncio.Task] = []
+
+    async def setup(self) -> None:
+        """Start every environment and check its chat rendering: bad input fails here, before any rollout."""
+        for env in self.envs:
+            await env.start()
+            if self.tool_call_parser is not None:  # orchestrator.model.tool_call_parser: how this model writes calls
+                env.info = dataclasses.replace(env.info, tool_call_parser=self.tool_call_parser)
+            if env.info.multi_turn:
+                if self.max_len is None:
+                    raise ValueError(f"environment {env.name} is multi-turn: the scheduler needs max_len")
+                renderer = ChatRenderer(self.client, tools=env.info.tools, chat_template=self.chat_template)
+                try:
+                    await renderer.setup()
+                except ValueError as e:
+                    raise ValueError(f"environment {env.name}: {e}") from None
+                self.renderers[env.name] = renderer
+
+    async def close(self) -> None:
+        await self.stop()
+        for env in self.envs:
+            await env.close()
 
     def start(self) -> None:
         self._workers = [asyncio.create_task(self._worker(), name=f"rollout-{i}") for i in range(self.max_concurrent)]
@@ -119,7 +142,11 @@ class RolloutScheduler:
         return metrics
 
     def pop_counters(self) -> Counter[str]:
+        """Scheduler counters plus each environment's `env/<name>/{timeouts,crashes,failed,restarts}`."""
         counters, self.counters = self.counters, Counter()
+        for env in self.envs:
+            for kind, count in env.pop_counters().items():
+                counters[f"env/{env.name}/{kind}"] += count
         return counters
 
     async def _worker(self) -> None:
@@ -138,23 +165,29 @@ class RolloutScheduler:
         ticket = self._tickets
         self._tickets += 1
         target_step = self.start_step + ticket // self.groups_per_step
-        # Draw before waiting so the task order depends only on the rng, not on timing.
-        task = self.curriculum.draw(self.env, self.rng) if self.curriculum else self.env.sample_tasks(1, self.rng)[0]
+        # Draw before any await so the task order depends only on the rng, not on timing.
+        env = pick_env(self.envs, self.rng)
+        seed = int(self.rng.integers(2**63))
+        pick_rng = np.random.default_rng(int(self.rng.integers(2**63))) if self.curriculum else None
         self.tasks_drawn += 1
+        budgets = [Budget(env.timeout) for _ in range(self.group_size)]
         try:
-            messages = self.env.build_prompt(task)
-        except Exception as e:
-            logger.warning("environment %s failed to build a prompt: %s: %s", self.env.name, type(e).__name__, e)
+            candidates = await env.sample_tasks(self.curriculum.config.candidates if self.curriculum else 1, seed)
+            task = self.curriculum.choose(candidates, pick_rng) if self.curriculum else candidates[0]
+            messages = await env.build_prompt(task, budgets[0])
+        except EnvFailure as e:
+            logger.warning("environment %s failed to give a task and prompt: %s", env.name, e)
             self.counters["env/prompt_failed"] += 1
             return None
         version = await self.policy.wait_for(target_step - self.max_off_policy_steps)
         sampling = self.sampling
         if sampling.seed is not None:  # vLLM seeds the group's n samples seed, seed + 1, ...
             sampling = dataclasses.replace(sampling, seed=sampling.seed + ticket * self.group_size)
-        if is_multi_turn(self.env):
+        if env.info.multi_turn:
             result = await sample_group(
-                self.client, self.renderer, self.env, task, messages, self.group_size, sampling, max_len=self.max_len
-            )
+                self.client, self.renderers[env.name], env, task, messages, self.group_size, sampling,
+                max_len=self.max_len, budgets=budgets,
+            )  # fmt: skip
             conversations = [t.messages for t in result.trajectories]
             errors = [t.error for t in result.trajectories]
         else:
@@ -167,12 +200,11 @@ class RolloutScheduler:
         for c in result.completions:
             self._rollout_stats.update(c.stats)
             self._num_rollouts += bool(c.stats)
-        # Scoring may be CPU-heavy (code execution, parsing): keep it off the event loop.
-        scores = await asyncio.to_thread(
-            lambda: [
-                Score(0.0, True, e) if e is not None else score_safely(self.env, task, c.text, m)
-                for c, m, e in zip(result.completions, conversations, errors)
-            ]
+        scores = await asyncio.gather(
+            *(
+                score_rollout(env, task, c.text, m, e, b)
+                for c, m, e, b in zip(result.completions, conversations, errors, budgets)
+            )
         )
         rewards = [s.reward for s in scores]
         num_failed = sum(s.failed for s in scores)
@@ -191,6 +223,7 @@ class RolloutScheduler:
         if adv.overlong_window > 0:
             self._length_penalties.extend(float(p) for p in penalties)
         return Group(
+            env=env.name,
             task=task,
             prompt_ids=result.prompt_ids,
             completions=result.completions,
@@ -201,3 +234,20 @@ class RolloutScheduler:
             token_advantages=token_advantages,
             length_penalties=[float(p) for p in penalties] if adv.overlong_window > 0 else [],
         )
+
+
+def as_env_handles(env: Environment | EnvHandle | list[EnvHandle]) -> list[EnvHandle]:
+    if isinstance(env, Environment):
+        return [LocalEnv(env)]
+    return [env] if isinstance(env, EnvHandle) else list(env)
+
+
+async def score_rollout(env: EnvHandle, task, text: str, messages, error: str | None, budget: Budget) -> Score:
+    """The rollout's score; a rollout whose environment failed earlier, or fails now, scores 0 and counts as failed."""
+    if error is not None:
+        return Score(0.0, True, error)
+    try:
+        return await env.score(task, text, messages, budget)
+    except EnvFailure as e:
+        logger.warning("%s", e)
+        return Score(0.0, True, str(e))

@@ -63,7 +63,25 @@ class ModelConfig(BaseConfig):
     Chat-API users of the same server set the same name as `[inference.vllm] tool_call_parser`."""
 
 
-class ReverseTextEnvConfig(BaseConfig):
+class EnvBaseConfig(BaseConfig):
+    """What every `[[orchestrator.env]]` entry has besides its own settings."""
+
+    name: str | None = None
+    """Name in metrics (`env/<name>/...`) and eval outputs; None = the type (unique names are required)."""
+    weight: float = Field(default=1.0, gt=0)
+    """Share of the rollout groups drawn from this environment (weights are normalized over all entries)."""
+    workers: int = Field(default=1, ge=0)
+    """Worker processes running this environment (talked to over ZeroMQ); 0 = threads in the orchestrator."""
+    timeout: float = Field(default=60.0, gt=0)
+    """Seconds one rollout may spend in the environment (prompt, replies, scoring); past it the rollout
+    fails (counted as env/<name>/timeouts) and a worker process is restarted."""
+
+    @property
+    def resolved_name(self) -> str:
+        return self.name or self.type  # type: ignore[attr-defined]
+
+
+class ReverseTextEnvConfig(EnvBaseConfig):
     """Reverse a short random string; reward 1 - normalized edit distance (dense, learnable)."""
 
     type: Literal["reverse_text"] = "reverse_text"
@@ -76,7 +94,7 @@ class ReverseTextEnvConfig(BaseConfig):
     """Most letters (chars) or words (words) in a task."""
 
 
-class ArithmeticEnvConfig(BaseConfig):
+class ArithmeticEnvConfig(EnvBaseConfig):
     """Small integer sums; reward 1 for the exact answer, else 0."""
 
     type: Literal["arithmetic"] = "arithmetic"
@@ -87,7 +105,7 @@ class ArithmeticEnvConfig(BaseConfig):
     """Largest term (terms are drawn from 0..max_value)."""
 
 
-class ReasoningGymEnvConfig(BaseConfig):
+class ReasoningGymEnvConfig(EnvBaseConfig):
     """A procedural task from the `reasoning-gym` package (pip install reasoning-gym); no downloads."""
 
     type: Literal["reasoning_gym"] = "reasoning_gym"
@@ -102,7 +120,7 @@ class ReasoningGymEnvConfig(BaseConfig):
     """Extra keyword arguments for reasoning_gym.create_dataset."""
 
 
-class ToolArithmeticEnvConfig(BaseConfig):
+class ToolArithmeticEnvConfig(EnvBaseConfig):
     """Multi-turn tool use: call the `add` (or `multiply`) tool, read its result, reply with the number."""
 
     type: Literal["tool_arithmetic"] = "tool_arithmetic"
@@ -115,8 +133,19 @@ class ToolArithmeticEnvConfig(BaseConfig):
     """Most assistant turns per rollout (a call, then the answer: 2)."""
 
 
+class PythonEnvConfig(EnvBaseConfig):
+    """Your own environment: an `Environment` subclass (or a function returning one) importable as `module:attr`."""
+
+    type: Literal["python"] = "python"
+    """Environment kind."""
+    entrypoint: str = Field(pattern=r"^[\w.]+:[\w.]+$")
+    """`package.module:ClassOrFactory`, importable in the orchestrator's Python environment."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments it is called with."""
+
+
 EnvConfig = Annotated[
-    ReverseTextEnvConfig | ArithmeticEnvConfig | ReasoningGymEnvConfig | ToolArithmeticEnvConfig,
+    ReverseTextEnvConfig | ArithmeticEnvConfig | ReasoningGymEnvConfig | ToolArithmeticEnvConfig | PythonEnvConfig,
     Field(discriminator="type"),
 ]
 
@@ -276,8 +305,9 @@ class OrchestratorConfig(BaseConfig):
     """Run directory name: <output_dir>/<run_name> (broadcasts/, checkpoints/, monitors/ live there)."""
     model: ModelConfig = ModelConfig()
     """The served model."""
-    env: EnvConfig = ReverseTextEnvConfig()
-    """The environment tasks come from (discriminated on type)."""
+    env: list[EnvConfig] = Field(default_factory=lambda: [ReverseTextEnvConfig()], min_length=1)
+    """The environments tasks come from (`[[orchestrator.env]]`, discriminated on type; one `[env]` table
+    is accepted too), each drawn by its weight."""
     advantage: AdvantageConfig = AdvantageConfig()
     """Advantage computation."""
     difficulty_filter: DifficultyFilterConfig | None = None
@@ -344,6 +374,23 @@ class OrchestratorConfig(BaseConfig):
         data["sampling"] = sampling
         return data
 
+    @field_validator("env", mode="before")
+    @classmethod
+    def _one_env_table(cls, value: Any) -> Any:
+        return [value] if isinstance(value, (dict, BaseConfig)) else value
+
+    @field_validator("env")
+    @classmethod
+    def _unique_env_names(cls, value: list[Any]) -> list[Any]:
+        names = [e.resolved_name for e in value]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(
+                f"environment names {duplicates} appear more than once; give each [[orchestrator.env]] entry "
+                'of the same type its own name = "..."'
+            )
+        return value
+
     @field_validator("group_size")
     @classmethod
     def _group_of_at_least_two(cls, value: int) -> int:
@@ -366,8 +413,11 @@ class OrchestratorConfig(BaseConfig):
                 f"sampling.max_tokens={self.sampling.max_tokens} must be below seq_len={self.seq_len} so a prompt "
                 "fits beside it; raise seq_len or lower sampling.max_tokens"
             )
-        if isinstance(self.env, ReverseTextEnvConfig) and self.env.min_len > self.env.max_len:
-            raise ValueError(f"env.min_len={self.env.min_len} must be <= env.max_len={self.env.max_len}")
+        for env in self.env:
+            if isinstance(env, ReverseTextEnvConfig) and env.min_len > env.max_len:
+                raise ValueError(
+                    f"env.min_len={env.min_len} must be <= env.max_len={env.max_len} ({env.resolved_name})"
+                )
         return self
 
     @model_validator(mode="after")

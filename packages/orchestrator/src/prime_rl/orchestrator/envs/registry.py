@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from prime_rl.common.config.orchestrator import (
     ArithmeticEnvConfig,
     EnvConfig,
+    PythonEnvConfig,
     ReasoningGymEnvConfig,
     ReverseTextEnvConfig,
     ToolArithmeticEnvConfig,
@@ -12,6 +16,30 @@ from prime_rl.common.config.orchestrator import (
 from prime_rl.orchestrator.envs.arithmetic import ArithmeticEnv
 from prime_rl.orchestrator.envs.base import Environment
 from prime_rl.orchestrator.envs.reverse_text import ReverseTextEnv
+
+
+def load_python_env(entrypoint: str, kwargs: dict[str, Any]) -> Environment:
+    """Import `module:attr` and call it with `kwargs`; it must give an `Environment`."""
+    module_name, _, attr = entrypoint.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(
+            f"env entrypoint={entrypoint!r}: cannot import {module_name!r} ({e}); install the package that "
+            "provides it into the orchestrator's environment"
+        ) from e
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"env entrypoint={entrypoint!r}: {module_name} has no attribute {attr!r}")
+        target = getattr(target, part)
+    env = target(**kwargs)
+    if not isinstance(env, Environment):
+        raise TypeError(
+            f"env entrypoint={entrypoint!r} returned a {type(env).__name__}, not a "
+            "prime_rl.orchestrator.envs.base.Environment; point it at an Environment subclass or factory"
+        )
+    return env
 
 
 def build_environment(config: EnvConfig) -> Environment:
@@ -27,4 +55,6 @@ def build_environment(config: EnvConfig) -> Environment:
         from prime_rl.orchestrator.envs.tool_arithmetic import ToolArithmeticEnv
 
         return ToolArithmeticEnv(config.max_value, tuple(config.ops), config.max_turns)
+    if isinstance(config, PythonEnvConfig):
+        return load_python_env(config.entrypoint, config.kwargs)
     raise ValueError(f"unknown environment config {type(config).__name__}")

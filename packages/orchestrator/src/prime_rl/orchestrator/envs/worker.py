@@ -1,0 +1,224 @@
+"""Environment worker processes: an environment server the orchestrator talks to over ZeroMQ.
+
+Process layout: each `[[orchestrator.env]]` entry with `workers = k` gets k processes
+(`python -m prime_rl.orchestrator.envs.worker`), each building the environment from its config and
+serving calls one at a time on a ROUTER socket (ipc://). The orchestrator holds one DEALER socket per
+worker and a reader task that resolves each reply's future by request id; calls go to the worker with
+the fewest in flight.
+
+Faults, all confined to rollouts: a call past its deadline kills the worker (SIGKILL: it may be stuck in
+C code) and fails every call in flight on it; a worker that dies is noticed by its reader within
+`POLL_S` and fails its calls the same way; either way a fresh worker replaces it. A worker that cannot
+build its environment (unknown id, missing package, bad arguments) answers the first call with the
+error, which `start()` raises as one line before any rollout.
+
+Messages are `prime_rl.common.wire.Message` structs with the common envelope (schema version first);
+they live here, beside the only two ends that speak them. Arguments and results are msgpack (tasks and
+chat messages are JSON-able by contract).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from prime_rl.common.wire import Message, decode_header, encode_header
+from prime_rl.orchestrator.envs.handle import (
+    EnvCrashed,
+    EnvFailure,
+    EnvHandle,
+    EnvInfo,
+    EnvTimeout,
+    dispatch,
+    wait_at_most,
+)
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5
+"""How often a worker checks that its parent lives, and a reader that its worker does."""
+START_TIMEOUT_S = 120.0
+"""Seconds a worker may take to import and build its environment."""
+
+
+class EnvRequest(Message):
+    id: int
+    method: str
+    args: bytes
+    """msgpack of the call's keyword arguments."""
+
+
+class EnvReply(Message):
+    id: int
+    ok: bool
+    result: bytes = b""
+    """msgpack of the result (ok) ."""
+    error: str = ""
+    """One line: what failed (not ok)."""
+
+
+ENV_MESSAGES: tuple[type[Message], ...] = (EnvRequest, EnvReply)
+
+
+def serve(endpoint: str, config: dict[str, Any]) -> None:
+    """Worker main loop: build the environment, then answer calls until the parent goes away."""
+    from pydantic import TypeAdapter
+
+    from prime_rl.common.config.orchestrator import EnvConfig
+    from prime_rl.orchestrator.envs.registry import build_environment
+
+    try:
+        env, build_error = build_environment(TypeAdapter(EnvConfig).validate_python(config)), ""
+    except Exception as e:  # reported on the first call, so the orchestrator fails with this line
+        env, build_error = None, f"{type(e).__name__}: {e}"
+    parent = os.getppid()
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    while os.getppid() == parent:
+        if not sock.poll(int(POLL_S * 1000)):
+            continue
+        identity, header = sock.recv_multipart()
+        request = decode_header(header, ENV_MESSAGES).message
+        if env is None:
+            reply = EnvReply(request.id, False, error=build_error)
+        else:
+            try:
+                result = dispatch(env, request.method, msgspec.msgpack.decode(request.args))
+                reply = EnvReply(request.id, True, msgspec.msgpack.encode(result))
+            except Exception as e:
+                reply = EnvReply(request.id, False, error=f"{type(e).__name__}: {e}")
+        sock.send_multipart([identity, encode_header(reply)])
+
+
+class _Worker:
+    def __init__(self, proc: subprocess.Popen, sock: zmq.asyncio.Socket, endpoint: str) -> None:
+        self.proc, self.sock, self.endpoint = proc, sock, endpoint
+        self.pending: dict[int, asyncio.Future] = {}
+        self.reader: asyncio.Task | None = None
+
+
+class WorkerEnv(EnvHandle):
+    """An environment served by `num_workers` worker processes."""
+
+    def __init__(
+        self, config: dict[str, Any], name: str, weight: float = 1.0, timeout: float = 60.0, num_workers: int = 1
+    ) -> None:
+        super().__init__(name, weight, timeout)
+        self.config, self.num_workers = config, num_workers
+        self._ids = itertools.count()
+        self._dir = Path(tempfile.mkdtemp(prefix="prl-env-"))
+        self._ctx = zmq.asyncio.Context.instance()
+        self.workers: list[_Worker] = []
+        self.restarts = 0
+
+    async def start(self) -> None:
+        self.workers = [self._spawn(i) for i in range(self.num_workers)]
+        try:
+            infos = await asyncio.gather(*(self._request(w, "info", {}, START_TIMEOUT_S) for w in self.workers))
+        except EnvFailure as e:
+            await self.close()
+            raise ValueError(f"environment {self.name!r} ({self.config.get('type')}) failed to start: {e}") from None
+        info = infos[0]
+        self.info = EnvInfo(self.name, info["multi_turn"], info["max_turns"], info["tools"], info["tool_call_parser"])
+
+    def _spawn(self, index: int) -> _Worker:
+        endpoint = f"ipc://{self._dir}/w{index}-{self.restarts}.sock"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prime_rl.orchestrator.envs.worker", endpoint, json.dumps(self.config)],
+            stdin=subprocess.DEVNULL,
+        )
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        worker = _Worker(proc, sock, endpoint)
+        worker.reader = asyncio.create_task(self._read(worker), name=f"env-{self.name}-reader")
+        return worker
+
+    async def _read(self, worker: _Worker) -> None:
+        while True:
+            if await worker.sock.poll(int(POLL_S * 1000)):
+                reply = decode_header(await worker.sock.recv(), ENV_MESSAGES).message
+                future = worker.pending.pop(reply.id, None)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+            elif worker.proc.poll() is not None:
+                self._fail(worker, EnvCrashed(f"environment {self.name} worker exited with {worker.proc.returncode}"))
+                await self._replace(worker)
+                return
+
+    def _fail(self, worker: _Worker, error: EnvFailure) -> None:
+        for future in worker.pending.values():
+            if not future.done():
+                future.set_exception(error)
+        worker.pending.clear()
+
+    async def _replace(self, worker: _Worker) -> None:
+        if worker not in self.workers:
+            return
+        if worker.proc.poll() is None:
+            worker.proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(worker.proc.wait)
+        if worker.reader is not None and worker.reader is not asyncio.current_task():
+            worker.reader.cancel()
+        worker.sock.close()
+        self.restarts += 1
+        self.counters["restarts"] += 1
+        logger.warning("environment %s: restarting a worker (%d restarts so far)", self.name, self.restarts)
+        self.workers[self.workers.index(worker)] = self._spawn(self.workers.index(worker))
+
+    async def _request(self, worker: _Worker, method: str, args: dict[str, Any], timeout: float) -> Any:
+        request_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        worker.pending[request_id] = future
+        await worker.sock.send(encode_header(EnvRequest(request_id, method, msgspec.msgpack.encode(args))))
+        if not await wait_at_most(future, timeout):
+            worker.pending.pop(request_id, None)
+            self._fail(worker, EnvCrashed(f"environment {self.name} worker killed after another call timed out"))
+            await self._replace(worker)
+            raise EnvTimeout(f"environment {self.name}.{method} took more than {timeout:.1f}s") from None
+        reply = future.result()  # raises EnvCrashed when the worker died meanwhile
+        if not reply.ok:
+            raise EnvFailure(f"environment {self.name}.{method} raised {reply.error}")
+        return msgspec.msgpack.decode(reply.result)
+
+    async def _call(self, method: str, args: dict[str, Any], timeout: float) -> Any:
+        worker = min(self.workers, key=lambda w: len(w.pending))
+        return await self._request(worker, method, args, timeout)
+
+    async def close(self) -> None:
+        for worker in self.workers:
+            if worker.reader is not None:
+                worker.reader.cancel()
+            if worker.proc.poll() is None:
+                worker.proc.send_signal(signal.SIGKILL)
+                worker.proc.wait()
+            worker.sock.close()
+        self.workers = []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="prime_rl.orchestrator.envs.worker")
+    parser.add_argument("endpoint")
+    parser.add_argument("config", help="the [[orchestrator.env]] entry as JSON")
+    args = parser.parse_args()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator stops its workers; Ctrl-C goes to it
+    serve(args.endpoint, json.loads(args.config))
+
+
+if __name__ == "__main__":
+    main()
