@@ -28,6 +28,7 @@ from prime_rl.common.testing import make_tiny_model  # noqa: E402
 from prime_rl.inference.testing import Server, cpu_env, stop_server, wait_ready, write_config  # noqa: E402
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs  # noqa: E402
 from prime_rl.orchestrator.envs.base import MultiTurnEnvironment  # noqa: E402
+from prime_rl.orchestrator.envs.handle import LocalEnv  # noqa: E402
 from prime_rl.orchestrator.envs.tool_arithmetic import ToolArithmeticEnv  # noqa: E402
 from prime_rl.orchestrator.multiturn import ChatRenderer, ChatTemplateError, sample_group  # noqa: E402
 
@@ -105,7 +106,7 @@ def test_multi_turn_tokens_are_exactly_the_sampled_ones(server):
             await renderer.setup()
             sampling = SamplingArgs(max_tokens=12, temperature=1.0, seed=0)
             groups = [
-                await sample_group(client, renderer, env, t, env.build_prompt(t), 3, sampling, max_len=250)
+                await sample_group(client, renderer, LocalEnv(env), t, env.build_prompt(t), 3, sampling, max_len=250)
                 for t in env.sample_tasks(2, np.random.default_rng(0))
             ]
             rerendered = [
@@ -152,7 +153,8 @@ def test_tool_env_setup_and_bad_input(server):
             await good.setup()
             task = env.sample_tasks(1, np.random.default_rng(0))[0]
             sampling = SamplingArgs(max_tokens=8, temperature=1.0, seed=0)
-            group = await sample_group(client, good, env, task, env.build_prompt(task), 2, sampling, max_len=250)
+            handle = LocalEnv(env)
+            group = await sample_group(client, good, handle, task, env.build_prompt(task), 2, sampling, max_len=250)
             errors = []
             for renderer in (
                 ChatRenderer(client, tools=env.tools),  # the tiny model's own template has no tools
