@@ -1,4 +1,5 @@
-"""Benchmark: fused LM head (logprob + entropy, forward + backward) vs the vanilla head.
+"""Benchmark: fused LM heads (RL: logprob + entropy; SFT: `fused_nll_sum`), forward + backward, vs the vanilla head
+and, when `liger_kernel` is importable, Liger's fused linear cross-entropy in the same process.
 
 Prints one JSON object per line. Measures like ../shared/bench/anchor_hf_train.py `lm_head()`:
 inputs created, base = allocated memory, 2 warm-up steps, peak stats reset, 5 timed steps; "extra peak"
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from prime_rl.kernels import fused_logprobs_entropy, vanilla_logprobs_entropy
+from prime_rl.kernels import fused_logprobs_entropy, fused_nll_sum, vanilla_logprobs_entropy
 
 
 def bench(fn, tokens: int, hidden: int, vocab: int, chunk_size: int) -> dict:
@@ -33,8 +34,9 @@ def bench(fn, tokens: int, hidden: int, vocab: int, chunk_size: int) -> dict:
     base = torch.cuda.max_memory_allocated()
 
     def step():
-        lp, ent = fn(h, w, tgt, chunk_size)
-        (lp.sum() + ent.sum()).backward()
+        out = fn(h, w, tgt, chunk_size)
+        loss = out if isinstance(out, torch.Tensor) else out[0].sum() + out[1].sum()  # CE heads return the loss
+        loss.backward()
 
     try:
         for _ in range(2):
@@ -53,7 +55,7 @@ def bench(fn, tokens: int, hidden: int, vocab: int, chunk_size: int) -> dict:
             torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(5):
-                lp, ent = fn(h, w, tgt, chunk_size)
+                fn(h, w, tgt, chunk_size)
             torch.cuda.synchronize()
             fwd_ms = (time.perf_counter() - t) / 5 * 1e3
         return dict(ms=round(ms, 2), fwd_ms=round(fwd_ms, 2), peak_extra_gib=round(peak, 3))
@@ -67,6 +69,16 @@ def vanilla(h, w, tgt, chunk_size):
 
 def fused(h, w, tgt, chunk_size):
     return fused_logprobs_entropy(h, w, tgt, chunk_size=chunk_size)
+
+
+def nll_sum(h, w, tgt, chunk_size):
+    return fused_nll_sum(h, w, tgt)  # SFT's head: its own chunk (logits buffer <= 256 MiB)
+
+
+def liger_flce(h, w, tgt, chunk_size):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return LigerFusedLinearCrossEntropyLoss(reduction="sum")(w, h, tgt)
 
 
 def agreement(tokens: int, hidden: int, vocab: int) -> dict:
@@ -109,10 +121,14 @@ def main() -> None:
     anchor = run_anchor(args.anchor) if args.anchor else None
     results = {}
     for tokens in args.tokens:
-        for name, fn in [("vanilla", vanilla), ("fused", fused)]:
+        paths = [("vanilla", vanilla), ("fused", fused), ("nll_sum", nll_sum)]
+        if importlib.util.find_spec("liger_kernel") is not None:  # the peer SFT users switch on, same process
+            paths.append(("liger_flce", liger_flce))
+        for name, fn in paths:
             res = bench(fn, tokens, args.hidden, args.vocab, args.chunk_size)
             results[(name, tokens)] = res
-            row = dict(kind=f"{name}_lm_head_logprob_entropy", tokens=tokens, hidden=args.hidden, vocab=args.vocab)
+            kind = f"{name}_lm_head_logprob_entropy" if name in ("vanilla", "fused") else f"{name}_loss"
+            row = dict(kind=kind, tokens=tokens, hidden=args.hidden, vocab=args.vocab)
             print(json.dumps(dict(row, chunk_size=args.chunk_size, **res) if name == "fused" else dict(row, **res)))
     print(json.dumps(dict(kind="agreement", tokens=4096, **agreement(4096, args.hidden, args.vocab))), flush=True)
     try:
@@ -132,6 +148,12 @@ def main() -> None:
             speedup_vs_anchor=round(anchor["ms"] / fused0["ms"], 3),
             memory_ratio_vs_anchor=round(fused0["peak_extra_gib"] / anchor["peak_extra_gib"], 4),
         )
+    for tokens in args.tokens:  # the SFT head against Liger, and the RL head against the SFT head
+        ce, liger, rl = (results.get((n, tokens), {}) for n in ("nll_sum", "liger_flce", "fused"))
+        if "ms" in ce and "ms" in liger:
+            summary[f"nll_sum_speedup_vs_liger_{tokens}"] = round(liger["ms"] / ce["ms"], 3)
+        if "ms" in ce and "ms" in rl:
+            summary[f"rl_head_over_nll_sum_{tokens}"] = round(rl["ms"] / ce["ms"], 3)
     print(json.dumps(summary), flush=True)
 
 

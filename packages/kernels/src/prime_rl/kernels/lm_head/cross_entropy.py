@@ -14,9 +14,9 @@ matmuls per step instead of the four of `fused_logprobs_entropy` (forward, recom
 entropy statistics: the same scheme as Liger's fused linear cross-entropy. RL cannot use it: its loss
 weighs each token's logprob by a quantity that depends on the logprob itself.
 
-Memory beyond the inputs: one [c, V] logits buffer (``chunk_size`` tokens; by default the largest power
-of two that keeps it within 256 MiB: 512 tokens at V = 151936 in bf16) plus the two gradients (which the
-optimizer needs anyway), kept from forward to backward. With bf16 weights and more than one token chunk,
+Memory beyond the inputs: one [c, V] logits buffer (``chunk_size`` tokens; by default 256 MiB or about
+the size of the hidden states, whichever is larger, see ``default_chunk_size``) plus the two gradients
+(which the optimizer needs anyway), kept from forward to backward and scaled in place there. With bf16 weights and more than one token chunk,
 the weight gradient accumulates in bf16 (one rounding per chunk, as Liger does); fp32 weights accumulate
 in fp32.
 
@@ -35,10 +35,19 @@ LOGITS_BUFFER_BYTES = 256 << 20
 """Bound on the [chunk, V] logits buffer when ``chunk_size`` is not given."""
 
 
-def default_chunk_size(vocab: int, itemsize: int) -> int:
-    """Largest power of two c with c * vocab * itemsize <= LOGITS_BUFFER_BYTES (at least 16)."""
+def default_chunk_size(vocab: int, itemsize: int, tokens: int = 0, hidden: int = 0) -> int:
+    """Tokens per logits chunk: the largest power of two c with c * vocab * itemsize <= LOGITS_BUFFER_BYTES
+    (at least 16), raised to the power of two at or above tokens * hidden / vocab when that is larger
+    (the buffer then holds about as many elements as the hidden states [T, H]).
+
+    Why grow with T: every chunk reads and writes the whole [V, H] weight gradient once (the addmm), so
+    at T = 65536 chunks of 512 tokens moved 155 GB through HBM for it; chunks of 1024 halve that."""
     rows = max(1, LOGITS_BUFFER_BYTES // (vocab * itemsize))
-    return max(16, 1 << (rows.bit_length() - 1))
+    chunk = max(16, 1 << (rows.bit_length() - 1))
+    per_hidden = -(-tokens * hidden // vocab)
+    if per_hidden > chunk:
+        chunk = 1 << (per_hidden - 1).bit_length()
+    return chunk
 
 
 def ce_rows_torch(z: torch.Tensor, targets: torch.Tensor, inv_temperature: float) -> torch.Tensor:
@@ -90,15 +99,24 @@ class _FusedNLLSum(torch.autograd.Function):
             if grad_weight is not None:
                 grad_weight.addmm_(z.T, h)
         ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.backward_done = False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.backward_done:
+            raise RuntimeError(
+                "fused_nll_sum's backward ran twice on one forward (retain_graph=True): its gradients are "
+                "computed once in the forward and scaled in place; call fused_nll_sum again instead"
+            )
+        ctx.backward_done = True
         grad_hidden, grad_weight = ctx.saved_tensors
-        scale = grad_loss.to(torch.float32)
-        gh = None if grad_hidden is None else (grad_hidden * scale).to(grad_hidden.dtype)
-        gw = None if grad_weight is None else (grad_weight * scale).to(grad_weight.dtype)
-        return gh, gw, None, None, None
+        # in place: a scaled copy of the [V, H] weight gradient would double its memory at the peak
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_loss)
+        if grad_weight is not None:
+            grad_weight.mul_(grad_loss)
+        return grad_hidden, grad_weight, None, None, None
 
 
 def fused_nll_sum(
@@ -116,7 +134,7 @@ def fused_nll_sum(
     """
     check_inputs(hidden, weight, targets, temperature)
     if chunk_size is None:
-        chunk_size = default_chunk_size(weight.shape[0], weight.element_size())
+        chunk_size = default_chunk_size(weight.shape[0], weight.element_size(), hidden.shape[0], hidden.shape[1])
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1 tokens per logits chunk")
     return _FusedNLLSum.apply(
