@@ -158,7 +158,7 @@ def server(monkeypatch):
     s.close()
 
 
-def run(tmp_path: Path, base_url: str, steps: int, envs: list[dict]) -> tuple[list[dict], list]:
+def run(tmp_path: Path, base_url: str, steps: int, envs: list[dict], **extra) -> tuple[list[dict], list]:
     config = OrchestratorConfig.model_validate(
         dict(
             output_dir=tmp_path,
@@ -174,6 +174,7 @@ def run(tmp_path: Path, base_url: str, steps: int, envs: list[dict]) -> tuple[li
             trainer={"weights_port": free_port()},
             seed=1,
             advantage={"filter_zero_advantage": False},
+            **extra,
         )  # fmt: skip
     )
     sent: list = []
@@ -200,7 +201,7 @@ def test_tool_env_and_faulty_env_mixed_in_workers(tmp_path, server):
         {"type": "python", "name": "faulty", "entrypoint": "faulty_envs:FaultyEnv", "weight": 1.0, "timeout": 1.0},
     ]
     metrics, sent = run(tmp_path, server.base_url, steps=4, envs=envs)
-    assert len(metrics) == 4
+    assert len(metrics) == 4 and not any(k.startswith("eval/") for m in metrics for k in m)
     tool_groups = sum(m.get("env/tool_arithmetic/groups", 0) for m in metrics)
     faulty_groups = sum(m.get("env/faulty/groups", 0) for m in metrics)
     assert tool_groups + faulty_groups == 8 and tool_groups > faulty_groups > 0  # weights 3 : 1
@@ -223,3 +224,68 @@ def test_tool_env_and_faulty_env_mixed_in_workers(tmp_path, server):
             assert (a["inference_logprobs"][mask] < 0).all() and not a["inference_logprobs"][~mask].any()
             ids = a["input_ids"][mask]
             assert not np.isin(ids, [1]).any()  # <|im_start|> is never sampled: never in the loss
+
+
+def test_eval_entrypoint_pass_at_k_and_samples(tmp_path, server):
+    from prime_rl.orchestrator.eval import main
+
+    toml = tmp_path / "eval.toml"
+    toml.write_text(
+        f"""
+output_dir = "{tmp_path}"
+run_name = "ev"
+step = 7
+num_examples = 5
+rollouts_per_example = 4
+[model]
+name = "tiny"
+[model.client]
+base_url = "{server.base_url}"
+max_retries = 0
+[sampling]
+seed = 0
+[[env]]
+type = "tool_arithmetic"
+max_value = 20
+"""
+    )
+    main(["@", str(toml)])
+    (row,) = read_metrics(RunDir(tmp_path, "ev").metrics_path)
+    assert row["step"] == 7
+    # seeds alternate within a task: 2 of 4 rollouts call the tool and answer (reward 1), 2 write a malformed call
+    assert row["eval/tool_arithmetic/reward_mean"] == pytest.approx(0.5)
+    assert row["eval/tool_arithmetic/pass@1"] == pytest.approx(0.5)
+    assert row["eval/tool_arithmetic/pass@2"] == pytest.approx(1 - 1 / 6)
+    assert row["eval/tool_arithmetic/pass@4"] == 1.0
+    samples = (tmp_path / "ev/evals/step_7/tool_arithmetic/samples.jsonl").read_text().splitlines()
+    assert len(samples) == 5 and json.loads(samples[0])["rewards"].count(1.0) == 2
+
+
+def test_eval_bad_environment_is_one_line(tmp_path, server, capsys):
+    from prime_rl.orchestrator.eval import main
+
+    args = ["--output-dir", str(tmp_path), "--model.client.base-url", server.base_url]
+    toml = tmp_path / "eval.toml"
+    toml.write_text('[[env]]\ntype = "python"\nentrypoint = "not_installed_envs:Env"\n')
+    with pytest.raises(SystemExit) as e:
+        main(["@", str(toml), *args])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "cannot import 'not_installed_envs'" in err[-1] and "eval failed" in err[-1]
+    toml.write_text('[[env]]\ntype = "no_such_env"\n')
+    with pytest.raises(SystemExit) as e:
+        main(["@", str(toml), *args])
+    assert e.value.code == 2  # a config error, named before anything starts
+
+
+def test_online_evals_every_n_steps(tmp_path, server):
+    envs = [{"type": "tool_arithmetic", "max_value": 20}]
+    evaluation = {"interval": 2, "num_examples": 3, "rollouts_per_example": 2, "seed": 99}
+    metrics, _ = run(tmp_path, server.base_url, steps=4, envs=envs, eval=evaluation)
+    evals = [m for m in metrics if "eval/tool_arithmetic/reward_mean" in m]
+    train = [m for m in metrics if "reward/mean" in m]
+    assert [m["step"] for m in evals] == [0, 2, 4] and len(train) == 4
+    for m in evals:  # seeds alternate: one of the two rollouts per task passes
+        assert m["eval/tool_arithmetic/pass@1"] == pytest.approx(0.5) and m["eval/tool_arithmetic/pass@2"] == 1.0
+        assert m["eval/tool_arithmetic/num_examples"] == 3
+    assert (tmp_path / "run/evals/step_4/tool_arithmetic/samples.jsonl").is_file()

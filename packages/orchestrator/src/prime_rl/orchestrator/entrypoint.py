@@ -46,6 +46,7 @@ def build_env_handles(entries: list[EnvConfig]) -> list[EnvHandle]:
 async def run(config: OrchestratorConfig) -> None:
     run_dir = RunDir(config.output_dir, config.run_name)
     envs = build_env_handles(config.env)
+    eval_envs = build_env_handles(config.eval.env) if config.eval is not None and config.eval.env else None
     client_cfg = config.model.client
     client = InferenceClient(
         client_cfg.base_url,
@@ -63,7 +64,10 @@ async def run(config: OrchestratorConfig) -> None:
     monitor = build_monitor(run_dir, config.monitor, "orchestrator", config.model_dump(mode="json"))
     teacher = Distiller.from_config(config.teacher) if config.teacher is not None else None
     try:
-        await Orchestrator(config, envs, client, control, sender.send, monitor, teacher=teacher).run()
+        orchestrator = Orchestrator(
+            config, envs, client, control, sender.send, monitor, teacher=teacher, eval_envs=eval_envs
+        )
+        await orchestrator.run()
     finally:
         await client.aclose()
         if teacher is not None:

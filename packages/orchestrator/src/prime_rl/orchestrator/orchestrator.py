@@ -39,12 +39,13 @@ from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
 from prime_rl.orchestrator.curriculum import Curriculum
 from prime_rl.orchestrator.envs.base import Environment
 from prime_rl.orchestrator.envs.handle import EnvHandle
+from prime_rl.orchestrator.evaluate import run_evals
 from prime_rl.orchestrator.filtering import split_by_difficulty
 from prime_rl.orchestrator.off_policy import OffPolicyFilter
 from prime_rl.orchestrator.packing import pack_batch
 from prime_rl.orchestrator.policy import PolicyState
 from prime_rl.orchestrator.rollout import Group
-from prime_rl.orchestrator.scheduler import RolloutScheduler
+from prime_rl.orchestrator.scheduler import RolloutScheduler, start_envs
 from prime_rl.orchestrator.state import OrchestratorState, load_state, save_state
 from prime_rl.orchestrator.teacher import Distiller
 from prime_rl.orchestrator.weights import InferenceControl, VersionListener, WeightUpdater
@@ -142,6 +143,7 @@ class Orchestrator:
         send: SendFn,
         monitor: Monitor | FileMonitor | None = None,
         teacher: Distiller | None = None,
+        eval_envs: list[EnvHandle] | None = None,
     ) -> None:
         self.config = config
         self.run_dir = RunDir(config.output_dir, config.run_name)
@@ -191,6 +193,9 @@ class Orchestrator:
             tool_call_parser=config.model.tool_call_parser,
         )
         self.step = self.start_step
+        # online evals: their own environment handles ([orchestrator.eval] env), else the training ones
+        self.eval_envs = eval_envs
+        self._eval_tasks: list[asyncio.Task] = []
 
     def state(self) -> OrchestratorState:
         return OrchestratorState.capture(self.step, self.scheduler.tasks_drawn, self.scheduler.rng, self.seed)
@@ -200,18 +205,63 @@ class Orchestrator:
         # environments start (worker processes), templates and tool schemas are checked: bad input is one
         # clear error here, before any rollout
         await self.scheduler.setup()
+        eval_renderers = dict(self.scheduler.renderers)
+        if self.config.eval is not None and self.eval_envs is not None:
+            eval_renderers = await start_envs(
+                self.eval_envs, self.client, self.config.model.chat_template, self.config.model.tool_call_parser
+            )
+        self._eval_renderers = eval_renderers
         await self.updater.recover(self.run_dir.broadcasts_dir, max_version=self.start_step)
         self.scheduler.start()
         poller = asyncio.create_task(self.updater.run(), name="weight-poller")
         try:
+            if self.config.eval is not None and self.config.eval.at_start and self.step == 0:
+                self._start_eval(0)
             while self.config.max_steps is None or self.step < self.config.max_steps:
                 await self.run_step()
                 if poller.done():  # a failed weight update stops the run
                     poller.result()
+                if self.config.eval is not None and self.step % self.config.eval.interval == 0:
+                    self._start_eval(self.step)
+                self._check_evals()
+            await asyncio.gather(*self._eval_tasks)  # the last evaluation finishes before the run ends
+            self._check_evals()
         finally:
             poller.cancel()
-            await asyncio.gather(poller, return_exceptions=True)
+            for task in self._eval_tasks:
+                task.cancel()
+            await asyncio.gather(poller, *self._eval_tasks, return_exceptions=True)
             await self.scheduler.close()
+            for env in self.eval_envs or []:
+                await env.close()
+
+    def _start_eval(self, step: int) -> None:
+        """Evaluate the policy inference serves now, in the background (rollouts keep flowing meanwhile)."""
+        self._eval_tasks.append(asyncio.create_task(self.evaluate(step), name=f"eval-{step}"))
+
+    def _check_evals(self) -> None:
+        """Re-raise a failed evaluation (inference unreachable); forget finished ones."""
+        for task in [t for t in self._eval_tasks if t.done()]:
+            self._eval_tasks.remove(task)
+            task.result()
+
+    async def evaluate(self, step: int) -> dict[str, float]:
+        cfg = self.config
+        assert cfg.eval is not None
+        version = self.policy.version
+        sampling = SamplingArgs.from_config(cfg.eval.sampling or cfg.sampling, cfg.model.chat_template)
+        metrics = await run_evals(
+            self.client, self.eval_envs or self.scheduler.envs, self._eval_renderers, cfg.eval, sampling,
+            max_len=cfg.seq_len, out_dir=self.run_dir.root / "evals" / f"step_{step}",
+        )  # fmt: skip
+        metrics["eval/policy_version"] = float(version)
+        if self.monitor is not None:
+            self.monitor.log(step, metrics)
+        summary = " | ".join(
+            f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items() if "pass@1" in k or "reward_mean" in k
+        )
+        logger.info("eval at step %d (policy %d) | %s", step, version, summary)
+        return metrics
 
     async def collect(self, step: int) -> list[Group]:
         groups: list[Group] = []

@@ -28,11 +28,11 @@ import numpy as np
 
 from prime_rl.common.config.orchestrator import AdvantageConfig
 from prime_rl.orchestrator.advantages import group_advantages
-from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
+from prime_rl.orchestrator.client import ChatResult, InferenceClient, SamplingArgs
 from prime_rl.orchestrator.curriculum import Curriculum
 from prime_rl.orchestrator.envs.base import Environment, Score
 from prime_rl.orchestrator.envs.handle import Budget, EnvFailure, EnvHandle, LocalEnv, pick_env
-from prime_rl.orchestrator.multiturn import ChatRenderer, sample_group
+from prime_rl.orchestrator.multiturn import ChatRenderer, MultiTurnGroup, sample_group
 from prime_rl.orchestrator.policy import PolicyState
 from prime_rl.orchestrator.rollout import Group
 from prime_rl.orchestrator.teacher import Distiller
@@ -89,19 +89,9 @@ class RolloutScheduler:
 
     async def setup(self) -> None:
         """Start every environment and check its chat rendering: bad input fails here, before any rollout."""
-        for env in self.envs:
-            await env.start()
-            if self.tool_call_parser is not None:  # orchestrator.model.tool_call_parser: how this model writes calls
-                env.info = dataclasses.replace(env.info, tool_call_parser=self.tool_call_parser)
-            if env.info.multi_turn:
-                if self.max_len is None:
-                    raise ValueError(f"environment {env.name} is multi-turn: the scheduler needs max_len")
-                renderer = ChatRenderer(self.client, tools=env.info.tools, chat_template=self.chat_template)
-                try:
-                    await renderer.setup()
-                except ValueError as e:
-                    raise ValueError(f"environment {env.name}: {e}") from None
-                self.renderers[env.name] = renderer
+        self.renderers = await start_envs(
+            self.envs, self.client, self.chat_template, self.tool_call_parser, needs_max_len=self.max_len is None
+        )
 
     async def close(self) -> None:
         await self.stop()
@@ -183,29 +173,17 @@ class RolloutScheduler:
         sampling = self.sampling
         if sampling.seed is not None:  # vLLM seeds the group's n samples seed, seed + 1, ...
             sampling = dataclasses.replace(sampling, seed=sampling.seed + ticket * self.group_size)
-        if env.info.multi_turn:
-            result = await sample_group(
-                self.client, self.renderers[env.name], env, task, messages, self.group_size, sampling,
-                max_len=self.max_len, budgets=budgets,
-            )  # fmt: skip
-            conversations = [t.messages for t in result.trajectories]
-            errors = [t.error for t in result.trajectories]
-        else:
-            result = await self.client.sample(messages, self.group_size, sampling)
-            conversations = [None] * self.group_size
-            errors = [None] * self.group_size
-        if any(c.finish_reason == "abort" for c in result.completions):
+        renderer = self.renderers.get(env.name)
+        rollouts = await rollout_group(
+            self.client, env, renderer, task, messages, self.group_size, sampling, self.max_len, budgets
+        )
+        if rollouts is None:
             self.counters["rollouts/aborted"] += 1
             return None
+        result, scores = rollouts
         for c in result.completions:
             self._rollout_stats.update(c.stats)
             self._num_rollouts += bool(c.stats)
-        scores = await asyncio.gather(
-            *(
-                score_rollout(env, task, c.text, m, e, b)
-                for c, m, e, b in zip(result.completions, conversations, errors, budgets)
-            )
-        )
         rewards = [s.reward for s in scores]
         num_failed = sum(s.failed for s in scores)
         adv = self.advantage
@@ -251,3 +229,64 @@ async def score_rollout(env: EnvHandle, task, text: str, messages, error: str | 
     except EnvFailure as e:
         logger.warning("%s", e)
         return Score(0.0, True, str(e))
+
+
+async def rollout_group(
+    client: InferenceClient,
+    env: EnvHandle,
+    renderer: ChatRenderer | None,
+    task,
+    messages,
+    n: int,
+    sampling: SamplingArgs,
+    max_len: int | None,
+    budgets: list[Budget],
+) -> tuple[ChatResult | MultiTurnGroup, list[Score]] | None:
+    """Sample `n` rollouts of one task (one chat request, or token-exact multi-turn rollouts) and score them;
+    None when inference aborted a request (a weight update in pause mode "abort")."""
+    if env.info.multi_turn:
+        result = await sample_group(
+            client, renderer, env, task, messages, n, sampling, max_len=max_len, budgets=budgets
+        )
+        conversations = [t.messages for t in result.trajectories]
+        errors = [t.error for t in result.trajectories]
+    else:
+        result = await client.sample(messages, n, sampling)
+        conversations, errors = [None] * n, [None] * n
+    if any(c.finish_reason == "abort" for c in result.completions):
+        return None
+    scores = await asyncio.gather(
+        *(
+            score_rollout(env, task, c.text, m, e, b)
+            for c, m, e, b in zip(result.completions, conversations, errors, budgets)
+        )
+    )
+    return result, list(scores)
+
+
+async def start_envs(
+    envs: list[EnvHandle],
+    client: InferenceClient,
+    chat_template: str | None,
+    tool_call_parser: str | None,
+    *,
+    needs_max_len: bool = False,
+) -> dict[str, ChatRenderer]:
+    """Start environments (worker processes) and set up a checked chat renderer per multi-turn one.
+    Raises one clear error (unknown env, missing package, template without tools, refused schema)."""
+    renderers: dict[str, ChatRenderer] = {}
+    for env in envs:
+        await env.start()
+        if tool_call_parser is not None:  # orchestrator.model.tool_call_parser: how this model writes calls
+            env.info = dataclasses.replace(env.info, tool_call_parser=tool_call_parser)
+        if not env.info.multi_turn:
+            continue
+        if needs_max_len:
+            raise ValueError(f"environment {env.name} is multi-turn: the scheduler needs max_len")
+        renderer = ChatRenderer(client, tools=env.info.tools, chat_template=chat_template)
+        try:
+            await renderer.setup()
+        except ValueError as e:
+            raise ValueError(f"environment {env.name}: {e}") from None
+        renderers[env.name] = renderer
+    return renderers

@@ -296,6 +296,39 @@ class CheckpointConfig(BaseConfig):
     """Resume from checkpoints/step_<n>/orchestrator ("latest": the newest there is; None starts fresh)."""
 
 
+class EvalSetConfig(BaseConfig):
+    """What is evaluated and how (shared by offline and online evaluations)."""
+
+    env: list[EnvConfig] = Field(default_factory=list)
+    """Environments to evaluate (`[[eval.env]]`); online, empty = the training environments."""
+    num_examples: int = Field(default=32, ge=1)
+    """Tasks per environment."""
+    rollouts_per_example: int = Field(default=4, ge=1)
+    """Rollouts per task (pass@k is reported for k = 1, 2, 4, ... up to this)."""
+    pass_threshold: float = 1.0
+    """A rollout passes (for pass@k) when its reward is >= this."""
+    seed: int = 12345
+    """Seed of the eval tasks; keep it apart from the training seed for a held-out split."""
+    sampling: SamplingConfig | None = None
+    """Sampling for evaluation; None = the training sampling (offline: the defaults)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_env_table(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("env"), dict):
+            data = {**data, "env": [data["env"]]}
+        return data
+
+
+class OnlineEvalConfig(EvalSetConfig):
+    """`[orchestrator.eval]`: evaluate the policy every `interval` steps while training."""
+
+    interval: int = Field(default=10, ge=1)
+    """Evaluate after every this many steps (and log eval/<env>/... rows at that step)."""
+    at_start: bool = True
+    """Also evaluate the initial policy (row 0), the start of the eval curve."""
+
+
 class OrchestratorConfig(BaseConfig):
     """The orchestrator: samples rollouts from inference, scores them and ships packed batches to the trainer."""
 
@@ -316,6 +349,8 @@ class OrchestratorConfig(BaseConfig):
     """Sample prompts by past pass rate; None = uniform (the environment's own sampling)."""
     teacher: TeacherConfig | None = None
     """On-policy distillation from a teacher server; None = off."""
+    eval: OnlineEvalConfig | None = None
+    """Online evaluations every `eval.interval` steps on held-out tasks; None = off."""
     trainer: TrainerEndpointConfig = TrainerEndpointConfig()
     """The ZeroMQ endpoint trainer ranks pull batches from."""
     inference: InferenceControlConfig = InferenceControlConfig()
