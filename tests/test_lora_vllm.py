@@ -1,7 +1,8 @@
 """LoRA RL's weight path against a real vLLM (CPU) server: the trainer publishes the adapter alone
 (`broadcasts/step_<n>/`, peft format), inference loads it by name through the control plane, requests naming
 the adapter get the trainer's logprobs (mismatch_kl ~ 0), a new version replaces it in place (no stale prefix
-cache), and a second adapter is served beside it over the same base.
+cache), a second adapter is served beside it over the same base, adapters listed in `[lora] adapters` are served
+from the start, and a placeholder name answers as the base until its first version.
 
 Cross-package (trainer publishes, inference serves, orchestrator listens), so it lives in the root tests/."""
 
@@ -40,12 +41,24 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def static_adapter(model_dir, tmp_path_factory) -> tuple[Path, CausalLM]:
+    """A peft adapter on disk before the server starts, served from the start by `[lora] adapters`."""
+    policy = _policy(model_dir, seed=7)
+    run_dir = RunDir(tmp_path_factory.mktemp("static"), "static")
+    publisher = LoRAPublisher(FilesystemBroadcastConfig(dtype="float32"), run_dir, policy, WORLD, name="static")
+    publisher.publish(1)
+    publisher.close()
+    return run_dir.broadcast_dir(1), policy
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, static_adapter, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     port, control_port = free_port(), free_port()
-    config = write_config(
-        tmp / "infer.toml", model_dir, port, control_port, extra="[lora]\nmax_rank = 8\nmax_loras = 2"
+    lora = (
+        f'[lora]\nmax_rank = 8\nmax_loras = 2\nadapters = {{static = "{static_adapter[0]}"}}\nplaceholders = ["policy"]'
     )
+    config = write_config(tmp / "infer.toml", model_dir, port, control_port, extra=lora)
     log = tmp / "server.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(config)],
@@ -170,3 +183,12 @@ def test_unservable_adapter_is_refused_with_one_line(server, model_dir, tmp_path
     publisher.close()
     reply = _load(server, run_dir.broadcast_dir(1), 1)
     assert not reply.ok and "rank 16 > this server's lora.max_rank=8" in reply.error and "\n" not in reply.error
+
+
+def test_configured_adapters_and_placeholders_are_served_from_the_start(server, model_dir, static_adapter):
+    base = _served_logprobs(server, str(model_dir))
+    # a placeholder answers as the base model until its first version arrives (the policy at step 0)
+    assert (_served_logprobs(server, "policy") - base).abs().max() < 1e-5
+    expected = _trainer_logprobs(static_adapter[1])
+    assert (expected - base).abs().mean() > 0.05
+    assert _mismatch_kl(expected, _served_logprobs(server, "static")) < 1e-5
