@@ -8,7 +8,9 @@ One run is started and probed as a hostile neighbour and a careless operator wou
    launcher naming inference, the phase and who paused it; STATUS is final; no process is left;
 3. the run dir is then left as a kill between the trainer's and the orchestrator's checkpoints leaves
    it (the newest step has the trainer's part only) with a newer broadcast: `--ckpt.resume-step latest`
-   resumes both components from the same, older complete step, sets the newer files aside, finishes.
+   resumes both components from the same, older complete step and sets the newer files aside;
+4. a trainer rank that stops dead (SIGSTOP) ends that run within `stall_timeout`, the launcher naming
+   the rank, its phase and step; no process (the stopped rank included) is left.
 
 Unit-level probes (stolen batch, forged request, stuck rank, killed torchrun agent, leaked shared
 memory, bad weight files, disk full) live beside their packages' tests; `tests/chaos` runs the ones
@@ -40,6 +42,7 @@ from prime_rl.common.wire import HealthReply, HealthRequest, LoadWeightsRequest,
 pytestmark = [pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(600)]  # one vLLM at a time
 BIN = Path(sys.executable).parent
 MAX_PAUSE_S = 4
+STALL_S = 30  # stall_timeout of the resumed run: above its slowest step on 2 loaded cores
 
 
 def _config(path: Path, model: Path, out: Path, port: int) -> Path:
@@ -101,9 +104,10 @@ def _steps(run: RunDir) -> list[int]:
     return [r["step"] for r in rows if "optim/grad_norm" in r]  # the trainer's rows
 
 
-def _wait_step(run: RunDir, proc: subprocess.Popen, out: Path, step: int, timeout: float = 240) -> None:
+def _wait_step(run: RunDir, proc: subprocess.Popen, out: Path, step: int, timeout: float = 240, times: int = 1) -> None:
+    """Wait until the trainer has logged ``step`` ``times`` times (once per attempt that reached it)."""
     deadline = time.monotonic() + timeout
-    while max(_steps(run), default=0) < step:
+    while _steps(run).count(step) < times:
         assert proc.poll() is None, f"rl exited {proc.returncode}:\n{(out / 'launcher.out').read_text()[-4000:]}"
         assert time.monotonic() < deadline, (
             f"no step {step} after {timeout}s:\n{(out / 'launcher.out').read_text()[-4000:]}"
@@ -147,12 +151,21 @@ def test_closed_control_plane_watchdog_and_exact_resume(model, tmp_path):
         before = max(_steps(run))
         _wait_step(run, proc, tmp_path, before + 1)  # still training after the probes
 
-        # 2. A pause nobody resumes: the watchdog ends the run, naming inference and the pauser.
-        with ControlClient(control, timeout_s=10.0, secret=secret) as operator:
-            assert operator.request(PauseRequest(mode="keep")).ok
-        paused_at = time.monotonic()
-        assert proc.wait(timeout=MAX_PAUSE_S + 60) == 1
-        assert time.monotonic() - paused_at < MAX_PAUSE_S + 30
+        # 2. A pause nobody resumes: the watchdog ends the run, naming inference and the pauser. The
+        # orchestrator's own pause/load/resume around a weight update lifts a pause that lands just before
+        # it (the run is not frozen then), so the operator pauses again until one sticks; one sticks as
+        # soon as it lands while the orchestrator waits for rollouts (max_off_policy_steps = 0).
+        deadline = time.monotonic() + 120
+        with ControlClient(control, timeout_s=5.0, secret=secret) as operator:
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    state = operator.request(HealthRequest())
+                    if isinstance(state, HealthReply) and not state.paused:
+                        assert operator.request(PauseRequest(mode="keep")).ok
+                except TimeoutError:
+                    pass  # the server is being stopped
+                time.sleep(0.5)
+        assert proc.wait(timeout=30) == 1
         log = (tmp_path / "launcher.out").read_text()
         assert "watchdog: inference rank 0" in log and "phase 'paused by 127.0.0.1'" in log, log[-3000:]
         status = json.loads((run.attempt_logs_dir() / "STATUS").read_text())
@@ -175,20 +188,35 @@ def test_closed_control_plane_watchdog_and_exact_resume(model, tmp_path):
     assert resume_at is not None and resume_at < newest
     stale = run.broadcast_dir(newest + 5)
     shutil.copytree(run.broadcast_dir(max(run.broadcast_steps())), stale)  # a "future" policy on disk
-    proc = _start(config, tmp_path, "--ckpt.resume-step", "latest", "--max-steps", str(resume_at + 2))
+    proc = _start(config, tmp_path, "--ckpt.resume-step", "latest", "--stall-timeout", str(STALL_S))
     try:
-        assert proc.wait(timeout=300) == 0, (tmp_path / "launcher.out").read_text()[-4000:]
+        _wait_step(run, proc, tmp_path, resume_at + 2, times=2)  # attempt 1 logged it too
+        trainer_cfg = _toml(run.config_path("trainer"))
+        orchestrator_cfg = _toml(run.config_path("orchestrator"))
+        assert trainer_cfg["ckpt"]["resume_step"] == orchestrator_cfg["ckpt"]["resume_step"] == resume_at
+        assert not stale.exists() and (stale.parent / f"{stale.name}.discarded-2").exists()
+        assert (run.checkpoints_dir / f"step_{newest}.discarded-2").exists()
+        rows = _steps(run)
+        second = len(rows) - 1 - rows[::-1].index(resume_at + 1)  # attempt 2's first row
+        assert rows[second:][:2] == [resume_at + 1, resume_at + 2], rows  # continued right after the checkpoint
+
+        # 4. A stuck rank (SIGSTOP: alive, silent) ends the run via the watchdog, named with its phase.
+        beat = json.loads((run.root / "heartbeats" / "trainer-0.json").read_text())
+        os.kill(beat["pid"], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        assert proc.wait(timeout=STALL_S + 60) == 1
+        assert time.monotonic() - stopped_at < STALL_S + 30
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    trainer_cfg = _toml(run.config_path("trainer"))
-    orchestrator_cfg = _toml(run.config_path("orchestrator"))
-    assert trainer_cfg["ckpt"]["resume_step"] == orchestrator_cfg["ckpt"]["resume_step"] == resume_at
-    assert not stale.exists() and (stale.parent / f"{stale.name}.discarded-2").exists()
-    assert (run.checkpoints_dir / f"step_{newest}.discarded-2").exists()
-    rows = _steps(run)
-    assert rows[-2:] == [resume_at + 1, resume_at + 2], rows  # both continued from the same step
-    assert json.loads((run.attempt_logs_dir() / "STATUS").read_text())["state"] == "finished"
+    log = (tmp_path / "launcher.out").read_text()
+    assert f"watchdog: trainer rank 0 (pid {beat['pid']}) stalled in phase 'step'" in log, log[-3000:]
+    status = json.loads((run.attempt_logs_dir() / "STATUS").read_text())
+    assert status["state"] == "failed" and "trainer rank 0" in status["reason"]
+    deadline = time.monotonic() + 10
+    while _left_behind(run) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _left_behind(run), "processes outlived the launcher"
 
 
 def _toml(path: Path) -> dict:
