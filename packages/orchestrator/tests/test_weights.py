@@ -195,3 +195,47 @@ def test_listener_refuses_other_messages():
     assert listener.latest.version == 7 and receiver.num_rejected == 1
     sender.close()
     listener.close()
+
+
+def test_wait_for_version_marks_the_orchestrators_steps_for_the_watchdog(tmp_path):
+    """The orchestrator's heartbeat: waiting for a policy (deadline weights_timeout), then rollouts until
+    the next step's wait (the run's stall timeout); a step that never ends is what the watchdog sees."""
+    from prime_rl.common.heartbeat import Heartbeat, read_beats
+
+    async def go():
+        policy = PolicyState()
+        heartbeat = Heartbeat(tmp_path / "hb", "orchestrator", default_deadline_s=30, min_interval_s=0)
+        updater, trainer = _updater(FakeControl(), policy, heartbeat=heartbeat)
+        d = publish(tmp_path, 1)
+        asyncio.get_running_loop().call_later(0.05, trainer.announce, 1, d)
+        waiting = asyncio.create_task(updater.wait_for_version(1, timeout=7))
+        await asyncio.sleep(0.02)
+        (during,) = read_beats(tmp_path / "hb")
+        await waiting
+        (after,) = read_beats(tmp_path / "hb")
+        updater.listener.close()
+        return during, after
+
+    during, after = asyncio.run(go())
+    assert (during.component, during.phase, during.step, during.deadline_s) == (
+        "orchestrator",
+        "waiting for policy",
+        1,
+        7,
+    )
+    assert (after.phase, after.step, after.deadline_s) == ("rollouts", 1, 30) and after.since >= during.since
+
+
+def test_pause_names_the_orchestrator():
+    from prime_rl.orchestrator.weights import ZmqInferenceControl
+
+    sent = []
+    control = ZmqInferenceControl([f"tcp://127.0.0.1:{free_port()}"])  # connects lazily: nothing is sent
+
+    async def record(message):
+        sent.append(message)
+
+    control._broadcast = record
+    asyncio.run(control.pause("keep"))
+    control.close()
+    assert sent == [PauseRequest(mode="keep", by="orchestrator")]

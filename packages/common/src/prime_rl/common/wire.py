@@ -245,6 +245,9 @@ class PauseRequest(Message):
 
     mode: str = "wait"
     """What happens to in-flight requests: "abort", "wait" (let them finish) or "keep" (freeze them)."""
+    by: str = ""
+    """Who pauses (e.g. "orchestrator"), logged and reported with the peer address; the run secret, not
+    this name, is what authenticates the request."""
 
 
 class ResumeRequest(Message):

@@ -145,7 +145,7 @@ class Controller:
             return self._reply(False, f"pause mode {request.mode!r} is not one of {PAUSE_MODES}")
         await self.engine.pause_generation(mode=request.mode)
         self._client_paused = True
-        self.paused_by = origin
+        self.paused_by = f"{request.by}@{origin}" if request.by else origin
         return self._reply(True)
 
     async def _resume(self) -> ControlReply:
@@ -388,7 +388,7 @@ def _describe(request: Message) -> str:
     if isinstance(request, LoadWeightsRequest):
         return f"LoadWeightsRequest(version={request.version}, path={request.path})"
     if isinstance(request, PauseRequest):
-        return f"PauseRequest(mode={request.mode})"
+        return f"PauseRequest(mode={request.mode}" + (f", by={request.by})" if request.by else ")")
     version = getattr(request, "version", None)
     return type(request).__name__ + (f"(version={version})" if version is not None else "")
 

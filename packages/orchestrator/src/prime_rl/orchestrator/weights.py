@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.transport import ControlClient, Receiver
 from prime_rl.common.wire import (
     ControlReply,
@@ -106,7 +107,7 @@ class ZmqInferenceControl:
                 raise InferenceControlError(f"{type(message).__name__} failed on {client.endpoint}: {error}")
 
     async def pause(self, mode: str) -> None:
-        await self._broadcast(PauseRequest(mode=mode))
+        await self._broadcast(PauseRequest(mode=mode, by="orchestrator"))
 
     async def load_weights(self, path: Path, version: int) -> None:
         await self._broadcast(LoadWeightsRequest(path=str(path), version=version))
@@ -179,8 +180,12 @@ class WeightUpdater:
         *,
         pause_mode: str = "keep",
         poll_interval: float = 0.1,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         self.listener = listener
+        # The orchestrator's progress heartbeat for the launcher's watchdog (a no-op outside a launched
+        # run): wait_for_version runs once per step, so its calls mark the orchestrator's step boundaries.
+        self.heartbeat = heartbeat if heartbeat is not None else Heartbeat.from_env("orchestrator")
         self.control = control
         self.policy = policy
         self.pause_mode = pause_mode
@@ -242,7 +247,13 @@ class WeightUpdater:
             self.listener.close()
 
     async def wait_for_version(self, min_version: int, timeout: float) -> None:
-        """Block until inference serves `min_version` or newer, updating as announcements arrive."""
+        """Block until inference serves `min_version` or newer, updating as announcements arrive.
+
+        Heartbeat: "waiting for policy <min_version>" (deadline ``timeout``), then "rollouts" until the
+        next call (deadline: the run's stall timeout), so a step that never ends (a hanging environment,
+        rollouts that never come back) is named by the watchdog.
+        """
+        self.heartbeat.beat("waiting for policy", min_version, deadline_s=timeout, progress=True)
         deadline = time.monotonic() + timeout
         while self.policy.version < min_version:
             await self.update_once()
@@ -258,3 +269,4 @@ class WeightUpdater:
                     "max_off_policy_steps"
                 )
             await asyncio.sleep(self.poll_interval)
+        self.heartbeat.beat("rollouts", min_version, progress=True)
