@@ -25,6 +25,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -209,6 +210,7 @@ class WorkerEnv(EnvHandle):
                 worker.proc.wait()
             worker.sock.close()
         self.workers = []
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def main() -> None:
