@@ -30,11 +30,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def main(model_dir: str, out: str) -> None:
+def main(model_dir: str, out: str, dp_replicate: int) -> None:
     cfg = SFTConfig.model_validate(
         {
             "model": {
                 "name": model_dir,
+                "dp_replicate": dp_replicate,
                 "fused_lm_head_token_chunk_size": 16,
                 "lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "o_proj", "up_proj"],
                          "modules_to_save": ["lm_head"]},
@@ -45,7 +46,7 @@ def main(model_dir: str, out: str) -> None:
     )  # fmt: skip
     world = init_world()
     logger = logging.getLogger("lora_worker")
-    dims = ParallelDims.from_world(world.world_size, 1)
+    dims = ParallelDims.from_world(world.world_size, dp_replicate)
     mesh = dims.build_mesh("cpu")
     loader = build_data_loader(cfg.data, None, load_model_config(model_dir).vocab_size, world.rank, dims.dp)
 
@@ -92,4 +93,4 @@ def main(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

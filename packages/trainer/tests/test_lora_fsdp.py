@@ -1,6 +1,6 @@
-"""LoRA under FSDP2 over 2 gloo processes matches one process (loss, every adapter / LM-head gradient); the base
-gets no gradient and no optimizer state; the checkpoint holds only the trainable tensors and resumes exactly;
-the peft-format and merged exports are written."""
+"""LoRA under FSDP2 over 2 gloo processes (and HSDP 2x2 over 4) matches one process (loss, every adapter /
+LM-head gradient); the base gets no gradient and no optimizer state; the checkpoint holds only the trainable
+tensors and resumes exactly; the peft-format and merged exports are written."""
 
 import json
 import os
@@ -15,11 +15,11 @@ from safetensors import safe_open
 WORKER = Path(__file__).with_name("lora_worker.py")
 
 
-def _run(model_dir: Path, out_dir: Path, nproc: int) -> dict:
+def _run(model_dir: Path, out_dir: Path, nproc: int, dp_replicate: int = 1) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "result.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(WORKER), str(model_dir), str(out)]  # fmt: skip
+           str(WORKER), str(model_dir), str(out), str(dp_replicate)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -53,9 +53,10 @@ def test_single_process_trains_adapters_only_and_resumes(reference):
     assert (out / "adapter" / "merged" / "model.safetensors").is_file()
 
 
-def test_fsdp2_matches_single_process(reference, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(("nproc", "dp_replicate"), [(2, 1), (4, 2)], ids=["fsdp2", "hsdp2x2"])
+def test_fsdp2_matches_single_process(reference, tiny_model_dir, tmp_path, nproc, dp_replicate):
     ref, _ = reference
-    got = _run(tiny_model_dir, tmp_path, 2)
+    got = _run(tiny_model_dir, tmp_path, nproc, dp_replicate)
     assert got["loss0"] == pytest.approx(ref["loss0"], abs=2e-3)
     assert got["loss1"] == pytest.approx(ref["loss1"], abs=5e-3)
     assert got["norm"] == pytest.approx(ref["norm"], rel=2e-2)
