@@ -155,3 +155,14 @@ def test_heartbeat_reports_a_client_pause_with_its_deadline(tmp_path):
     assert serving.phase == "serving" and serving.deadline_s == 60.0
     assert paused.phase == "paused by 10.1.2.3" and paused.deadline_s == 5.0
     assert still.since == paused.since  # a pause is not progress: its clock keeps running
+
+
+def test_health_of_an_engine_that_does_not_answer_is_a_reply_not_a_traceback():
+    engine = FakeEngine()
+
+    async def dead():
+        raise RuntimeError("engine core is shut down")
+
+    engine.is_paused = dead
+    reply = asyncio.run(_controller(engine, None).handle(HealthRequest()))
+    assert not reply.ok and "does not answer" in reply.error and reply.run_id == "abc"

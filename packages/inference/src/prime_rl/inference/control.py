@@ -157,10 +157,17 @@ class Controller:
 
     async def _health(self) -> HealthReply:
         errored = bool(self.engine.errored)
+        try:
+            paused = await self.engine.is_paused()
+        except Exception as e:  # the engine is shutting down or dead: an answer, not a traceback
+            return HealthReply(
+                ok=False, weight_version=self.weight_version, model=self.model_name, run_id=self.run_id,
+                error=f"the engine does not answer ({type(e).__name__}: {e})",
+            )  # fmt: skip
         return HealthReply(
             ok=not errored and not self.failure,
             weight_version=self.weight_version,
-            paused=await self.engine.is_paused(),
+            paused=paused,
             model=self.model_name,
             run_id=self.run_id,
             error="the engine has errored" if errored else self.failure,

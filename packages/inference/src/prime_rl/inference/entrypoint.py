@@ -7,6 +7,7 @@ import sys
 from prime_rl.common.config import parse_config
 from prime_rl.common.config.inference import InferenceConfig
 from prime_rl.common.config.slurm_route import run_through_slurm, wants_slurm
+from prime_rl.common.logging import setup_logger
 from prime_rl.inference.preflight import apply_cpu_defaults, check_inference
 
 
@@ -15,6 +16,9 @@ def main(argv: list[str] | None = None) -> None:
     if wants_slurm(argv):  # multi-node: one replica per node behind a router, through sbatch
         sys.exit(run_through_slurm("inference", argv, "inference"))
     config = parse_config(InferenceConfig, argv, prog="inference", check=check_inference)
+    # Our own INFO lines (every pause / resume / weight load with its origin, refused messages, restores)
+    # go to stderr, i.e. logs/.../inference.log under the launcher; vLLM keeps its own logging.
+    setup_logger("prime_rl")
     apply_cpu_defaults(config)  # before any engine (or replica) starts
     if config.router.replicas > 1:
         from prime_rl.inference.router import run_replicas
