@@ -251,3 +251,25 @@ def test_resume_latest_is_resolved_once_for_both_components(model_dir, tmp_path)
     # The launcher refuses a step that is not complete for both, naming the complete ones (exit 2).
     out = _rl(*flags, "--ckpt.resume-step", "8", "--dry-run")
     assert out.returncode == 2 and "complete steps: [4]" in out.stderr, out.stderr
+
+
+def test_a_disk_too_small_for_the_checkpoints_is_named_before_the_run(model_dir, tmp_path, monkeypatch):
+    import math
+    import shutil
+    from collections import namedtuple
+
+    from prime_rl.common.weight_checksum import safetensors_layout
+    from prime_rl.launcher.rl import check_disk, disk_needed
+
+    flags = ["--model.name", str(model_dir), "--output-dir", str(tmp_path), "--ckpt.interval", "5"]
+    cfg = load_config(RLConfig, flags)
+    need = disk_needed(cfg)
+    _, header = safetensors_layout(model_dir / "model.safetensors")
+    num_params = sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    assert cfg.trainer.weight_broadcast.dtype == "bfloat16"  # resolve() sets the served dtype at launch
+    assert need == num_params * 12 * (3 + 1) + num_params * 2 * (2 + 1)  # keep_last 3 (+1 being written)
+    assert check_disk(cfg, tmp_path / "run") is None  # this machine has room for a tiny model
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * need, 9 * need, need // 2))
+    warning = check_disk(cfg, tmp_path / "run")
+    assert warning is not None and f"{tmp_path} has" in warning and "ckpt.keep_last=3" in warning

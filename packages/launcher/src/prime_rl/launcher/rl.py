@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -39,6 +40,7 @@ from prime_rl.common.heartbeat import HEARTBEAT_DIR_ENV, STALL_TIMEOUT_ENV
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.transport import ControlClient
+from prime_rl.common.weight_checksum import safetensors_layout
 from prime_rl.common.wire import HealthReply, HealthRequest
 from prime_rl.launcher.dashboard.status import write_status
 from prime_rl.launcher.supervisor import Component, Supervisor
@@ -140,6 +142,45 @@ def resolve(cfg: RLConfig) -> None:
         wb.dtype = served_dtype(cfg)
 
 
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def disk_needed(cfg: RLConfig) -> int:
+    """Bytes this run's files will take at their peak, roughly: the kept trainer checkpoints (fp32 weights
+    and two AdamW moments, 12 bytes a parameter, one more while the newest is written) and the kept
+    weight broadcasts. Metrics and logs are small next to them."""
+    model_dir = Path(cfg.trainer.model.name)
+    params = 0
+    for file in model_dir.glob("*.safetensors"):
+        start, header = safetensors_layout(file)
+        for name, info in header.items():
+            if name != "__metadata__":
+                params += math.prod(info["shape"])
+    need = 0
+    if cfg.trainer.ckpt.interval:
+        kept = cfg.trainer.ckpt.keep_last or max(1, (cfg.trainer.max_steps or 1) // cfg.trainer.ckpt.interval)
+        need += params * 12 * (kept + 1)
+    wb = cfg.trainer.weight_broadcast
+    if wb.type == "filesystem":
+        need += params * _DTYPE_BYTES.get(str(wb.dtype), 4) * (wb.keep_last + 1)
+    return need
+
+
+def check_disk(cfg: RLConfig, path: Path) -> str | None:
+    """A warning when the filesystem holding ``path`` has less free space than ``disk_needed``."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free, need = shutil.disk_usage(probe).free, disk_needed(cfg)
+    if free >= need:
+        return None
+    return (
+        f"{probe} has {free / 2**30:.1f} GiB free but this run's checkpoints (ckpt.keep_last="
+        f"{cfg.trainer.ckpt.keep_last}) and weight broadcasts need about {need / 2**30:.1f} GiB; free space, "
+        "lower ckpt.keep_last / ckpt.interval, or move output_dir (a full disk stops the run at the next save)"
+    )
+
+
 def resolve_resume(cfg: RLConfig, run_dir: RunDir) -> int | None:
     """One resume step for trainer and orchestrator: "latest" is the newest step complete for both.
 
@@ -234,7 +275,7 @@ def build_components(
             logs / "inference.log",
             env=gpu_env(infer_gpus),
             ready=lambda: inference_ready(cfg, secret),
-            ready_timeout_s=900,
+            ready_timeout_s=cfg.inference.router.startup_timeout,  # the deadline of this wait, from config
         ),
         Component(
             "orchestrator",
@@ -290,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {', '.join(str(p) for p in configs.values())}")
         return
     run_dir.start_attempt()
+    if (warning := check_disk(cfg, run_dir.root)) is not None:
+        log.warning("%s", warning)
     # What a dead attempt left beyond the resume point must not be loaded (newer weights, newer or
     # half-written checkpoints): set aside before any component starts.
     for path in run_dir.discard_after(resume_step):
