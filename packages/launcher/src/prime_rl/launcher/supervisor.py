@@ -41,9 +41,9 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def _become_subreaper() -> None:
+def _set_subreaper(on: bool) -> None:
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
     except OSError:
         pass  # not Linux: orphans of a killed torchrun agent go to init
 
@@ -146,7 +146,7 @@ class Supervisor:
     def run(self) -> int:
         """Start everything, wait for the job to end, stop what is left; return the exit code."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        _become_subreaper()
+        _set_subreaper(True)
         shm_before = shm_segments()
         self._started_at = time.time()  # heartbeats older than this belong to an earlier attempt
         try:
@@ -159,6 +159,7 @@ class Supervisor:
             self.stop()
             for name in release_shm(shm_segments() - shm_before):
                 log.info("removed shared memory /dev/shm/%s left by a stopped process", name)
+            _set_subreaper(False)  # a process that runs a Supervisor in-process (tests) adopts nothing later
             for s, handler in old.items():
                 signal.signal(s, handler)
 
