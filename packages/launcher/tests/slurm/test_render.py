@@ -318,6 +318,23 @@ def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path
         if broadcast in ("nccl", "nixl"):
             assert arg_after(argv, "--weight-broadcast.inference-addresses") == "tcp://localhost:9200"
     assert not any(pid_alive(c["pid"]) for c in calls)  # the router was stopped when the mains finished
+    status = json.loads((tmp_path / "out" / "r" / "logs" / "latest" / "STATUS").read_text())
+    assert status["state"] == "finished"  # and it said "running" (with the script's pid) meanwhile
+
+
+def test_rl_job_status_is_final_and_names_the_failed_component(tmp_path: Path) -> None:
+    """Probe: STATUS stayed "running" after the job ended; under SLURM too it is final on every exit path."""
+    cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 1\nnum_train_nodes = 1\ngpus_per_node = 1")
+    router_port = free_port()
+    assert main(["rl", "@", str(cfg), "--slurm.router-port", str(router_port), "--dry-run"]) == 0
+    launcher = tmp_path / "out" / "r" / "launcher"
+    proc, _ = run_script(
+        launcher / "rl.sbatch", tmp_path, ["localhost", "t1"], FAKE_SERVE="router", FAKE_HANG="inference",
+        FAKE_FAIL="trainer-node0",
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    status = json.loads((tmp_path / "out" / "r" / "logs" / "latest" / "STATUS").read_text())
+    assert status["state"] == "failed" and status["reason"].startswith("trainer-node0 exited with code 3; see ")
 
 
 def test_help_lists_component_deployment_and_slurm_options(capsys) -> None:

@@ -200,3 +200,22 @@ def file_mtime(path: Path) -> float | None:
         return os.stat(path).st_mtime
     except FileNotFoundError:
         return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m prime_rl.launcher.dashboard.status RUN_DIR STATE [REASON]``: for job scripts (SLURM)."""
+    import argparse
+    import socket as _socket
+
+    parser = argparse.ArgumentParser(prog="python -m prime_rl.launcher.dashboard.status")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("state", choices=STATES)
+    parser.add_argument("reason", nargs="?", default="")
+    parser.add_argument("--pid", type=int, default=None, help="the job script's pid (recorded with the host)")
+    args = parser.parse_args(argv)
+    extra = {} if args.pid is None else {"pid": args.pid, "host": _socket.gethostname()}
+    write_status(args.run_dir, args.state, reason=args.reason, **extra)
+
+
+if __name__ == "__main__":
+    main()
