@@ -147,3 +147,22 @@ def test_disk_full_names_itself(tmp_path):
     with pytest.raises(DiskFullError, match="trainer checkpoint of step 5 .* lower ckpt.keep_last"):
         _dcp_save_world_1(full_shard, tmp_path / "t")
     assert not (RunDir(tmp_path / "t", "run").trainer_checkpoint_dir(5) / ".done").exists()
+
+
+def test_a_trainer_started_alone_resumes_where_the_orchestrator_can(tmp_path):
+    """Probe: "latest" resolved by each component on its own resumed them at steps 8 and 4."""
+    from prime_rl.trainer.ckpt import DONE
+    from prime_rl.trainer.ckpt import resolve_resume_step as trainer_resume_step
+
+    run_dir = RunDir(tmp_path, "run")
+    for step in (4, 8):
+        run_dir.trainer_checkpoint_dir(step).mkdir(parents=True)
+        (run_dir.trainer_checkpoint_dir(step) / DONE).touch()
+    save_state(OrchestratorState.capture(4, 0, np.random.default_rng(0), 0), run_dir.orchestrator_checkpoint_dir(4))
+    assert trainer_resume_step(run_dir, "latest") == 4  # step 8 has no orchestrator part
+    with pytest.raises(FileNotFoundError, match="complete steps: \\[4\\]"):
+        trainer_resume_step(run_dir, 8)
+    sft = RunDir(tmp_path, "sft")  # no orchestrator anywhere: the trainer's own checkpoints count
+    sft.trainer_checkpoint_dir(8).mkdir(parents=True)
+    (sft.trainer_checkpoint_dir(8) / DONE).touch()
+    assert trainer_resume_step(sft, "latest") == 8

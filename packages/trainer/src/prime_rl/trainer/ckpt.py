@@ -41,18 +41,20 @@ def list_checkpoints(run_dir: RunDir) -> list[int]:
 
 
 def resolve_resume_step(run_dir: RunDir, resume_step: int | str | None) -> int | None:
-    """The step to resume from: an explicit one (must exist), the newest ("latest"), or None."""
+    """The step to resume from: an explicit one (must be complete), the newest complete ("latest"), or None.
+
+    In an RL run (orchestrator parts exist) complete means complete for trainer and orchestrator, so a
+    trainer started on its own resumes where the orchestrator can too (the `rl` launcher resolves the
+    step once and passes it explicitly; this keeps standalone starts consistent with it).
+    """
     if resume_step is None:
         return None
-    available = list_checkpoints(run_dir)
-    if resume_step == "latest":
-        return available[-1] if available else None
-    if resume_step not in available:
-        raise FileNotFoundError(
-            f"ckpt.resume_step={resume_step}: no complete checkpoint at {run_dir.trainer_checkpoint_dir(resume_step)}; "
-            f"available steps: {available or 'none'}"
-        )
-    return int(resume_step)
+    components = ("trainer", "orchestrator") if _has_orchestrator(run_dir) else ("trainer",)
+    return run_dir.resolve_resume_step(resume_step, components)
+
+
+def _has_orchestrator(run_dir: RunDir) -> bool:
+    return any(run_dir.orchestrator_checkpoint_dir(s).is_dir() for s in run_dir.checkpoint_steps())
 
 
 class CheckpointManager:
@@ -103,10 +105,7 @@ class CheckpointManager:
         if self.keep_last is None:
             return
         # Resumable needs every component's part: keep the newest step the orchestrator completed too.
-        has_orchestrator = any(
-            self.run_dir.orchestrator_checkpoint_dir(s).is_dir() for s in self.run_dir.checkpoint_steps()
-        )
-        protected = self.run_dir.latest_complete_checkpoint() if has_orchestrator else None
+        protected = self.run_dir.latest_complete_checkpoint() if _has_orchestrator(self.run_dir) else None
         for step in list_checkpoints(self.run_dir)[: -self.keep_last]:
             if step == protected:
                 continue
