@@ -56,6 +56,7 @@ def main(model_dir: str, out: str, dp_replicate: int) -> None:
         return model, build_optimization(cfg.model, cfg.optim, cfg.scheduler, 10, model, world.device, logger)
 
     model, optim = build(0)
+    dtypes = {p.requires_grad: str(p.dtype) for p in model.parameters()}  # {False: frozen base, True: trainable}
     stats0 = train_step(model, loader, 0, dims, world)
     norm = optim.grad_norm(cfg.optim.max_norm).item()
     grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
@@ -85,7 +86,7 @@ def main(model_dir: str, out: str, dp_replicate: int) -> None:
                 "loss0": stats0["loss"], "loss1": stats1["loss"], "norm": norm, "grads": grads,
                 "frozen_with_grad": frozen_with_grad, "optimizer_state": optimizer_state,
                 "ckpt_bytes": ckpt_bytes, "loss2": loss2, "resumed_loss2": resumed_loss2,
-                "fresh_loss2_before": fresh_loss2_before,
+                "fresh_loss2_before": fresh_loss2_before, "dtypes": dtypes,
             },
             out,
         )  # fmt: skip

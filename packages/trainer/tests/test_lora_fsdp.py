@@ -39,6 +39,8 @@ def test_single_process_trains_adapters_only_and_resumes(reference):
     assert trainable and all(n.endswith(("lora_A", "lora_B")) or n == "model.lm_head.weight" for n in trainable)
     assert len(trainable) == 2 * 3 * 2 + 1  # 2 layers x (q, o, up) x (A, B) + the LM head in full
     assert ref["frozen_with_grad"] == []
+    # the frozen base is stored in bf16 (what compute casts it to), the trainable tensors keep fp32 masters
+    assert ref["dtypes"] == {False: "torch.bfloat16", True: "torch.float32"}
     # resuming reproduces step 3 exactly; the fresh model's other random adapters did not
     assert ref["resumed_loss2"] == pytest.approx(ref["loss2"], abs=1e-6)
     assert abs(ref["fresh_loss2_before"] - ref["loss2"]) > 1e-4

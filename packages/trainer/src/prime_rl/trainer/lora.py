@@ -95,9 +95,10 @@ def lora_enabled(model: nn.Module) -> bool:
     return any(isinstance(m, LoRALinear) for m in model.modules())
 
 
-def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
+def apply_lora(model: nn.Module, cfg: LoRAConfig, trainable_dtype: torch.dtype | None = None) -> list[str]:
     """Swap the targeted linear layers of `model` (a Transformer, usually on meta) for `LoRALinear` and freeze
-    every other parameter except those of `modules_to_save`. Returns the adapted module names.
+    every other parameter except those of `modules_to_save`; the trainable ones are cast to `trainable_dtype`
+    (FSDP2 needs one dtype among a unit's trainable parameters only). Returns the adapted module names.
     Raises ValueError (value, rule, fix) on a pattern that matches nothing or a rank above a layer's size."""
     linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
     targets = [name for name in linears if _matches(name, cfg.target_modules)]
@@ -138,6 +139,10 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     for name, module in model.named_modules():
         if _matches(name, cfg.modules_to_save):
             module.requires_grad_(True)
+    if trainable_dtype is not None:
+        for param in model.parameters():
+            if param.requires_grad and param.dtype != trainable_dtype:
+                param.data = param.data.to(trainable_dtype)
     model.lora_config = cfg
     return targets
 

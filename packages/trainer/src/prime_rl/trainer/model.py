@@ -64,9 +64,11 @@ class CausalLM(nn.Module):
 def build_training_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device) -> CausalLM:
     # fp32 masters, except under full offload: the masters live on CPU, the device keeps bf16 weights
     dtype = torch.bfloat16 if cfg.offload == "full" else torch.float32
-    model = build_model(cfg.name, attn=cfg.attn, dtype=dtype, device="meta")
+    # LoRA: the frozen base is never stepped, so it is stored in bf16, what compute casts it to anyway (same
+    # numbers, half the memory); only the trainable tensors keep `dtype` masters
+    model = build_model(cfg.name, attn=cfg.attn, dtype=torch.bfloat16 if cfg.lora else dtype, device="meta")
     if cfg.lora is not None:  # before parallelize: adapters shard, checkpoint and compile with their block
-        apply_lora(model, cfg.lora)
+        apply_lora(model, cfg.lora, trainable_dtype=dtype)
     chunk = None if cfg.fused_lm_head_token_chunk_size == "disabled" else cfg.fused_lm_head_token_chunk_size
     root = CausalLM(model, chunk)
     parallelize_model(root, model, dims, mesh, cfg)
