@@ -166,3 +166,34 @@ def test_health_of_an_engine_that_does_not_answer_is_a_reply_not_a_traceback():
     engine.is_paused = dead
     reply = asyncio.run(_controller(engine, None).handle(HealthRequest()))
     assert not reply.ok and "does not answer" in reply.error and reply.run_id == "abc"
+
+
+def test_heartbeat_reports_an_engine_core_that_stops_answering(tmp_path):
+    """A stopped / wedged engine core (the API process still alive) is reported at once as overdue."""
+    from prime_rl.common.heartbeat import Heartbeat, read_beats
+    from prime_rl.inference.control import beat_forever
+
+    engine = FakeEngine()
+    controller = _controller(engine, None)
+    heartbeat = Heartbeat(tmp_path, "inference", min_interval_s=0.0)
+
+    async def never():
+        await asyncio.Event().wait()
+
+    async def run():
+        task = asyncio.create_task(beat_forever(controller, heartbeat, 5.0, interval_s=0.01, liveness_s=0.05))
+        await asyncio.sleep(0.05)
+        serving = read_beats(tmp_path)[0]
+        engine.is_paused = never
+        await asyncio.sleep(0.2)
+        stuck = read_beats(tmp_path)[0]
+        engine.errored = True
+        await asyncio.sleep(0.1)
+        dead = read_beats(tmp_path)[0]
+        task.cancel()
+        return serving, stuck, dead
+
+    serving, stuck, dead = asyncio.run(run())
+    assert serving.phase == "serving" and serving.overdue_s(now=serving.time) < 0
+    assert stuck.phase == "engine core not answering for 0s" and stuck.overdue_s(now=stuck.time) >= 0
+    assert dead.phase == "engine errored" and dead.overdue_s(now=dead.time) >= 0

@@ -377,18 +377,36 @@ async def beat_forever(
 ) -> None:
     """Report the server's phase to the launcher's watchdog until cancelled.
 
-    "serving" beats with progress every ``interval_s``: if the event loop hangs for ``liveness_s`` the
-    watchdog sees it. A client pause may last ``max_pause_s`` (one that is never resumed froze a run
-    silently); a weight update, ``broadcast_timeout_s``.
+    "serving" beats with progress every ``interval_s`` once the engine core has answered a probe (its
+    pause state): a hung event loop or an engine core that stopped answering for ``liveness_s`` (a
+    stopped or wedged process) is seen, a dead engine at once. A client pause may last ``max_pause_s``
+    (one that is never resumed froze a run silently); a weight update, ``broadcast_timeout_s`` (no probe
+    then: the engine is busy reloading and would answer only afterwards).
     """
     while True:
+        version = controller.weight_version
         if controller._lock.locked():
-            heartbeat.beat("updating weights", controller.weight_version, deadline_s=controller.broadcast_timeout_s)
+            heartbeat.beat("updating weights", version, deadline_s=controller.broadcast_timeout_s)
+        elif (problem := await _probe_engine(controller, liveness_s)) is not None:
+            heartbeat.beat(problem, version, deadline_s=0.0)  # already overdue: the watchdog stops the run
         elif controller.paused_by:
-            heartbeat.beat(f"paused by {controller.paused_by}", controller.weight_version, deadline_s=max_pause_s)
+            heartbeat.beat(f"paused by {controller.paused_by}", version, deadline_s=max_pause_s)
         else:
-            heartbeat.beat("serving", controller.weight_version, deadline_s=liveness_s, progress=True)
+            heartbeat.beat("serving", version, deadline_s=liveness_s, progress=True)
         await asyncio.sleep(interval_s)
+
+
+async def _probe_engine(controller: Controller, timeout_s: float) -> str | None:
+    """None when the engine core answers within ``timeout_s``, else what is wrong with it."""
+    if controller.engine.errored:
+        return "engine errored"
+    try:
+        await asyncio.wait_for(controller.engine.is_paused(), timeout_s)
+    except TimeoutError:
+        return f"engine core not answering for {timeout_s:.0f}s"
+    except Exception as e:
+        return f"engine core failed ({type(e).__name__}: {e})"
+    return None
 
 
 def _describe(request: Message) -> str:
