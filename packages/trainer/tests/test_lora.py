@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from prime_rl.common.config.trainer import LoRAConfig
+from prime_rl.common.lora import ADAPTER_CONFIG
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.trainer.lora import (
-    ADAPTER_CONFIG,
     adapter_config,
     apply_lora,
     check_lora,

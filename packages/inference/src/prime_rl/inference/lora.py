@@ -33,17 +33,13 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from prime_rl.common.config.inference import InferenceConfig, InferenceLoRAConfig
+from prime_rl.common.lora import ADAPTER_CONFIG, ADAPTER_META, ADAPTER_WEIGHTS
 from prime_rl.common.wire import ControlReply, LoadWeightsRequest
 
 if TYPE_CHECKING:
     from prime_rl.inference.control import Controller
 
 logger = logging.getLogger(__name__)
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_META = "prime_rl_adapter.json"
-"""Written by the trainer next to the peft files: {"name": ..., "version": ...}."""
 
 
 def is_adapter_dir(path: str | Path) -> bool:

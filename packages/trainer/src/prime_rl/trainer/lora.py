@@ -40,11 +40,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from prime_rl.common.config.trainer import LoRAConfig
+from prime_rl.common.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from prime_rl.trainer.models import build_model, model_state_dict_to_hf, save_hf_weights
 from prime_rl.trainer.models.config import ModelConfig
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 LORA_LEAVES = ("lora_A", "lora_B")
 

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig
+from prime_rl.common.lora import ADAPTER_META, ADAPTER_WEIGHTS
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.lora import adapter_config, peft_state_dict, write_adapter_dir
 from prime_rl.trainer.model import CausalLM
@@ -36,9 +37,6 @@ from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
 
 logger = logging.getLogger(__name__)
-
-ADAPTER_META = "prime_rl_adapter.json"
-"""{"name": ..., "version": ...}: the served name of the adapter in a published version (not part of peft's format)."""
 
 
 def adapter_name(model: CausalLM, run_dir: RunDir) -> str:
@@ -86,7 +84,7 @@ class LoRAPublisher(_Publisher):
                 os.fsync(f.fileno())
         (tmp / MARKER).touch()
         publish_dir(tmp, final)
-        self.last_bytes = (final / "adapter_model.safetensors").stat().st_size
+        self.last_bytes = (final / ADAPTER_WEIGHTS).stat().st_size
         self._prune(version)
         self.last_write_time = time.perf_counter() - start
         self._announce(version, str(final), blocked)
