@@ -30,6 +30,8 @@ def models(tmp_path_factory):
     return {
         "dense": str(make_tiny_model(root / "dense", seed=0)),  # 4 heads, 2 KV heads
         "moe": str(make_tiny_model(root / "moe", kind="qwen3_moe", seed=0)),  # 8 experts, top-2
+        # GLM-4.5-Air's layout: sigmoid group routing with a correction bias, a shared expert, a dense layer 0
+        "glm": str(make_tiny_model(root / "glm", kind="glm4_moe", seed=0)),
     }
 
 
@@ -47,6 +49,7 @@ def single(models, tmp_path_factory):
     return _run(tmp_path_factory.mktemp("single") / "out.pt", 1, [
         {"name": "dense", "model_dir": d, "flags": PLAIN},
         {"name": "moe", "model_dir": m, "flags": PLAIN},
+        {"name": "glm", "model_dir": models["glm"], "flags": PLAIN},
         {"name": "ac_full", "model_dir": d, "flags": ["--model.ac-offloading", "None", "--model.offload", "none"]},
         {"name": "ac_selective", "model_dir": d, "flags": ["--model.ac.mode", "selective", "--model.ac.freq", "2",
                                                             "--model.ac-offloading", "None"]},
@@ -68,6 +71,7 @@ def pair(models, tmp_path_factory):
     return _run(tmp_path_factory.mktemp("pair") / "out.pt", 2, [
         {"name": "cp2", "model_dir": d, "flags": [*PLAIN, "--model.cp", "2"]},
         {"name": "ep2", "model_dir": m, "flags": [*PLAIN, "--model.ep", "2"]},
+        {"name": "glm_ep2", "model_dir": models["glm"], "flags": [*PLAIN, "--model.ep", "2"]},
         {"name": "ep2_cp2_ac", "model_dir": m, "flags": ["--model.cp", "2", "--model.ac.mode", "selective",
                                                          "--model.ac-offloading", "None"]},  # ep auto -> 2
         {"name": "hsdp_ac", "model_dir": d, "flags": ["--model.dp-replicate", "2", "--model.ac-offloading", "None"]},
@@ -115,6 +119,13 @@ def test_cp2_matches_single_process(single, pair):
 def test_ep2_matches_single_process(single, pair):
     assert pair["ep2"]["dims"] == (2, 1, 2)
     _assert_close(single["moe"], pair["ep2"])
+
+
+def test_glm_ep2_matches_single_process(single, pair):
+    """Shared experts stay outside the expert all-to-all; the routing bias is a buffer, not a gradient."""
+    assert pair["glm_ep2"]["dims"] == (2, 1, 2)
+    assert any("shared_experts" in k for k in single["glm"]["grads"])
+    _assert_close(single["glm"], pair["glm_ep2"])
 
 
 def test_ep2_with_cp2_and_selective_ac_matches_single_process(single, pair):

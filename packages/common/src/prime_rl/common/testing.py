@@ -58,7 +58,7 @@ Mixture of experts layers route each token to the top two of eight experts.
 """
 """Built-in training text for the tokenizer."""
 
-ModelKind = Literal["qwen3", "qwen3_moe"]
+ModelKind = Literal["qwen3", "qwen3_moe", "glm4_moe"]
 
 
 def _train_tokenizer(vocab_size: int) -> Any:
@@ -171,8 +171,26 @@ def tiny_config(
             output_router_logits=False,
             router_aux_loss_coef=0.001,
         )
+    elif kind == "glm4_moe":  # GLM-4.5-Air's layout, tiny: layer 0 dense, grouped sigmoid routing, a shared expert
+        config.update(
+            architectures=["Glm4MoeForCausalLM"],
+            model_type="glm4_moe",
+            n_routed_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.0,
+            norm_topk_prob=True,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            use_qk_norm=False,
+            num_nextn_predict_layers=0,
+        )
     elif kind != "qwen3":
-        raise ValueError(f"kind={kind!r} is not supported; use 'qwen3' or 'qwen3_moe'")
+        raise ValueError(f"kind={kind!r} is not supported; use 'qwen3', 'qwen3_moe' or 'glm4_moe'")
     return config
 
 
@@ -195,6 +213,7 @@ def tiny_weights(config: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]
 
     weights = {"model.embed_tokens.weight": normal(v, h)}
     is_moe = config["model_type"] == "qwen3_moe"
+    is_glm = config["model_type"] == "glm4_moe"
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
         weights.update(
@@ -205,12 +224,23 @@ def tiny_weights(config: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]
                 f"{p}.self_attn.k_proj.weight": normal(kv, h),
                 f"{p}.self_attn.v_proj.weight": normal(kv, h),
                 f"{p}.self_attn.o_proj.weight": normal(h, q),
-                f"{p}.self_attn.q_norm.weight": np.ones(d, np.float32),
-                f"{p}.self_attn.k_norm.weight": np.ones(d, np.float32),
             }
         )
+        if is_glm:  # q/k/v biases, no QK-norm
+            weights.update({f"{p}.self_attn.{n}_proj.bias": normal(q if n == "q" else kv) for n in "qkv"})
+        else:
+            weights.update(
+                {f"{p}.self_attn.{n}_norm.weight": np.ones(d, np.float32) for n in "qk"},
+            )
         sparse = is_moe and i not in config["mlp_only_layers"] and (i + 1) % config["decoder_sparse_step"] == 0
-        if sparse:
+        if is_glm and i >= config["first_k_dense_replace"]:
+            n = config["n_routed_experts"]
+            weights[f"{p}.mlp.gate.weight"] = normal(n, h)
+            weights[f"{p}.mlp.gate.e_score_correction_bias"] = normal(n) * 5  # ~0.1: it changes choices
+            for j in range(n):
+                weights.update(mlp(f"{p}.mlp.experts.{j}", config["moe_intermediate_size"]))
+            weights.update(mlp(f"{p}.mlp.shared_experts", config["moe_intermediate_size"] * config["n_shared_experts"]))
+        elif sparse:
             weights[f"{p}.mlp.gate.weight"] = normal(config["num_experts"], h)
             for j in range(config["num_experts"]):
                 weights.update(mlp(f"{p}.mlp.experts.{j}", config["moe_intermediate_size"]))

@@ -1,7 +1,9 @@
 """Model architecture config read from a Hugging Face `config.json`.
 
-One flat dataclass covers the supported families (Qwen3, Qwen3-MoE, Llama): they differ only in
-QK-norm, attention bias, RoPE scaling and whether some MLPs are mixtures of experts. The raw
+One flat dataclass covers the supported families (Qwen3, Qwen3-MoE, Llama, GLM-4.5 / GLM-4.5-Air):
+they differ only in QK-norm, attention biases, RoPE scaling and partial rotary dimensions, which MLPs are
+mixtures of experts, and how the router scores experts (Qwen3-MoE: softmax top-k; GLM-4.5: sigmoid
+scores plus a fixed correction bias for the choice, group-limited top-k, scaled weights, shared experts). The raw
 `config.json` dict is kept so a saved checkpoint carries the exact config it was loaded with.
 """
 
@@ -12,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "glm4_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -32,7 +35,12 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    o_proj_bias: bool | None = None
+    """Bias on the attention output projection; None = same as ``attention_bias`` (Llama, Qwen3).
+    GLM-4.5 has q/k/v biases but none on o_proj."""
     qk_norm: bool = True
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates (GLM-4.5: 0.5); the rest pass unchanged."""
     initializer_range: float = 0.02
     # MoE fields (num_experts == 0 means dense everywhere)
     num_experts: int = 0
@@ -41,6 +49,17 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    first_k_dense_replace: int = 0
+    """The first k layers are dense MLPs (GLM-4.5, DeepSeek-V3 style)."""
+    router_scoring: str = "softmax"
+    """"softmax" (Qwen3-MoE) or "sigmoid" (GLM-4.5: sigmoid scores, top-k chosen on scores plus the
+    router's fixed ``e_score_correction_bias``, weights from the unbiased scores)."""
+    n_group: int = 1
+    topk_group: int = 1
+    """Group-limited routing: experts split into ``n_group`` groups, tokens pick among the best ``topk_group``."""
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    """Experts every token goes through (one SwiGLU MLP of n_shared_experts * moe_intermediate_size)."""
     # The config.json this was parsed from (written back by save_hf_weights).
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     # Directory the config came from, if any (tokenizer files are copied from here on save).
@@ -50,9 +69,15 @@ class ModelConfig:
         """Same rule as HF Qwen3-MoE: sparse every `decoder_sparse_step` layers, except `mlp_only_layers`."""
         return (
             self.num_experts > 0
+            and layer_idx >= self.first_k_dense_replace
             and layer_idx not in self.mlp_only_layers
             and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_moe(self) -> bool:
@@ -73,8 +98,11 @@ class ModelConfig:
             raise ValueError("mlp_bias=true is not supported (no Qwen3/Llama checkpoint uses it)")
         rope_theta, rope_scaling = _parse_rope(d)
         num_heads = d["num_attention_heads"]
-        is_moe_type = model_type == "qwen3_moe"
-        return cls(
+        is_moe_type = model_type in MOE_MODEL_TYPES
+        is_glm = model_type == "glm4_moe"
+        rope_params = d.get("rope_parameters") or {}
+        partial_rotary = rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        config = cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -89,18 +117,43 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            o_proj_bias=False if is_glm else None,
+            qk_norm=bool(d.get("use_qk_norm", False)) if is_glm else model_type in ("qwen3", "qwen3_moe"),
+            partial_rotary_factor=float(partial_rotary),
             initializer_range=d.get("initializer_range", 0.02),
             # transformers>=5 writes num_local_experts, older versions num_experts.
-            num_experts=(d.get("num_experts") or d.get("num_local_experts") or 0) if is_moe_type else 0,
+            num_experts=(d.get("num_experts") or d.get("num_local_experts") or d.get("n_routed_experts") or 0)
+            if is_moe_type
+            else 0,
             num_experts_per_tok=d.get("num_experts_per_tok", 0) if is_moe_type else 0,
             moe_intermediate_size=d.get("moe_intermediate_size", 0) if is_moe_type else 0,
             norm_topk_prob=bool(d.get("norm_topk_prob", True)),
             decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=list(d.get("mlp_only_layers") or []),
+            first_k_dense_replace=d.get("first_k_dense_replace", 0) if is_glm else 0,
+            router_scoring="sigmoid" if is_glm else "softmax",
+            n_group=d.get("n_group", 1) if is_glm else 1,
+            topk_group=d.get("topk_group", 1) if is_glm else 1,
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)) if is_glm else 1.0,
+            n_shared_experts=d.get("n_shared_experts", 0) if is_glm else 0,
             hf_config=dict(d),
             source_dir=source_dir,
         )
+        check_routing(config)
+        return config
+
+
+def check_routing(config: ModelConfig) -> None:
+    """Group-limited routing needs whole groups of at least two experts (a group scores by its top two)."""
+    c = config
+    if c.num_experts and c.router_scoring == "sigmoid":
+        if c.n_group < 1 or c.num_experts % c.n_group or c.num_experts // c.n_group < 2:
+            raise ValueError(
+                f"n_group={c.n_group} must divide n_routed_experts={c.num_experts} into groups of >= 2 experts; "
+                "check config.json"
+            )
+        if not 1 <= c.topk_group <= c.n_group:
+            raise ValueError(f"topk_group={c.topk_group} must be in 1..n_group={c.n_group}; check config.json")
 
 
 def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

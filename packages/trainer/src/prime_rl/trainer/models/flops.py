@@ -19,13 +19,16 @@ def num_active_params(config: ModelConfig) -> int:
     hidden, q_dim, kv_dim = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     attn = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
     if c.attention_bias:
-        attn += q_dim + 2 * kv_dim + hidden
+        attn += q_dim + 2 * kv_dim
+    if c.attention_bias if c.o_proj_bias is None else c.o_proj_bias:
+        attn += hidden
     if c.qk_norm:
         attn += 2 * c.head_dim
     total = 0
     for layer in range(c.num_hidden_layers):
         if c.is_moe_layer(layer):
-            mlp = hidden * c.num_experts + c.num_experts_per_tok * 3 * hidden * c.moe_intermediate_size
+            active = c.num_experts_per_tok + c.n_shared_experts  # shared experts: n x moe_intermediate wide
+            mlp = hidden * c.num_experts + active * 3 * hidden * c.moe_intermediate_size
         else:
             mlp = 3 * hidden * c.intermediate_size
         total += attn + mlp + 2 * hidden  # + the two RMSNorms

@@ -10,6 +10,13 @@ Design:
 - Routing matches HF Qwen3-MoE: softmax in fp32 over all experts, top-k, optional renormalization
   (`norm_topk_prob`), weights cast back to the activation dtype. No load-balancing loss (aux-free);
   the last forward's tokens-per-expert count is kept for logging.
+- Or HF GLM-4.5 (`router_scoring = "sigmoid"`): fp32 sigmoid scores; experts are chosen on scores +
+  `e_score_correction_bias` within the `topk_group` best of `n_group` groups (a group scores by its two
+  best experts), weighted by the unbiased scores, renormalized, times `routed_scaling_factor`. The bias
+  is a buffer loaded from the checkpoint and kept fixed: pre-training adjusts it for load balance, a
+  post-training run has no reason to (and no gradient reaches it).
+- Shared experts (`n_shared_experts`, GLM-4.5): one SwiGLU MLP every token goes through, added to the
+  routed output; `MoE.routed` is what expert parallelism (DeepEP) replaces.
 """
 
 from __future__ import annotations
@@ -28,16 +35,37 @@ class Router(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.scoring = config.router_scoring
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.scaling = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        if self.scoring == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, H) -> topk_weights (N, k) in x.dtype, topk_idx (N, k) int64."""
+        if self.scoring == "sigmoid":
+            return self._sigmoid_group_topk(x)
         logits = F.linear(x, self.weight)  # (N, E)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         topk_weights, topk_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
         return topk_weights.to(x.dtype), topk_idx
+
+    def _sigmoid_group_topk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (N, E), fp32 as HF
+        choice = scores + self.e_score_correction_bias.float()
+        per_group = self.num_experts // self.n_group
+        group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # (N, G)
+        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        keep = keep.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
+        topk_idx = choice.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_idx)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (topk_weights * self.scaling).to(x.dtype), topk_idx
 
 
 class Experts(nn.Module):
@@ -83,16 +111,39 @@ def unpermute_tokens(
     return out.index_add_(0, order // top_k, weighted)
 
 
+class SharedExperts(nn.Module):
+    """SwiGLU MLP every token goes through (HF names: mlp.shared_experts.{gate,up,down}_proj)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class MoE(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_experts = config.num_experts
         self.router = Router(config)
         self.experts = Experts(config)
+        self.shared_experts = (
+            SharedExperts(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts
+            else None
+        )
         self.last_tokens_per_expert: torch.Tensor | None = None  # router stats of the last eager forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, H) -> (N, H)."""
+        y = self.routed(x)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum, x (N, H) -> (N, H)."""
         topk_weights, topk_idx = self.router(x)
         x_sorted, order, tokens_per_expert = permute_tokens(x, topk_idx, self.num_experts)
         y_sorted = self.experts(x_sorted, tokens_per_expert)

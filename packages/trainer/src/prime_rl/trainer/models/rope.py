@@ -17,8 +17,9 @@ from prime_rl.trainer.models.config import ModelConfig
 
 
 def compute_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """(head_dim / 2,) fp32 on CPU; 'default' or Llama 3.1's 'llama3' frequency scaling."""
-    dim = config.head_dim
+    """(rotary_dim / 2,) fp32 on CPU; 'default' or Llama 3.1's 'llama3' frequency scaling. rotary_dim is
+    head_dim unless the model rotates only part of each head (GLM-4.5's partial_rotary_factor)."""
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
     if scaling is None:
@@ -45,7 +46,7 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids (T,) -> cos, sin (T, head_dim) in `dtype`."""
+        """position_ids (T,) -> cos, sin (T, rotary_dim) in `dtype`."""
         device = position_ids.device
         if device not in self._inv_freq:
             self._inv_freq[device] = compute_inv_freq(self.config).to(device)
@@ -61,6 +62,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, H, D), cos/sin (T, D)."""
+    """x (T, H, D), cos/sin (T, R) with R <= D: the first R dimensions rotate, the rest pass (as HF)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)

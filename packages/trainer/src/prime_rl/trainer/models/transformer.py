@@ -1,4 +1,4 @@
-"""Decoder-only transformer for Qwen3, Qwen3-MoE and Llama, over packed sequences.
+"""Decoder-only transformer for Qwen3, Qwen3-MoE, Llama and GLM-4.5 (-Air), over packed sequences.
 
 Module names follow Hugging Face (`layers.{i}.self_attn.q_proj`, `input_layernorm`, ...) so weight
 conversion is a prefix change plus the MoE router/expert stacking. The forward returns the final
@@ -48,7 +48,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        o_bias = bias if config.o_proj_bias is None else config.o_proj_bias
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.core_attention = build_core_attention(attn, sdpa_fallback)
@@ -157,6 +158,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, MoE):
                 nn.init.normal_(module.router.weight, mean=0.0, std=std)
+                if hasattr(module.router, "e_score_correction_bias"):  # a buffer: to_empty() left garbage
+                    module.router.e_score_correction_bias.zero_()
                 for weight in (module.experts.gate_proj, module.experts.up_proj, module.experts.down_proj):
                     nn.init.normal_(weight, mean=0.0, std=std)
 

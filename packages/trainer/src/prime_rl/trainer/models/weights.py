@@ -5,6 +5,11 @@ Model names are HF names without the `model.` prefix, except for MoE layers:
     HF  model.layers.{i}.mlp.experts.{e}.gate_proj.weight   (I, H)   x E
     us  layers.{i}.mlp.router.weight                        (E, H)
     us  layers.{i}.mlp.experts.gate_proj                    (E, I, H)  (same for up_proj, down_proj)
+    HF  model.layers.{i}.mlp.gate.e_score_correction_bias   (E,)     GLM-4.5's routing bias (a buffer)
+    us  layers.{i}.mlp.router.e_score_correction_bias
+GLM-4.5 checkpoints also hold multi-token-prediction layers after the last decoder layer
+(`model.layers.{num_hidden_layers + j}`, `num_nextn_predict_layers`); training does not use them, so
+loading skips them and a saved checkpoint does not have them (vLLM serves it without speculative MTP).
 Stacking and unstacking copy values unchanged, so load -> save reproduces a checkpoint bit for bit
 (same names, dtypes and values) when the model is built in the checkpoint's dtype.
 
@@ -31,6 +36,9 @@ from prime_rl.trainer.models.config import ModelConfig, load_model_config
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _ROUTER_HF_RE = re.compile(r"^layers\.(\d+)\.mlp\.gate\.weight$")
 _ROUTER_RE = re.compile(r"^layers\.(\d+)\.mlp\.router\.weight$")
+_ROUTER_BIAS_HF_RE = re.compile(r"^layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$")
+_ROUTER_BIAS_RE = re.compile(r"^layers\.(\d+)\.mlp\.router\.e_score_correction_bias$")
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 _STACKED_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
 # Files copied next to saved weights so the directory is a complete HF model (tokenizer, templates).
 _SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
@@ -47,10 +55,14 @@ def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ModelConfig) -> 
         name = hf_name.removeprefix("model.")
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # some tied checkpoints still store the head; the embedding is the source of truth
+        if (m := _LAYER_RE.match(name)) and int(m[1]) >= config.num_hidden_layers and config.model_type == "glm4_moe":
+            continue  # GLM-4.5's multi-token-prediction layers (see the module docstring)
         if m := _EXPERT_RE.match(name):
             experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = tensor
         elif m := _ROUTER_HF_RE.match(name):
             out[f"layers.{m[1]}.mlp.router.weight"] = tensor
+        elif m := _ROUTER_BIAS_HF_RE.match(name):
+            out[f"layers.{m[1]}.mlp.router.e_score_correction_bias"] = tensor
         else:
             out[name] = tensor
     for (layer, proj), by_expert in experts.items():
@@ -79,6 +91,8 @@ def model_state_dict_to_hf(sd: dict[str, torch.Tensor], config: ModelConfig) -> 
                 out[f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}.weight"] = expert_weight
         elif m := _ROUTER_RE.match(name):
             out[f"model.layers.{m[1]}.mlp.gate.weight"] = tensor
+        elif m := _ROUTER_BIAS_RE.match(name):
+            out[f"model.layers.{m[1]}.mlp.gate.e_score_correction_bias"] = tensor
         else:
             out[f"model.{name}"] = tensor
     return out

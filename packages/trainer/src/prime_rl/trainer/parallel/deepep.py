@@ -222,8 +222,8 @@ class ExpertParallelMoE(MoE):
 
     dispatcher: DeepEPDispatcher
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (N, H) -> (N, H)."""
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, H) -> (N, H); MoE.forward adds the shared experts, if any."""
         topk_weights, topk_idx = self.router(x)
         y, tokens_per_expert = self.dispatcher(x, topk_idx, topk_weights, self.experts.run_local)
         if not torch.compiler.is_compiling():  # as in MoE.forward: no Python-state write in a compiled region
