@@ -118,3 +118,19 @@ def test_bad_group_routing_is_refused_with_the_fix(tmp_path, overrides, match):
     d = {**TINY_GLM, **overrides, "model_type": "glm4_moe"}
     with pytest.raises(ValueError, match=match):
         load_model_config(d)
+
+
+def test_glm_4_5_air_shape_builds_on_meta_at_its_published_size():
+    """GLM-4.5-Air's config.json (zai-org/GLM-4.5-Air): 106B parameters, 12B active."""
+    air = dict(
+        model_type="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_routed_experts=128,
+        num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        partial_rotary_factor=0.5, attention_bias=True, routed_scaling_factor=1.0, norm_topk_prob=True,
+        use_qk_norm=False, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=1000000,
+        max_position_embeddings=131072, hidden_act="silu", num_nextn_predict_layers=1,
+    )  # fmt: skip
+    model = build_model(air, device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    assert 106.5e9 < total < 107.2e9  # 106.85B without the MTP layer
+    assert 12.5e9 < num_active_params(load_model_config(air)) < 13.1e9  # 12.8B with the LM head
