@@ -111,7 +111,9 @@ def test_gradients_match_peft(fp32_model_dir, modules_to_save):
 def test_bad_input_is_one_clear_line(fp32_model_dir):
     config = load_model_config(str(fp32_model_dir))
     cases = {
-        "matches no linear layer": LoRAConfig(target_modules=["qkv_proj"]),
+        "entry 'qkv_proj' matches no linear layer": LoRAConfig(target_modules=["q_proj", "qkv_proj"]),
+        "entry 'router' matches no linear layer": LoRAConfig(target_modules=["router"]),
+        r"entry '.*\\.nope' matches no linear layer": LoRAConfig(target_modules=r".*\.nope"),
         "must be <= min(in, out) = 128": LoRAConfig(rank=200, target_modules=["q_proj"]),
         "cannot be adapted": LoRAConfig(target_modules=r".*(q_proj|lm_head)"),
         "matches no module": LoRAConfig(modules_to_save=["score"]),

@@ -19,8 +19,8 @@ Design decisions:
 - Bad input fails before any weight is read (`check_lora`, on a meta model): a target pattern that matches no
   linear layer, a rank above min(in, out) of a targeted layer, an adapted LM head.
 
-Left out: adapters on MoE experts (stacked tensors, not `nn.Linear`; the router can be adapted), on the
-embedding and on the LM head (the fused LM head reads its weight directly: train them in full with
+Left out: adapters on MoE routers and routed experts (their weights are not `nn.Linear`; `modules_to_save` can
+train a router in full), on the embedding and on the LM head (the fused LM head reads its weight directly: train them in full with
 `modules_to_save`), rsLoRA / DoRA, several adapters in one trainer.
 """
 
@@ -101,13 +101,15 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, trainable_dtype: torch.dtype |
     Raises ValueError (value, rule, fix) on a pattern that matches nothing or a rank above a layer's size."""
     linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
     targets = [name for name in linears if _matches(name, cfg.target_modules)]
-    if not targets:
-        suffixes = sorted({name.rsplit(".", 1)[-1] for name in linears})
-        raise ValueError(
-            f"model.lora.target_modules={cfg.target_modules!r} matches no linear layer of the model; "
-            f"list suffixes of its linear layers ({', '.join(suffixes)}) or a regex over full names like "
-            f"{next(iter(linears))!r}"
-        )
+    patterns = cfg.target_modules if isinstance(cfg.target_modules, list) else [cfg.target_modules]
+    for pattern in patterns:  # each entry must adapt something: a typo is an error, not a silent no-op
+        if not any(_matches(name, [pattern] if isinstance(cfg.target_modules, list) else pattern) for name in linears):
+            suffixes = sorted({name.rsplit(".", 1)[-1] for name in linears})
+            raise ValueError(
+                f"model.lora.target_modules entry {pattern!r} matches no linear layer of the model; list suffixes "
+                f"of its linear layers ({', '.join(suffixes)}) or a regex over full names like "
+                f"{next(iter(linears))!r} (MoE routers and routed experts are not linear layers)"
+            )
     if "lm_head" in targets:
         raise ValueError(
             "model.lora.target_modules matches lm_head, which the fused LM head reads directly and cannot be "
