@@ -26,10 +26,12 @@ train a router in full), on the embedding and on the LM head (the fused LM head 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -153,7 +155,7 @@ def check_lora(cfg: LoRAConfig, model_config: ModelConfig) -> list[str]:
     return apply_lora(build_model(model_config, device="meta"), cfg)
 
 
-def _set_full(param: torch.Tensor, full: torch.Tensor) -> None:
+def set_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a whole tensor into a (possibly FSDP-sharded) parameter: each rank keeps its own shard."""
     if isinstance(param, DTensor):
         local = param.to_local()
@@ -173,8 +175,8 @@ def init_lora_weights(model: nn.Module, seed: int) -> None:
     for module in lora_modules(model).values():
         a = torch.empty(tuple(module.lora_A.shape), dtype=torch.float32)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
-        _set_full(module.lora_A, a)
-        _set_full(module.lora_B, torch.zeros(tuple(module.lora_B.shape)))
+        set_full(module.lora_A, a)
+        set_full(module.lora_B, torch.zeros(tuple(module.lora_B.shape)))
 
 
 def is_lora_param(name: str) -> bool:
@@ -199,6 +201,34 @@ def log_lora(model: nn.Module, logger: logging.Logger) -> None:
         f"{' + ' + ', '.join(cfg.modules_to_save) + ' in full' if cfg.modules_to_save else ''}: "
         f"{trainable:,} of {total:,} parameters train ({trainable / total:.2%})"
     )
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside the block every adapter's update is multiplied by 0: the model computes its frozen base."""
+    modules = list(lora_modules(model).values())
+    scalings = [m.scaling for m in modules]
+    for m in modules:
+        m.scaling = 0.0
+    try:
+        yield
+    finally:
+        for m, scaling in zip(modules, scalings, strict=True):
+            m.scaling = scaling
+
+
+class BaseModelView:
+    """The policy with its adapters switched off, called like the policy: its frozen base, which is the initial
+    policy (B = 0 at step 0). LoRA RL's KL reference without a second copy of the weights; valid because RL
+    refuses modules_to_save (nothing else moves). Call it under no_grad, between the policy's forward and
+    backward: activation checkpoints recompute in backward with the adapters on again."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        self.policy = policy
+
+    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204 - the policy's own signature
+        with adapters_disabled(self.policy):
+            return self.policy(*args, **kwargs)
 
 
 def checkpoint_options(model: nn.Module) -> StateDictOptions:

@@ -29,7 +29,7 @@ from prime_rl.common.config.trainer import ModelConfig
 from prime_rl.common.logging import setup_logger
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.loop import Trainer, to_host, train_loop
-from prime_rl.trainer.lora import check_lora, log_lora
+from prime_rl.trainer.lora import BaseModelView, check_lora, log_lora
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import PackedSeqs, load_model_config, model_flops_per_token
 from prime_rl.trainer.optim.setup import build_optimization
@@ -159,8 +159,10 @@ def build_objective(
     mesh: DeviceMesh,
     world: World,
     logger: logging.Logger,
+    policy: CausalLM | None = None,
 ) -> RLObjective:
-    """The objective ``[loss]`` describes; with ``[loss.kl]`` a frozen copy of the initial weights as reference."""
+    """The objective ``[loss]`` describes; with ``[loss.kl]`` a frozen copy of the initial weights as reference
+    (with LoRA: ``policy`` with its adapters off, the frozen base, instead of a copy)."""
     if loss.type == "sequence":
         settings = LossSettings("sequence", loss.sequence_mask_low, loss.sequence_mask_high)
     else:
@@ -168,8 +170,10 @@ def build_objective(
     ref_model = None
     if loss.kl is not None:
         settings = replace(settings, kl_coef=loss.kl.coef, kl_estimator=loss.kl.estimator)
-        # same layout as the policy (FSDP-sharded, so + 4 bytes/param / dp ranks), never stepped
-        ref_model = build_training_model(model_cfg, dims, mesh, world.device).requires_grad_(False)
+        if model_cfg.lora is not None and policy is not None:  # the initial policy is the frozen base itself
+            ref_model = BaseModelView(policy)
+        else:  # same layout as the policy (FSDP-sharded, so + 4 bytes/param / dp ranks), never stepped
+            ref_model = build_training_model(model_cfg, dims, mesh, world.device).requires_grad_(False)
         logger.info(f"KL control: {loss.kl.estimator} x {loss.kl.coef} against a frozen copy of {model_cfg.name}")
     return RLObjective(dims, world, settings, loss.norm, loss.max_len, ref_model)
 
@@ -224,7 +228,7 @@ def train(cfg: RLTrainerConfig) -> None:
         model, dims, world, optim, run_dir, logger, flops_per_token, cfg.ckpt.keep_last,
         monitor=cfg.monitor, run_config=cfg.model_dump(mode="json"),
     )  # fmt: skip
-    objective = build_objective(cfg.loss, cfg.model, dims, mesh, world, logger)
+    objective = build_objective(cfg.loss, cfg.model, dims, mesh, world, logger, policy=model)
     logger.info(f"RL trainer: world {world.world_size} ({dims}), device {world.device}, {cfg.max_steps} steps")
     try:
         train_loop(
