@@ -9,7 +9,8 @@ Design decisions:
   adapters are sharded, all-gathered (bf16) and reduce-scattered with their block like any other parameter.
 - `apply_lora` runs on the meta model before `parallelize_model` and turns `requires_grad` off for everything
   but the adapters and `modules_to_save`. The optimizer takes only parameters that require grad, so the base has
-  no gradient and no optimizer state; FSDP2 reduce-scatters only the gradients that exist.
+  no gradient and no optimizer state; FSDP2 reduce-scatters only the gradients that exist. The frozen base is
+  stored in bf16 (what compute casts it to anyway); trainable tensors keep fp32 masters.
 - Initialization as peft: A kaiming-uniform(a=sqrt(5)), B = 0, so step 0 is exactly the base model. A is drawn
   whole on the CPU from a seeded generator and each rank keeps its shard: the same values at any world size.
 - Checkpoints hold the trainable tensors and their optimizer state only (DCP with `ignore_frozen_params`); the
@@ -19,9 +20,11 @@ Design decisions:
 - Bad input fails before any weight is read (`check_lora`, on a meta model): a target pattern that matches no
   linear layer, a rank above min(in, out) of a targeted layer, an adapted LM head.
 
-Left out: adapters on MoE routers and routed experts (their weights are not `nn.Linear`; `modules_to_save` can
-train a router in full), on the embedding and on the LM head (the fused LM head reads its weight directly: train them in full with
-`modules_to_save`), rsLoRA / DoRA, several adapters in one trainer.
+- RL's KL reference is `BaseModelView(policy)`: the policy with its adapters off, i.e. the initial policy.
+
+Left out: adapters on MoE routers and routed experts (their weights are not `nn.Linear`), on the embedding and
+on the LM head (the fused LM head reads its weight directly); `modules_to_save` trains any of them in full.
+rsLoRA / DoRA, several adapters in one trainer.
 """
 
 from __future__ import annotations
