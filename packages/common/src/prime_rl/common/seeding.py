@@ -16,11 +16,11 @@ from __future__ import annotations
 import hashlib
 import struct
 
-SEED_BITS = 63
-"""vLLM takes a signed 64-bit seed: stay non-negative."""
+SEED_BITS = 62
+"""vLLM takes a signed 64-bit seed and seeds a group's n samples seed, seed + 1, ...: leave room above."""
 
 
 def sample_seed(run_seed: int, step: int, task_index: int, sample: int) -> int:
-    """A 63-bit seed unique (up to hash collisions) to one sample of one task of one step of one run."""
+    """A 62-bit seed unique (up to hash collisions) to one sample of one task of one step of one run."""
     digest = hashlib.blake2b(struct.pack("<4q", run_seed, step, task_index, sample), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
