@@ -20,9 +20,17 @@ from prime_rl.trainer.lora import (
     merge_lora,
     num_trainable_params,
     peft_state_dict,
+    training_flops_per_token,
     write_adapter_dir,
 )
-from prime_rl.trainer.models import build_model, load_hf_weights, load_model_config, save_hf_weights
+from prime_rl.trainer.models import (
+    build_model,
+    load_hf_weights,
+    load_model_config,
+    model_flops_per_token,
+    num_active_params,
+    save_hf_weights,
+)
 
 peft = pytest.importorskip("peft", reason="peft is the reference implementation (test extra of prime-rl-trainer)")
 transformers = pytest.importorskip("transformers")
@@ -162,3 +170,20 @@ def test_partial_targets_export_as_regex(fp32_model_dir):
     apply_lora(model, LoRAConfig(rank=2, target_modules=r"layers\.0\.mlp\.(up|down)_proj"))
     target = adapter_config(model, "base")["target_modules"]
     assert target == r"^(model\.layers\.0\.mlp\.up_proj|model\.layers\.0\.mlp\.down_proj)$"
+
+
+def test_flops_count_no_weight_gradient_for_the_frozen_base(fp32_model_dir):
+    config = load_model_config(str(fp32_model_dir))
+    seq = 256
+    plain = build_model(str(fp32_model_dir), device="meta")
+    full = model_flops_per_token(config, seq)
+    assert training_flops_per_token(plain, seq) == full
+    attention = full - 6 * num_active_params(config)
+    lora = build_model(str(fp32_model_dir), device="meta")
+    apply_lora(lora, LoRAConfig(rank=4, target_modules=["q_proj", "down_proj"]))
+    adapters = sum(p.numel() for n, p in lora.named_parameters() if is_lora_param(n))
+    assert training_flops_per_token(lora, seq) == 4 * num_active_params(config) + 6 * adapters + attention
+    head = build_model(str(fp32_model_dir), device="meta")
+    apply_lora(head, LoRAConfig(rank=4, target_modules=["q_proj", "down_proj"], modules_to_save=["lm_head"]))
+    vocab_hidden = config.vocab_size * config.hidden_size  # the LM head's weight gradient is computed again
+    assert training_flops_per_token(head, seq) == training_flops_per_token(lora, seq) + 2 * vocab_hidden

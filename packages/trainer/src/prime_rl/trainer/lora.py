@@ -46,7 +46,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from prime_rl.common.config.trainer import LoRAConfig
 from prime_rl.common.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from prime_rl.trainer.models import build_model, model_state_dict_to_hf, save_hf_weights
+from prime_rl.trainer.models import (
+    build_model,
+    model_flops_per_token,
+    model_state_dict_to_hf,
+    num_active_params,
+    save_hf_weights,
+)
 from prime_rl.trainer.models.config import ModelConfig
 
 PEFT_PREFIX = "base_model.model."
@@ -232,6 +238,23 @@ class BaseModelView:
     def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204 - the policy's own signature
         with adapters_disabled(self.policy):
             return self.policy(*args, **kwargs)
+
+
+def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token for MFU (`models.flops`' convention), counting what LoRA really computes: a
+    frozen weight costs 4 FLOPs per parameter (forward + input gradient, no weight gradient) instead of 6, an
+    adapter or a module trained in full 6. Without LoRA: `model_flops_per_token`."""
+    inner = getattr(model, "model", model)
+    flops = model_flops_per_token(inner.config, seq_len)
+    if not lora_enabled(inner):
+        return flops
+    adapters = sum(m.lora_A.numel() + m.lora_B.numel() for m in lora_modules(inner).values())
+    # weights trained in full that a token multiplies (the embedding is a lookup; a tied LM head multiplies)
+    full = sum(p.numel() for n, p in inner.named_parameters() if p.requires_grad and not is_lora_param(n))
+    full -= inner.embed_tokens.weight.numel() if inner.embed_tokens.weight.requires_grad else 0
+    if inner.lm_head.weight.requires_grad and inner.config.tie_word_embeddings:
+        full += inner.lm_head.weight.numel()
+    return flops - 2 * num_active_params(inner.config) + 2 * full + 6 * adapters
 
 
 def checkpoint_options(model: nn.Module) -> StateDictOptions:

@@ -29,9 +29,9 @@ from prime_rl.common.config.trainer import ModelConfig
 from prime_rl.common.logging import setup_logger
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.loop import Trainer, to_host, train_loop
-from prime_rl.trainer.lora import BaseModelView, check_lora, log_lora
+from prime_rl.trainer.lora import BaseModelView, check_lora, log_lora, training_flops_per_token
 from prime_rl.trainer.model import CausalLM, build_training_model
-from prime_rl.trainer.models import PackedSeqs, load_model_config, model_flops_per_token
+from prime_rl.trainer.models import PackedSeqs, load_model_config
 from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
@@ -223,7 +223,7 @@ def train(cfg: RLTrainerConfig) -> None:
     log_lora(model, logger)
     optim = build_optimization(cfg.model, cfg.optim, cfg.scheduler, cfg.max_steps, model, world.device, logger)
     publisher = build_publisher(cfg.weight_broadcast, run_dir, model, world)
-    flops_per_token = model_flops_per_token(model_config, cfg.data.seq_len)
+    flops_per_token = training_flops_per_token(model, cfg.data.seq_len)  # LoRA: frozen weights have no dW
     trainer = Trainer(
         model, dims, world, optim, run_dir, logger, flops_per_token, cfg.ckpt.keep_last,
         monitor=cfg.monitor, run_config=cfg.model_dump(mode="json"),

@@ -30,9 +30,9 @@ from prime_rl.trainer.ckpt import export_hf
 from prime_rl.trainer.data import DataLoader, MicroBatch, build_data_loader
 from prime_rl.trainer.logs import redirect_rank_output
 from prime_rl.trainer.loop import Trainer, to_host, train_loop
-from prime_rl.trainer.lora import check_lora, export_lora, log_lora
+from prime_rl.trainer.lora import check_lora, export_lora, log_lora, training_flops_per_token
 from prime_rl.trainer.model import CausalLM, build_training_model
-from prime_rl.trainer.models import PackedSeqs, load_model_config, model_flops_per_token
+from prime_rl.trainer.models import PackedSeqs, load_model_config
 from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.context import shard_micro_batch
@@ -147,7 +147,7 @@ def train(cfg: SFTConfig) -> None:
     model = build_training_model(cfg.model, dims, mesh, world.device)
     log_lora(model, logger)
     optim = build_optimization(cfg.model, cfg.optim, cfg.scheduler, cfg.max_steps, model, world.device, logger)
-    flops_per_token = model_flops_per_token(model_config, cfg.data.seq_len)
+    flops_per_token = training_flops_per_token(model, cfg.data.seq_len)  # LoRA: frozen weights have no dW
     trainer = Trainer(
         model, dims, world, optim, run_dir, logger, flops_per_token, cfg.ckpt.keep_last,
         monitor=cfg.monitor, run_config=cfg.model_dump(mode="json"),
