@@ -20,6 +20,7 @@ from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.testing import make_tiny_model
+from prime_rl.common.weight_checksum import CHECKSUMS_FILE, compute_checksums, read_checksums
 from prime_rl.orchestrator.weights import VersionListener, latest_published_step
 from prime_rl.trainer.rl.publish import BackgroundJob
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of
@@ -56,7 +57,9 @@ def test_background_publication_is_bit_identical_to_synchronous(tiny_model_dir, 
         published, reference = run_dir.broadcast_dir(version), tmp_path / f"ref_{version}"
         assert (published / "STABLE").is_file()
         names = sorted(p.name for p in reference.iterdir())
-        assert sorted(p.name for p in published.iterdir() if p.name != "STABLE") == names
+        extra = ("STABLE", CHECKSUMS_FILE)  # the checksums inference verifies an update against, matching the files
+        assert sorted(p.name for p in published.iterdir() if p.name not in extra) == names
+        assert read_checksums(published) == compute_checksums(published)
         for name in names:  # weight files byte for byte, and config.json / tokenizer files
             assert (published / name).read_bytes() == (reference / name).read_bytes(), f"step_{version}/{name}"
         weights = load_file(str(published / "model.safetensors"))

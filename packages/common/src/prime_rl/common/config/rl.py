@@ -21,7 +21,7 @@ from prime_rl.common.config.inference import LORA_RANKS, InferenceConfig
 from prime_rl.common.config.monitor import MonitorConfig
 from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, RLTrainerConfig, WeightBroadcastConfig
-from prime_rl.common.config.trainer import LoRAConfig
+from prime_rl.common.config.trainer import DEFAULT_KEEP_LAST, LoRAConfig
 
 
 class RunConfig(BaseConfig):
@@ -45,10 +45,6 @@ def _section(data: dict, *path: str) -> dict:
             node[key] = {}
         node = node[key]
     return node
-
-
-DEFAULT_KEEP_LAST = 3
-"""Trainer checkpoints an rl run keeps unless told otherwise: a full state per step fills a disk fast."""
 
 
 class SharedCheckpointConfig(BaseConfig):

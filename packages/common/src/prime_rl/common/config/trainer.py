@@ -87,6 +87,9 @@ class MoEConfig(BaseConfig):
     """Expert-parallel token dispatch: `type = "torch"`, `"deepep"` or `"mega_moe"`."""
 
 
+DEFAULT_KEEP_LAST = 3
+"""Checkpoints sft and the RL trainer keep unless told otherwise (`ckpt.keep_last`)."""
+
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -297,8 +300,8 @@ class CheckpointConfig(BaseConfig):
     interval: int | None = Field(None, ge=1)
     """Save a checkpoint every this many steps (and at the last step); None saves none."""
 
-    keep_last: int | None = Field(None, ge=1)
-    """Keep only the newest this many checkpoints; None keeps all."""
+    keep_last: int | None = Field(DEFAULT_KEEP_LAST, ge=1)
+    """Keep only the newest this many checkpoints (a full state each fills a disk fast); None keeps all."""
 
     resume_step: int | Literal["latest"] | None = None
     """Resume from checkpoints/step_<N>; "latest" picks the newest one (or starts fresh if there is none)."""

@@ -5,7 +5,8 @@
   memory: no per-tensor ``bytes`` copy, so publishing from a host buffer costs no second host copy.
   Tensors are ordered and the header laid out as ``safetensors.torch.save_file`` does for tensors of
   one dtype, so the files are byte-identical to what it writes (tests/ check it).
-- ``write_hf_dir`` shards through ``prime_rl.trainer.models.weights.write_shards``, as ``save_hf_weights`` does (same file names, index,
+- ``write_hf_dir`` writes ``checksums.json`` (per-tensor CRC32, ``prime_rl.common.weight_checksum``; the
+  inference server checks an update against it before touching the engine) and shards through ``prime_rl.trainer.models.weights.write_shards``, as ``save_hf_weights`` does (same file names, index,
   side files) and fsyncs every file.
 - ``publish_dir`` makes a fully written temporary directory visible under its final name with one
   ``rename`` (atomic on POSIX file systems), after fsyncing it, then fsyncs the parent: a reader sees
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from prime_rl.common.weight_checksum import write_checksums
 from prime_rl.trainer.models.config import ModelConfig
 from prime_rl.trainer.models.weights import write_shards, write_side_files
 
@@ -100,6 +102,7 @@ def write_hf_dir(
     out_dir.mkdir(parents=True, exist_ok=True)
     write_shards(hf_state, out_dir, max_shard_bytes, write=write_safetensors)
     write_side_files(config, out_dir)
+    write_checksums(out_dir)  # per-tensor CRC32s: inference verifies an update against them before loading it
     for path in out_dir.iterdir():
         if path.is_file() and not path.name.endswith(".safetensors"):  # weight files are fsynced already
             with open(path, "rb+") as f:
