@@ -79,6 +79,7 @@ class ChatRenderer:
                 "an end-of-turn marker (e.g. ChatML) via orchestrator.model.chat_template"
             )
         self.turn_tail, self._probe_ids = closed[len(opened) :], closed
+        await self.delta_ids([{"role": "user", "content": "probe"}])  # raises if earlier turns re-render
         if self.tools:
             await self._check_tools()
 
