@@ -313,8 +313,13 @@ class Supervisor:
 
 
 SHM_DIR = Path("/dev/shm")
-SHM_PREFIXES = ("psm_", "sem.mp-")
-"""multiprocessing.shared_memory segments and semaphores (what vLLM's engine processes create)."""
+SHM_PREFIXES = ("psm_",)
+"""multiprocessing.shared_memory segments (what vLLM's engine processes create, 160-250 MB each).
+
+Not multiprocessing's named semaphores (``sem.mp-*``, 32 bytes each): a process that another job is
+starting at that moment holds its semaphore by name only until the spawned child reopens it, so
+"no live process maps it" does not mean it is free; removing one broke a concurrent vLLM start
+(``SemLock._rebuild: FileNotFoundError``)."""
 
 
 def shm_segments() -> set[str]:
