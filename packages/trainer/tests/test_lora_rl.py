@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
 from safetensors import safe_open
 
 
@@ -43,3 +45,14 @@ def test_bad_lora_input_exits_2_with_one_line(tiny_model_dir, tmp_path):
     assert out.returncode == 2
     errors = [line for line in (out.stdout + out.stderr).splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "model.lora.rank=4096 exceeds" in errors[0], out.stdout + out.stderr
+
+
+@pytest.mark.gpu
+def test_adapter_tensors_reach_the_host_unchanged_through_one_flat_copy():
+    from prime_rl.trainer.rl.publish_lora import to_host_flat
+
+    tensors = {f"t{i}": torch.randn(3 + i, 5, device="cuda", dtype=torch.bfloat16) for i in range(4)}
+    host = to_host_flat(tensors)
+    assert list(host) == list(tensors)
+    for name, t in tensors.items():
+        assert host[name].device.type == "cpu" and torch.equal(host[name], t.cpu())

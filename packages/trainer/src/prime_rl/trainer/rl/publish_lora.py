@@ -39,6 +39,19 @@ from prime_rl.trainer.world import World
 logger = logging.getLogger(__name__)
 
 
+def to_host_flat(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors on the host through one device-to-host copy of one flat buffer (views of it, same names
+    and shapes). Copying ~400 adapter tensors one `.cpu()` at a time blocked an H200 RL step for 0.5 s."""
+    if not tensors or next(iter(tensors.values())).device.type == "cpu":
+        return {k: v.detach().clone() for k, v in tensors.items()}
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()]).cpu()
+    out, offset = {}, 0
+    for name, t in tensors.items():
+        out[name] = flat[offset : offset + t.numel()].view(t.shape)
+        offset += t.numel()
+    return out
+
+
 def adapter_name(model: CausalLM, run_dir: RunDir) -> str:
     """`model.lora.name`, or the run name."""
     return model.model.lora_config.name or run_dir.root.name
@@ -67,7 +80,7 @@ class LoRAPublisher(_Publisher):
         self.flush()  # one version in flight; an adapter writes in milliseconds
         tensors = dict(gather_full_tensors(self.state, self.dtype, keep=self.world.is_main))
         if self.world.is_main:
-            tensors = {k: v.cpu() for k, v in tensors.items()}
+            tensors = to_host_flat(tensors)
             blocked = time.perf_counter() - start
             self.job.start(lambda: self._write(version, tensors, blocked))
         return time.perf_counter() - start
