@@ -5,6 +5,10 @@ they differ only in QK-norm, attention biases, RoPE scaling and partial rotary d
 mixtures of experts, and how the router scores experts (Qwen3-MoE: softmax top-k; GLM-4.5: sigmoid
 scores plus a fixed correction bias for the choice, group-limited top-k, scaled weights, shared experts). The raw
 `config.json` dict is kept so a saved checkpoint carries the exact config it was loaded with.
+
+Nemotron-H / Nemotron-3 (`nemotron_h`) is a hybrid: each layer is one mixer, chosen by ``layer_types``
+(HF `layers_block_type`, or the older `hybrid_override_pattern` string "M*-E": Mamba-2, attention, MLP,
+MoE); its Mamba-2 fields are the ``mamba_*`` ones below and its MoE reuses the GLM-4.5 routing fields.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "glm4_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama", "glm4_moe", "nemotron_h")
 MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
+# Nemotron-H's `hybrid_override_pattern` characters -> our layer types.
+NEMOTRON_H_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_NEMOTRON_H_BLOCK_TYPES = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -60,6 +67,25 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
     """Experts every token goes through (one SwiGLU MLP of n_shared_experts * moe_intermediate_size)."""
+    # Nemotron-H fields (layer_types empty means every layer is attention + MLP)
+    layer_types: list[str] = field(default_factory=list)
+    """Per layer: "mamba", "attention", "mlp" or "moe" (Nemotron-H: one mixer per layer)."""
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    ssm_state_size: int = 0
+    mamba_n_groups: int = 1
+    """Groups sharing one B / C projection (and one group of the gated RMSNorm) inside Mamba-2."""
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    """Chunk length of the SSD scan (a speed / memory trade-off: the result does not depend on it)."""
+    time_step_min: float = 0.001
+    """dt is clamped below at this value (transformers' Nemotron-H does so in every path)."""
+    use_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    """Bias on the Mamba-2 in_proj / out_proj (HF `use_bias`)."""
+    moe_shared_expert_intermediate_size: int = 0
+    moe_latent_size: int | None = None
+    """Routed experts run in this smaller width between fc1/fc2_latent_proj (None: hidden_size)."""
     # The config.json this was parsed from (written back by save_hf_weights).
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     # Directory the config came from, if any (tokenizer files are copied from here on save).
@@ -67,6 +93,8 @@ class ModelConfig:
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Same rule as HF Qwen3-MoE: sparse every `decoder_sparse_step` layers, except `mlp_only_layers`."""
+        if self.layer_types:
+            return self.layer_types[layer_idx] == "moe"
         return (
             self.num_experts > 0
             and layer_idx >= self.first_k_dense_replace
@@ -90,6 +118,8 @@ class ModelConfig:
             raise ValueError(
                 f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type == "nemotron_h":
+            return _nemotron_h_config(d, source_dir)
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported; only 'silu' is implemented")
         if d.get("use_sliding_window", False):
@@ -141,6 +171,84 @@ class ModelConfig:
         )
         check_routing(config)
         return config
+
+
+def nemotron_h_layer_types(d: dict[str, Any]) -> list[str]:
+    """Per-layer mixer types from `layers_block_type` (transformers>=5) or `hybrid_override_pattern`."""
+    if d.get("layers_block_type"):
+        bad = sorted(set(d["layers_block_type"]) - set(_NEMOTRON_H_BLOCK_TYPES))
+        if bad:
+            raise ValueError(
+                f"layers_block_type has {bad}; each entry must be one of {sorted(_NEMOTRON_H_BLOCK_TYPES)}"
+            )
+        return [_NEMOTRON_H_BLOCK_TYPES[t] for t in d["layers_block_type"]]
+    pattern = d.get("hybrid_override_pattern")
+    if not pattern:
+        raise ValueError("a nemotron_h config.json needs layers_block_type or hybrid_override_pattern; neither is set")
+    bad = sorted(set(pattern) - set(NEMOTRON_H_PATTERN))
+    if bad:
+        raise ValueError(
+            f"hybrid_override_pattern={pattern!r} has {bad}; use only M (Mamba-2), * (attention), - (MLP), E (MoE)"
+        )
+    return [NEMOTRON_H_PATTERN[ch] for ch in pattern]
+
+
+def _nemotron_h_config(d: dict[str, Any], source_dir: str | None) -> ModelConfig:
+    """Nemotron-H / Nemotron-3, reading the old key names HF still accepts (mamba_n_groups, mamba_d_conv, ...)."""
+    for key, supported in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if d.get(key, supported) != supported:
+            raise ValueError(f"{key}={d[key]!r} is not supported; only {supported!r} is implemented")
+    if d.get("mlp_bias", False):
+        raise ValueError("mlp_bias=true is not supported (no Nemotron-H checkpoint uses it)")
+    if d.get("attention_bias", False):
+        raise ValueError("attention_bias=true is not supported: transformers' Nemotron-H ignores it (no bias)")
+    layer_types = nemotron_h_layer_types(d)
+    num_heads = d["num_attention_heads"]
+    has_moe = "moe" in layer_types
+    config = ModelConfig(
+        model_type="nemotron_h",
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d.get("intermediate_size", 0),
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=num_heads,
+        num_key_value_heads=d.get("num_key_value_heads") or num_heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+        rms_norm_eps=d.get("layer_norm_epsilon", 1e-5),
+        max_position_embeddings=d.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        o_proj_bias=False,
+        qk_norm=False,
+        initializer_range=d.get("initializer_range", 0.02),
+        num_experts=(d.get("n_routed_experts") or d.get("num_local_experts") or 0) if has_moe else 0,
+        num_experts_per_tok=d.get("num_experts_per_tok", 2) if has_moe else 0,
+        moe_intermediate_size=d.get("moe_intermediate_size", 0) if has_moe else 0,
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        router_scoring="sigmoid",
+        n_group=d.get("n_group", 1) or 1,
+        topk_group=d.get("topk_group", 1) or 1,
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        layer_types=layer_types,
+        mamba_num_heads=d.get("mamba_num_heads", 128),
+        mamba_head_dim=d.get("mamba_head_dim", 64),
+        ssm_state_size=d.get("ssm_state_size", 128),
+        mamba_n_groups=d.get("mamba_n_groups", d.get("n_groups", 8)),
+        conv_kernel=d.get("mamba_d_conv", d.get("conv_kernel", 4)),
+        chunk_size=d.get("mamba_chunk_size", d.get("chunk_size", 128)),
+        time_step_min=float(d.get("mamba_dt_min", d.get("time_step_min", 0.001))),
+        use_conv_bias=bool(d.get("mamba_conv_bias", d.get("use_conv_bias", True))),
+        mamba_proj_bias=bool(d.get("use_bias", False)),
+        moe_shared_expert_intermediate_size=d.get("moe_shared_expert_intermediate_size", 0) if has_moe else 0,
+        moe_latent_size=d.get("moe_latent_size") if has_moe else None,
+        hf_config=dict(d),
+        source_dir=source_dir,
+    )
+    if config.mamba_num_heads % config.mamba_n_groups:
+        raise ValueError(
+            f"n_groups={config.mamba_n_groups} must divide mamba_num_heads={config.mamba_num_heads}; check config.json"
+        )
+    check_routing(config)
+    return config
 
 
 def check_routing(config: ModelConfig) -> None:

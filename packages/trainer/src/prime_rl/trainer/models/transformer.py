@@ -1,4 +1,5 @@
-"""Decoder-only transformer for Qwen3, Qwen3-MoE, Llama and GLM-4.5 (-Air), over packed sequences.
+"""Decoder-only transformer for Qwen3, Qwen3-MoE, Llama, GLM-4.5 (-Air) and the Nemotron-H hybrid, over
+packed sequences.
 
 Module names follow Hugging Face (`layers.{i}.self_attn.q_proj`, `input_layernorm`, ...) so weight
 conversion is a prefix change plus the MoE router/expert stacking. The forward returns the final
@@ -7,6 +8,8 @@ normed hidden states, not logits: the trainer applies `lm_head` itself (fused / 
 Swappable pieces, by attribute:
 - `layers[i].self_attn.core_attention`: the attention kernel over packed documents (CP replaces it).
 - `layers[i].mlp`: `MLP` or `MoE`; `mlp.experts` is the expert computation (grouped GEMM / EP).
+- Nemotron-H (`nemotron_h.py`): `layers[i]` is a `NemotronHBlock` with one `mixer` (Mamba-2, attention,
+  MLP or MoE); its `mlp` is the MoE mixer or None.
 
 Left out: KV cache and generation (inference is vLLM), dropout, sliding-window attention.
 """
@@ -19,7 +22,9 @@ from torch import nn
 
 from prime_rl.trainer.models.attention import build_core_attention, prepare_masks
 from prime_rl.trainer.models.config import ModelConfig
+from prime_rl.trainer.models.mamba import GatedRMSNorm, Mamba2Mixer
 from prime_rl.trainer.models.moe import MoE
+from prime_rl.trainer.models.nemotron_h import NemotronHBlock, NemotronHMoE, NemotronHRMSNorm
 from prime_rl.trainer.models.packing import PackedSeqs
 from prime_rl.trainer.models.rope import RotaryEmbedding, apply_rotary
 
@@ -54,15 +59,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.core_attention = build_core_attention(attn, sdpa_fallback)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: PackedSeqs) -> torch.Tensor:
-        """x (T, H) -> (T, H)."""
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, seqs: PackedSeqs
+    ) -> torch.Tensor:
+        """x (T, H) -> (T, H); cos / sin None: no RoPE (Nemotron-H)."""
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cos is not None:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core_attention(q, k, v, seqs)  # (T, Hq, D)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -101,11 +109,11 @@ class Transformer(nn.Module):
         self.config = config
         self.attn = attn
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            TransformerBlock(config, i, attn, sdpa_fallback) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config)
+        hybrid = config.model_type == "nemotron_h"
+        block = NemotronHBlock if hybrid else TransformerBlock
+        self.layers = nn.ModuleList(block(config, i, attn, sdpa_fallback) for i in range(config.num_hidden_layers))
+        self.norm = (NemotronHRMSNorm if hybrid else RMSNorm)(config.hidden_size, config.rms_norm_eps)
+        self.rotary = None if hybrid else RotaryEmbedding(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
@@ -134,7 +142,7 @@ class Transformer(nn.Module):
             seqs = PackedSeqs.from_position_ids(position_ids)
         prepare_masks(seqs, self.attn)
         x = self.embed_tokens(input_ids.reshape(-1))  # (T, H)
-        cos, sin = self.rotary(seqs.position_ids, x.dtype)
+        cos, sin = self.rotary(seqs.position_ids, x.dtype) if self.rotary is not None else (None, None)
         for layer in self.layers:
             x = layer(x, cos, sin, seqs)
         return self.norm(x).view(batch, seq_len, -1)
@@ -146,8 +154,10 @@ class Transformer(nn.Module):
         self.tie_weights()
         std = self.config.initializer_range
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, NemotronHRMSNorm, GatedRMSNorm)):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, Mamba2Mixer):
+                module.init_weights()  # conv1d, A_log, D, dt_bias; its Linears and norm come next
             elif isinstance(module, nn.Linear):
                 if module is self.lm_head and self.config.tie_word_embeddings:
                     continue
@@ -162,6 +172,11 @@ class Transformer(nn.Module):
                     module.router.e_score_correction_bias.zero_()
                 for weight in (module.experts.gate_proj, module.experts.up_proj, module.experts.down_proj):
                     nn.init.normal_(weight, mean=0.0, std=std)
+            elif isinstance(module, NemotronHMoE):
+                nn.init.normal_(module.gate.weight, mean=0.0, std=std)
+                module.gate.e_score_correction_bias.zero_()
+                for weight in (module.experts.up_proj, module.experts.down_proj):
+                    nn.init.normal_(weight, mean=0.0, std=std)
 
     def router_stats(self) -> dict[int, torch.Tensor]:
         """Tokens routed to each expert in the last forward, per MoE layer index (not recorded by compiled
@@ -169,5 +184,5 @@ class Transformer(nn.Module):
         return {
             layer.layer_idx: layer.mlp.last_tokens_per_expert
             for layer in self.layers
-            if isinstance(layer.mlp, MoE) and layer.mlp.last_tokens_per_expert is not None
+            if isinstance(layer.mlp, (MoE, NemotronHMoE)) and layer.mlp.last_tokens_per_expert is not None
         }

@@ -13,6 +13,11 @@ loading skips them and a saved checkpoint does not have them (vLLM serves it wit
 Stacking and unstacking copy values unchanged, so load -> save reproduces a checkpoint bit for bit
 (same names, dtypes and values) when the model is built in the checkpoint's dtype.
 
+Nemotron-H checkpoints name the decoder `backbone.` (not `model.`), its embedding `embeddings` and its
+final norm `norm_f` (ours: `embed_tokens`, `norm`); their experts are `layers.{i}.mixer.experts.{e}.
+{up,down}_proj.weight`, stacked into `layers.{i}.mixer.experts.{up,down}_proj` (E, ...); Nemotron-3's
+multi-token-prediction weights (`mtp.*`) are skipped as for GLM-4.5.
+
 `load_hf_weights` reads every tensor on every rank and copies the local shard into DTensor
 parameters (after `fully_shard`) without communication; for very large models the training loop may
 prefer rank-0 loading with `set_model_state_dict(..., broadcast_from_rank0=True)` over the converters.
@@ -40,6 +45,10 @@ _ROUTER_BIAS_HF_RE = re.compile(r"^layers\.(\d+)\.mlp\.gate\.e_score_correction_
 _ROUTER_BIAS_RE = re.compile(r"^layers\.(\d+)\.mlp\.router\.e_score_correction_bias$")
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 _STACKED_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+_NH_EXPERT_RE = re.compile(r"^layers\.(\d+)\.mixer\.experts\.(\d+)\.(up_proj|down_proj)\.weight$")
+_NH_STACKED_RE = re.compile(r"^layers\.(\d+)\.mixer\.experts\.(up_proj|down_proj)$")
+# Nemotron-H's own names for the modules every model shares (HF name -> ours).
+_NH_RENAMES = {"embeddings.weight": "embed_tokens.weight", "norm_f.weight": "norm.weight"}
 # Files copied next to saved weights so the directory is a complete HF model (tokenizer, templates).
 _SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 WEIGHT_INDEX = "model.safetensors.index.json"
@@ -47,6 +56,8 @@ WEIGHT_INDEX = "model.safetensors.index.json"
 
 def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """HF names/shapes -> model names/shapes. Tied models get `lm_head.weight` = the embedding."""
+    if config.model_type == "nemotron_h":
+        return _nemotron_h_to_model(sd, config)
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for hf_name, tensor in sd.items():
@@ -81,6 +92,8 @@ def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ModelConfig) -> 
 
 def model_state_dict_to_hf(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Model names/shapes -> HF names/shapes (tied models drop `lm_head.weight`, as HF saves them)."""
+    if config.model_type == "nemotron_h":
+        return _nemotron_h_to_hf(sd, config)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in sd.items():
         if name == "lm_head.weight":
@@ -95,6 +108,47 @@ def model_state_dict_to_hf(sd: dict[str, torch.Tensor], config: ModelConfig) -> 
             out[f"model.layers.{m[1]}.mlp.gate.e_score_correction_bias"] = tensor
         else:
             out[f"model.{name}"] = tensor
+    return out
+
+
+def _nemotron_h_to_model(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for hf_name, tensor in sd.items():
+        if hf_name.startswith("mtp."):
+            continue  # multi-token-prediction layers (see the module docstring)
+        name = hf_name.removeprefix("backbone.").removeprefix("model.")
+        name = _NH_RENAMES.get(name, name)
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if m := _NH_EXPERT_RE.match(name):
+            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = tensor
+        else:
+            out[name] = tensor
+    for (layer, proj), by_expert in experts.items():
+        if sorted(by_expert) != list(range(config.num_experts)) or not config.is_moe_layer(layer):
+            raise ValueError(
+                f"layer {layer} {proj}: the checkpoint has {len(by_expert)} experts but the config makes this layer "
+                f"{config.layer_types[layer]!r} with {config.num_experts} experts; check that config.json belongs to these weights"
+            )
+        out[f"layers.{layer}.mixer.experts.{proj}"] = torch.stack([by_expert[e] for e in range(config.num_experts)])
+    if config.tie_word_embeddings and "embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def _nemotron_h_to_hf(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    ours_to_hf = {v: k for k, v in _NH_RENAMES.items()}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in sd.items():
+        if name == "lm_head.weight":
+            if not config.tie_word_embeddings:
+                out[name] = tensor
+        elif m := _NH_STACKED_RE.match(name):
+            for e, expert_weight in enumerate(tensor.unbind(0)):
+                out[f"backbone.layers.{m[1]}.mixer.experts.{e}.{m[2]}.weight"] = expert_weight
+        else:
+            out["backbone." + ours_to_hf.get(name, name)] = tensor
     return out
 
 
