@@ -4,7 +4,8 @@ The MoE module is unchanged: it routes, permutes its tokens into expert order an
 `mlp.experts(x_sorted, tokens_per_expert)`. EP swaps `mlp.experts` for `ExpertParallelExperts`, which
 1) all-to-alls the per-expert counts, then the tokens, to the ranks owning their experts (torch
    all-to-all, `[model.moe.dispatch] type = "torch"`),
-2) regroups the received tokens by local expert and runs the SwiGLU grouped GEMM,
+2) regroups the received tokens by local expert and runs the grouped GEMM (SwiGLU experts, or
+   Nemotron-H's relu^2 experts, which have no gate_proj),
 3) all-to-alls the outputs back into the caller's order.
 
 Weights: the stacked `(E, I, H)` expert parameters become DTensors on an `("ep_replicate", "ep")` mesh,
@@ -41,6 +42,7 @@ from prime_rl.common.config.trainer import (
     TorchDispatchConfig,
 )
 from prime_rl.kernels.grouped_gemm import grouped_swiglu
+from prime_rl.trainer.models.nemotron_h import grouped_relu2
 from prime_rl.trainer.parallel.deepep import DeepEPDispatcher, apply_deepep_moe
 
 MAX_AUTO_EP = 8
@@ -134,12 +136,14 @@ class ExpertParallelExperts(nn.Module):
         self.replicate_group = mesh["ep_replicate"].get_group() if mesh["ep_replicate"].size() > 1 else None
         self.world_size = mesh.size()
         placements = (Replicate(), Shard(0))
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        # SwiGLU experts (gate, up, down) or relu^2 experts (up, down): the same all-to-all either way
+        self.proj_names = tuple(n for n in ("gate_proj", "up_proj", "down_proj") if hasattr(experts, n))
+        for name in self.proj_names:
             full = getattr(experts, name)
             local = full.detach().chunk(self.ep, dim=0)[mesh["ep"].get_local_rank()]
             dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
             self.register_parameter(name, nn.Parameter(dt, requires_grad=full.requires_grad))
-        self.num_experts = self.gate_proj.shape[0]
+        self.num_experts = self.down_proj.shape[0]
 
     def _local_weight(self, param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         w = _ReduceExpertGrad.apply(param.to_local(), self.replicate_group, self.world_size)
@@ -147,8 +151,8 @@ class ExpertParallelExperts(nn.Module):
 
     def run_local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The local experts only: x (M, H) grouped by local expert, counts (E_local,) -> (M, H)."""
-        w_gate, w_up, w_down = (self._local_weight(p, x.dtype) for p in (self.gate_proj, self.up_proj, self.down_proj))
-        return grouped_swiglu(x, counts, w_gate, w_up, w_down)
+        weights = [self._local_weight(getattr(self, n), x.dtype) for n in self.proj_names]
+        return grouped_swiglu(x, counts, *weights) if len(weights) == 3 else grouped_relu2(x, counts, *weights)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x (M, H) sorted by global expert id, tokens_per_expert (E,) -> (M, H) in the same order."""
@@ -182,7 +186,7 @@ def apply_ep(
         experts = getattr(block.mlp, "experts", None)
         if experts is None:
             continue
-        num_experts, _, hidden = experts.gate_proj.shape
+        num_experts, hidden, _ = experts.down_proj.shape
         if num_experts % mesh["ep"].size():
             raise ValueError(f"ep={mesh['ep'].size()} must divide num_experts={num_experts}")
         ep_experts = ExpertParallelExperts(experts, mesh)
