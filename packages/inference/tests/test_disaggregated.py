@@ -59,11 +59,21 @@ def test_disaggregated_config_places_prefill_then_decode():
         (_pd_args("--deployment.num-decode", "0"), "deployment.num_decode"),
         (_pd_args("--deployment.num-prefill", "0"), "deployment.num_prefill"),
         (_pd_args("--router.replicas", "2"), "router.replicas"),
+        (["--deployment.type", "multi_node"], "add a [slurm] table"),
     ],
 )
 def test_bad_counts_are_refused(args, key):
     with pytest.raises(ConfigError, match=re.escape(key)):
         load_config(InferenceConfig, args)
+
+
+def test_connector_names_are_those_vllm_registers():
+    pytest.importorskip("vllm", reason="compares with the installed vLLM's registry")
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from prime_rl.common.config.deployment import installed_kv_connectors
+
+    assert sorted(installed_kv_connectors()) == sorted(KVConnectorFactory._registry)  # read without importing vLLM
 
 
 def test_connector_vllm_lacks_is_one_line_and_exit_2(tmp_path):

@@ -273,3 +273,35 @@ def test_a_disk_too_small_for_the_checkpoints_is_named_before_the_run(model_dir,
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * need, 9 * need, need // 2))
     warning = check_disk(cfg, tmp_path / "run")
     assert warning is not None and f"{tmp_path} has" in warning and "ckpt.keep_last=3" in warning
+
+
+def test_pd_inference_in_rl_updates_every_instance(model_dir, tmp_path):
+    pd = ["--inference.deployment.type", "disaggregated", "--inference.deployment.num-decode", "2"]
+    out = _rl("--model.name", str(model_dir), "--output-dir", str(tmp_path), *pd, "--dry-run")
+    assert out.returncode == 0, out.stderr
+    configs = tmp_path / "rl" / "configs"
+    inference = tomllib.loads((configs / "inference.toml").read_text())
+    assert inference["deployment"]["type"] == "disaggregated" and inference["deployment"]["num_decode"] == 2
+    control = inference["server"]["port"] + 100
+    # the orchestrator loads each published step into the prefill instance and both decode instances
+    addresses = tomllib.loads((configs / "orchestrator.toml").read_text())["inference"]["addresses"]
+    assert addresses == [f"tcp://127.0.0.1:{control + i}" for i in range(3)]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--inference.deployment.num-prefill", "0"], "inference.deployment.num_prefill"),
+        (["--inference.deployment.kv-connector", "ExampleConnector"], "KV computed by the old weights"),
+        (["--inference.deployment.kv-connector", "P2pNcclConnector"], "is not a KV connector of the installed vLLM"),
+        (["--deployment.type", "disaggregated"], "places inference only, not the trainer"),
+    ],
+)
+def test_pd_bad_input_is_one_line_before_anything_starts(model_dir, tmp_path, flags, message):
+    if "installed vLLM" in message:
+        pytest.importorskip("vllm", reason="checks against the installed vLLM's connectors")
+    pd = flags if flags[0] == "--deployment.type" else ["--inference.deployment.type", "disaggregated", *flags]
+    out = _rl("--model.name", str(model_dir), "--output-dir", str(tmp_path), *pd, "--dry-run")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert message in out.stderr
+    assert not (tmp_path / "rl" / "configs").exists()

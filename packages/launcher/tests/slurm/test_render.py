@@ -341,3 +341,79 @@ def test_help_lists_component_deployment_and_slurm_options(capsys) -> None:
     assert main(["sft", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--slurm.template-path" in out and "--deployment.num-train-nodes" in out and "--data.seq-len" in out
+
+
+def write_pd_config(tmp_path: Path, kind: str, pd: str) -> Path:
+    """A P/D job: ``inference`` with [deployment] type = "disaggregated", ``rl`` with it in [inference.deployment]."""
+    path = tmp_path / f"{kind}.toml"
+    if kind == "inference":
+        body = f'run_name = "r"\n[model]\nname = "/models/tiny"\n[deployment]\ntype = "disaggregated"\n{pd}\n'
+    else:
+        body = (
+            '[run]\nname = "r"\n[model]\nname = "/models/tiny"\n[orchestrator]\nmax_tokens = 8\n'
+            f'[deployment]\ntype = "multi_node"\nnum_train_nodes = 1\ngpus_per_node = 2\n'
+            f'[inference.deployment]\ntype = "disaggregated"\n{pd}\n'
+        )
+    path.write_text(f'output_dir = "{tmp_path / "out"}"\n{body}[slurm]\njob_name = "t"\n')
+    return path
+
+
+def test_inference_pd_places_prefill_then_decode_nodes_behind_the_pd_router(tmp_path: Path) -> None:
+    from prime_rl.common.config.inference import InferenceConfig
+
+    cfg = write_pd_config(tmp_path, "inference", 'num_prefill = 2\nnum_decode = 1\nkv_buffer_device = "cuda"')
+    launcher = dry_run(cfg, "--slurm.router-port", "9000", "--slurm.replica-port", "9100")
+    script = (launcher / "inference.sbatch").read_text()
+    assert "#SBATCH --nodes=3" in script
+    # each node's process config: the P/D deployment (the role comes as a flag), GPU connector settings
+    per_node = load_config(InferenceConfig, ["@", str(tmp_path / "out" / "r" / "configs" / "inference.toml")])
+    assert per_node.deployment.type == "disaggregated" and per_node.deployment.role is None
+    assert per_node.deployment.kv_transfer_config("prefill") == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cuda"
+    }  # fmt: skip
+    proc, calls = run_script(
+        launcher / "inference.sbatch", tmp_path, ["a", "b", "c"], FAKE_FAIL="router", FAKE_HANG="inference"
+    )
+    by_name = {c["name"]: c["argv"] for c in calls}
+    assert sorted(by_name) == ["inference-decode-node2", "inference-prefill-node0", "inference-prefill-node1", "router"]
+    for i, (node, role) in enumerate([("a", "prefill"), ("b", "prefill"), ("c", "decode")]):
+        argv = by_name[f"inference-{role}-node{i}"]
+        assert f"--nodelist={node}" in argv and arg_after(argv, "--deployment.role") == role
+        assert arg_after(argv, "--server.port") == str(9100 + i)
+        # NIXL's side channel on the node's own address, a port per instance (nodes may share a network)
+        assert f"VLLM_NIXL_SIDE_CHANNEL_HOST={node}" in argv and f"VLLM_NIXL_SIDE_CHANNEL_PORT={5600 + i}" in argv
+    router = by_name["router"]
+    start = router.index("--vllm-pd-disaggregation")
+    assert router[start : start + 7] == [
+        "--vllm-pd-disaggregation", "--prefill", "http://a:9100", "--prefill", "http://b:9101", "--decode",
+        "http://c:9102",
+    ]  # fmt: skip
+    assert arg_after(router, "--kv-connector") == "nixl" and "--nodelist=a" in router
+    assert proc.returncode == 3
+
+
+def test_rl_pd_takes_its_inference_nodes_from_the_instance_counts(tmp_path: Path) -> None:
+    cfg = write_pd_config(tmp_path, "rl", "num_prefill = 1\nnum_decode = 2")
+    launcher = dry_run(cfg)
+    script = (launcher / "rl.sbatch").read_text()
+    assert "#SBATCH --nodes=4" in script and 'INFER_NODES=("${NODES[@]:0:3}")' in script
+    assert "--vllm-pd-disaggregation" in script and "--deployment.role" in script
+
+
+@pytest.mark.parametrize(
+    ("kind", "pd", "flags", "message"),
+    [
+        ("inference", 'kv_connector = "SharedStorageConnector"', [], "is not a KV connector of the installed vLLM"),
+        ("rl", "num_decode = 2", ["--deployment.num-infer-nodes", "2"], "set num_infer_nodes = 3"),
+        ("rl", 'kv_connector = "ExampleConnector"', [], "KV computed by the old weights"),
+        ("inference", "num_prefill = 0", [], "deployment.num_prefill"),
+    ],
+)
+def test_pd_bad_input_is_one_line_exit_2(tmp_path: Path, capsys, kind: str, pd: str, flags: list[str], message: str):
+    if "installed vLLM" in message:
+        pytest.importorskip("vllm", reason="checks against the installed vLLM's connectors")
+    cfg = write_pd_config(tmp_path, kind, pd)
+    assert main([kind, "@", str(cfg), *flags, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out" / "r" / "launcher").exists()

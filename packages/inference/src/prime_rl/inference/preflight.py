@@ -23,6 +23,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from prime_rl.common.config import ConfigError
+from prime_rl.common.config.deployment import unknown_kv_connector
 from prime_rl.common.config.inference import InferenceConfig
 
 KV_CACHE_VAR = "VLLM_CPU_KVCACHE_SPACE"
@@ -49,42 +50,8 @@ def check_inference(config: InferenceConfig) -> None:
 def check_kv_connector(config: InferenceConfig) -> None:
     """``deployment.kv_connector`` against the connectors the installed vLLM registers."""
     pd = config.disaggregated
-    if pd is None or importlib.util.find_spec("vllm") is None:
-        return
-    known = vllm_kv_connectors()
-    if pd.kv_connector not in known:
-        raise ConfigError(
-            f"deployment.kv_connector={pd.kv_connector!r} is not a KV connector of the installed vLLM "
-            f"({vllm_version()}); use one of {', '.join(sorted(known))} (ExampleConnector runs on CPU, "
-            "NixlConnector on GPUs)",
-            keys=["deployment.kv_connector"],
-        )
-
-
-FACTORY = "distributed/kv_transfer/kv_connector/factory.py"
-_REGISTERED = re.compile(r"register_connector\(\s*\"(\w+)\"")
-
-
-def vllm_kv_connectors() -> list[str]:
-    """The names vLLM's ``KVConnectorFactory`` registers, read from its source: importing it imports torch and
-    all of vLLM's config (seconds, and log lines on stderr) in a process that starts no engine itself."""
-    spec = importlib.util.find_spec("vllm")  # a submodule's spec would import vllm (and torch) already
-    factory = Path(next(iter(spec.submodule_search_locations or []), "")) / FACTORY if spec is not None else None
-    names = _REGISTERED.findall(factory.read_text()) if factory is not None and factory.is_file() else []
-    if names:
-        return names
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # its layout changed
-
-    return list(KVConnectorFactory._registry)  # noqa: SLF001 - vLLM has no public listing
-
-
-def vllm_version() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return f"{dist} {importlib.metadata.version(dist)}"
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "vllm"
+    if pd is not None and (error := unknown_kv_connector(pd, "deployment.kv_connector")) is not None:
+        raise ConfigError(error, keys=["deployment.kv_connector"])
 
 
 _VLLM_KEY = re.compile(r"\[vllm\] (?:key '(\w+)'|(\w+)=)")

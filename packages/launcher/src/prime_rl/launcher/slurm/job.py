@@ -14,13 +14,18 @@ import importlib
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pydantic
 from pydantic import BaseModel
 
 from prime_rl.common.config import ConfigError, load_config
-from prime_rl.common.config.deployment import MultiNodeDeployment, SlurmConfig
+from prime_rl.common.config.deployment import (
+    DisaggregatedDeployment,
+    MultiNodeDeployment,
+    SlurmConfig,
+    unknown_kv_connector,
+)
 from prime_rl.common.rundir import RunDir
 
 
@@ -50,7 +55,7 @@ class SlurmJob:
     kind: str
     config: BaseModel
     """the whole submitted config (component schema + deployment + slurm)"""
-    deployment: MultiNodeDeployment
+    deployment: MultiNodeDeployment | DisaggregatedDeployment
     slurm: SlurmConfig
     run_dir: RunDir
     process_configs: dict[str, BaseModel]
@@ -64,7 +69,19 @@ class SlurmJob:
 
     @property
     def num_infer_nodes(self) -> int:
-        return self.deployment.num_infer_nodes if KINDS[self.kind].places_inference else 0
+        if not KINDS[self.kind].places_inference:
+            return 0
+        pd = self.disaggregated
+        if pd is not None:  # one node per P/D instance
+            return pd.num_instances
+        return self.deployment.num_infer_nodes
+
+    @property
+    def disaggregated(self) -> DisaggregatedDeployment | None:
+        """The P/D deployment of the job's inference (``inference`` job: [deployment]; ``rl``: [inference.deployment])."""
+        inference = self.process_configs.get("inference")
+        deployment = getattr(inference, "deployment", None)
+        return deployment if isinstance(deployment, DisaggregatedDeployment) else None
 
 
 def component_class(kind: str) -> type[BaseModel]:
@@ -83,8 +100,14 @@ def component_class(kind: str) -> type[BaseModel]:
 @cache
 def job_class(cls: type[BaseModel]) -> type[BaseModel]:
     """``cls`` + ``deployment: MultiNodeDeployment`` + ``slurm: SlurmConfig`` (+ a run dir if it has none)."""
+    # inference alone may also be P/D-disaggregated: one instance per node, prefill nodes first
+    deployment = (
+        Annotated[MultiNodeDeployment | DisaggregatedDeployment, pydantic.Field(discriminator="type")]
+        if "deployment" in cls.model_fields and cls.__name__ == "InferenceConfig"
+        else MultiNodeDeployment
+    )
     fields: dict[str, Any] = {
-        "deployment": (MultiNodeDeployment, MultiNodeDeployment()),
+        "deployment": (deployment, MultiNodeDeployment()),
         "slurm": (SlurmConfig, ...),
     }
     if not hasattr(cls, "run_dir"):  # inference alone has no run directory; the job needs one
@@ -97,7 +120,9 @@ def process_config(cls: type[BaseModel], job_config: BaseModel) -> BaseModel:
     """The component's own config for one process: no [slurm], single-node [deployment], not a dry run."""
     data = job_config.model_dump(exclude={"slurm", "deployment"})
     data = {k: v for k, v in data.items() if k in cls.model_fields}
-    if "deployment" in cls.model_fields:
+    if isinstance(job_config.deployment, DisaggregatedDeployment):  # each node runs one instance (--deployment.role)
+        data["deployment"] = job_config.deployment.model_dump()
+    elif "deployment" in cls.model_fields:
         data["deployment"] = {"type": "single_node"}
     if "dry_run" in cls.model_fields:
         data["dry_run"] = False
@@ -143,6 +168,39 @@ def load_job(kind: str, argv: list[str]) -> SlurmJob:
         # A node serving several local replicas uses ports port..port+replicas: keep nodes apart.
         extra["replica_port_stride"] = inference.router.replicas + 1 if inference.router.replicas > 1 else 1
     job = SlurmJob(kind, config, config.deployment, config.slurm, _run_dir(config), process_configs, extra)
+    if job.disaggregated is not None:
+        _place_disaggregated(job)
     if KINDS[kind].places_inference and job.num_infer_nodes == 0:
         raise ConfigError(f"{kind}: deployment.num_infer_nodes=0 leaves inference nowhere to run; set it to >= 1")
     return job
+
+
+def _place_disaggregated(job: SlurmJob) -> None:
+    """Check a P/D job and give the template its shape: prefill nodes first, then decode nodes, one instance each."""
+    pd = job.disaggregated
+    key = "deployment" if job.kind == "inference" else "inference.deployment"
+    if (error := unknown_kv_connector(pd, f"{key}.kv_connector")) is not None:
+        raise ConfigError(error)
+    if pd.role is not None:
+        raise ConfigError(f"{key}.role={pd.role!r} is set by the job on each node; remove it")
+    deployment = job.deployment
+    if job.kind == "rl" and "num_infer_nodes" in deployment.model_fields_set:
+        if deployment.num_infer_nodes != pd.num_instances:
+            raise ConfigError(
+                f"deployment.num_infer_nodes={deployment.num_infer_nodes} but inference.deployment places "
+                f"{pd.num_prefill} prefill + {pd.num_decode} decode instances, one node each; set num_infer_nodes = "
+                f"{pd.num_instances} or leave it out"
+            )
+    inference = job.process_configs["inference"]
+    if pd.kv_connector == "ExampleConnector" and "shared_storage_path" not in pd.kv_connector_extra_config:
+        # KV moves through files: a directory every node sees (the run dir is on the shared filesystem)
+        extra = {**pd.kv_connector_extra_config, "shared_storage_path": str(job.run_dir.root.resolve() / "kv_cache")}
+        inference.deployment = pd.model_copy(update={"kv_connector_extra_config": extra})
+    job.extra["pd"] = {
+        "num_prefill": pd.num_prefill,
+        "num_decode": pd.num_decode,
+        "kv_connector": pd.kv_connector,
+        # vllm-router's P/D handshake: NIXL's pull protocol for the NIXL connectors (its default otherwise too)
+        "router_kv_connector": "mooncake" if pd.kv_connector.startswith("Mooncake") else "nixl",
+        "nixl": pd.kv_connector.startswith("Nixl"),
+    }

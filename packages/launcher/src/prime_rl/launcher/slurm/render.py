@@ -83,6 +83,7 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "nixl_port": None,
         "launch_metadata_service": False,
         "ready_timeout_s": 1800,
+        "pd": None,  # P/D-disaggregated inference: its shape (prime_rl.launcher.slurm.job._place_disaggregated)
         **job.extra,
     }
 
