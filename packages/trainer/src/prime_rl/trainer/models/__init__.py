@@ -1,4 +1,4 @@
-"""Models the trainer trains: Qwen3, Qwen3-MoE and Llama in plain PyTorch over packed sequences.
+"""Models the trainer trains: Qwen3, Qwen3-MoE, Llama, GLM-4.5 and Nemotron-H in plain PyTorch over packed sequences.
 
 model = build_model(model_dir, attn="auto", dtype=torch.bfloat16, device="meta")
 hidden = model(input_ids, position_ids)  # (1, T) -> (1, T, H), final-normed, no LM head
