@@ -198,7 +198,10 @@ class Orchestrator:
         self._eval_tasks: list[asyncio.Task] = []
 
     def state(self) -> OrchestratorState:
-        return OrchestratorState.capture(self.step, self.scheduler.tasks_drawn, self.scheduler.rng, self.seed)
+        """The resumable state at the boundary of ``self.step``: the task stream where that step's first task
+        was drawn, not the live position (tasks already drawn for later steps are drawn again after a resume)."""
+        tasks_drawn, rng_state = self.scheduler.resume_point(self.step)
+        return OrchestratorState(step=self.step, tasks_drawn=tasks_drawn, rng_state=rng_state, seed=self.seed)
 
     async def run(self) -> None:
         """Run until max_steps (forever if None); every background task stops with it."""

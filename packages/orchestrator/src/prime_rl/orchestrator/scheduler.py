@@ -27,6 +27,7 @@ from collections import Counter
 import numpy as np
 
 from prime_rl.common.config.orchestrator import AdvantageConfig
+from prime_rl.common.seeding import sample_seed
 from prime_rl.orchestrator.advantages import group_advantages
 from prime_rl.orchestrator.client import ChatResult, InferenceClient, SamplingArgs
 from prime_rl.orchestrator.curriculum import Curriculum
@@ -86,6 +87,10 @@ class RolloutScheduler:
         self.counters: Counter[str] = Counter()  # env/prompt_failed, rollouts/aborted
         self._tickets = 0
         self._workers: list[asyncio.Task] = []
+        self.step_marks: dict[int, tuple[int, dict]] = {}
+        """target step -> (tasks_drawn, rng state) just before its first task was drawn: the task stream's
+        position at that step boundary, which a checkpoint of that step saves (tasks drawn ahead for later
+        steps are then drawn again, identically, after a resume)."""
 
     async def setup(self) -> None:
         """Start every environment and check its chat rendering: bad input fails here, before any rollout."""
@@ -113,6 +118,13 @@ class RolloutScheduler:
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def resume_point(self, step: int) -> tuple[int, dict]:
+        """(tasks_drawn, rng state) at the boundary of ``step`` (live values if no task of it was drawn yet);
+        forgets the marks of earlier steps."""
+        for old in [s for s in self.step_marks if s < step]:
+            del self.step_marks[old]
+        return self.step_marks.get(step, (self.tasks_drawn, self.rng.bit_generator.state))
 
     def pop_metrics(self) -> dict[str, float]:
         """Metrics of the optional algorithm parts (length shaping, curriculum, distillation) since the last pop."""
@@ -156,6 +168,9 @@ class RolloutScheduler:
         self._tickets += 1
         target_step = self.start_step + ticket // self.groups_per_step
         # Draw before any await so the task order depends only on the rng, not on timing.
+        if ticket % self.groups_per_step == 0:
+            self.step_marks[target_step] = (self.tasks_drawn, self.rng.bit_generator.state)
+        task_index = self.tasks_drawn
         env = pick_env(self.envs, self.rng)
         seed = int(self.rng.integers(2**63))
         pick_rng = np.random.default_rng(int(self.rng.integers(2**63))) if self.curriculum else None
@@ -172,7 +187,8 @@ class RolloutScheduler:
         version = await self.policy.wait_for(target_step - self.max_off_policy_steps)
         sampling = self.sampling
         if sampling.seed is not None:  # vLLM seeds the group's n samples seed, seed + 1, ...
-            sampling = dataclasses.replace(sampling, seed=sampling.seed + ticket * self.group_size)
+            # from (run seed, step, task index) alone: a resumed run sends the uninterrupted run's seeds
+            sampling = dataclasses.replace(sampling, seed=sample_seed(sampling.seed, target_step, task_index, 0))
         renderer = self.renderers.get(env.name)
         rollouts = await rollout_group(
             self.client, env, renderer, task, messages, self.group_size, sampling, self.max_len, budgets
