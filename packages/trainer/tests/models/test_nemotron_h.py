@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from prime_rl.trainer.models import PackedSeqs, build_model, load_hf_weights, read_hf_state_dict, save_hf_weights
 from prime_rl.trainer.models.config import load_model_config
-from prime_rl.trainer.models.flops import num_active_params
+from prime_rl.trainer.models.flops import model_flops_per_token, num_active_params
 from prime_rl.trainer.models.mamba import causal_conv1d_packed, ssd_chunk_scan
 
 TINY_NH = dict(
@@ -210,6 +210,8 @@ def test_config_reads_pattern_or_block_types_and_counts_active_params(tmp_path):
     # active params per token: everything but the input embedding, with 3 of 8 routed experts per token
     all_params = sum(p.numel() for p in hf.parameters()) - hf.model.embeddings.weight.numel()
     assert num_active_params(c) == all_params - (8 - 3) * 2 * 64 * 24
+    # MFU: the attention term counts the one attention layer, not all five
+    assert model_flops_per_token(c, 100) == 6 * num_active_params(c) + 12 * 1 * 4 * 16 * 100
 
 
 @pytest.mark.parametrize(
