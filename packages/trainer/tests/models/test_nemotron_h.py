@@ -283,3 +283,23 @@ def test_bf16_logits_follow_transformers(tmp_path):
         got, ref = ours.lm_head(ours(ids, torch.arange(37)[None])).float(), hf(input_ids=ids).logits.float()
     err = (got - ref).abs().max().item()
     assert err < 0.01 * ref.abs().max().item(), err  # measured: 0.0039 of 0.63 (one bf16 ulp)
+
+
+def test_nemotron_3_super_shape_builds_on_meta_at_its_published_size():
+    """Nemotron-3 Super 120B-A12B (the issue's RL example): 88 layers, 40 Mamba-2 / 40 latent MoE (512 experts,
+    top 22, latent 1024) / 8 attention; 120.6B parameters, 12.7B active with the embedding. The layer order
+    here is illustrative (the count does not depend on it); the MTP layer is not built (see weights.py)."""
+    super_ = dict(
+        model_type="nemotron_h", vocab_size=131072, hidden_size=4096, intermediate_size=21504,
+        hybrid_override_pattern="MEMEMEMEME*" * 8, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+        mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128,
+        n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688, moe_latent_size=1024,
+        moe_shared_expert_intermediate_size=5376, n_shared_experts=1, n_group=1, topk_group=1,
+        routed_scaling_factor=5.0, norm_topk_prob=True, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = build_model(super_, device="meta")
+    assert model.layers[1].mixer.fc1_latent_proj.weight.shape == (1024, 4096)
+    assert model.layers[1].mixer.experts.up_proj.shape == (512, 2688, 1024)
+    assert sum(p.numel() for p in model.parameters()) == 120_668_687_360  # transformers on meta: the same
+    active_with_embedding = num_active_params(load_model_config(super_)) + 131072 * 4096
+    assert 12.7e9 < active_with_embedding < 12.8e9
