@@ -14,8 +14,14 @@ Design:
   of chunk-end states between chunks. A document boundary inside a chunk masks the intra-chunk
   decay matrix; across chunks a chunk-end state is kept only for the document still open there.
 
-Left out: a Triton / CUDA scan (mamba_ssm's fused kernels), inference caches (vLLM serves), context
-parallelism over the sequence (the scan would need the previous rank's final state).
+Cost: like transformers' torch path, it materializes (heads, T / chunk_size, chunk_size, chunk_size) fp32
+decay and score tensors per layer (about 2 * 4 B * heads * chunk_size per token: 64 KiB at 64 heads and
+chunk 128), so long rows want activation checkpointing; the inter-chunk step is quadratic in the chunk
+count (a (heads, c, c) matrix) where mamba_ssm passes states sequentially.
+
+Left out: a Triton / CUDA scan (mamba_ssm's fused kernels, which take the same resets as `seq_idx`),
+inference caches (vLLM serves), context parallelism over the sequence (the scan would need the previous
+rank's final state).
 """
 
 from __future__ import annotations
@@ -86,8 +92,8 @@ def ssd_chunk_scan(
 ) -> torch.Tensor:
     """y_t = C_t . h_t with h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T, h = 0 at every document start.
 
-    x (T, h, p), dt (T, h), A (h,), B / C (T, g, n) with g dividing h, doc_ids (T,) -> y (T, h, p),
-    all fp32 (no D skip term). Letters: c chunk, l / s positions in a chunk, h head, p head dim, n state.
+    x (T, h, p), dt (T, h), A (h,), B / C (T, g, n) with g dividing h, doc_ids (T,) non-decreasing (documents
+    are contiguous, as PackedSeqs numbers them) -> y (T, h, p), all fp32 (no D skip term). Letters: c chunk, l / s positions in a chunk, h head, p head dim, n state.
     """
     num_tokens, heads, _ = x.shape
     B = B.repeat_interleave(heads // B.shape[1], dim=1)  # (T, h, n): head i reads group i // (h / g)
