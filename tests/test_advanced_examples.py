@@ -1,0 +1,35 @@
+"""examples/advanced: each multi-node config renders its SLURM job for the node counts it promises (--dry-run)."""
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "advanced"
+
+
+def _dry_run(tmp_path: Path, *configs: Path) -> Path:
+    args = [BIN / "rl"]
+    for config in configs:
+        args += ["@", config]
+    out = subprocess.run(
+        [*args, "--output-dir", tmp_path / "out", "--dry-run"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return tmp_path / "out" / "rl"
+
+
+def test_glm_4_5_air_two_node_overlay(tmp_path):
+    glm = EXAMPLES / "glm-4.5-air"
+    run_dir = _dry_run(tmp_path, glm / "swe-budget.toml", glm / "swe-2-node.toml")
+    sbatch = (run_dir / "launcher" / "rl.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --gres=gpu:8" in sbatch
+    trainer = tomllib.loads((run_dir / "configs" / "trainer.toml").read_text())
+    assert trainer["optim"]["type"] == "sign_sgd" and trainer["model"]["offload"] == "full"
+    assert trainer["model"]["name"] == "zai-org/GLM-4.5-Air"
+    orchestrator = tomllib.loads((run_dir / "configs" / "orchestrator.toml").read_text())
+    assert orchestrator["batch_size"] == 64  # the overlay's, over the base's 256
+    assert orchestrator["env"][0]["entrypoint"] == "swe_env:SWEEnvironment"
+    inference = tomllib.loads((run_dir / "configs" / "inference.toml").read_text())
+    assert inference["vllm"]["tensor_parallel_size"] == 8 and inference["vllm"]["data_parallel_size"] == 1
