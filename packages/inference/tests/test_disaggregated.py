@@ -55,6 +55,17 @@ def test_disaggregated_config_places_prefill_then_decode():
     assert cfg.deployment.kv_role("prefill") == "kv_producer" and cfg.deployment.kv_role("decode") == "kv_consumer"
 
 
+def test_single_node_placement_gives_each_instance_its_gpus(monkeypatch):
+    from prime_rl.inference.router import RouterSetupError, _gpu_slices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5")
+    cfg = load_config(InferenceConfig, _pd_args("--deployment.num-decode", "2", "--vllm.tensor-parallel-size", "2"))
+    assert _gpu_slices(cfg) == ["0,1", "2,3", "4,5"]  # prefill, decode, decode
+    cfg = load_config(InferenceConfig, _pd_args("--deployment.num-decode", "3", "--vllm.tensor-parallel-size", "2"))
+    with pytest.raises(RouterSetupError, match="num_prefill \\+ num_decode = 4 x .* needs 8 GPUs but 6 are visible"):
+        _gpu_slices(cfg)
+
+
 @pytest.mark.parametrize(
     ("args", "key"),
     [

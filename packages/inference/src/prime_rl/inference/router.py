@@ -220,6 +220,10 @@ def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], ex
             cmd += ["--server.port", str(config.server.port + 1 + i), "--server.control-port", str(control + i)]
             if role is not None:
                 cmd += ["--deployment.role", role]
+            print(
+                f"instance {i}{f' ({role})' if role else ''}: {endpoints[i].url} on GPUs {gpus or 'none (CPU)'}",
+                flush=True,
+            )
             procs.append(subprocess.Popen(cmd, env=env))
         try:
             _wait_healthy([e.url for e in endpoints], procs, config.router.startup_timeout)
