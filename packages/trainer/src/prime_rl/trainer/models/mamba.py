@@ -3,7 +3,9 @@
 Design:
 - Parameter names and shapes are transformers' `NemotronHMamba2Mixer` (`in_proj`, `conv1d`, `dt_bias`,
   `A_log`, `D`, `norm`, `out_proj`), so loading is a prefix change; the numerics follow its torch path
-  (fp32 scan, dt clamped below at `time_step_min`, gated RMSNorm per group of `n_groups`).
+  (fp32 scan, dt clamped below at `time_step_min`, gated RMSNorm per group of `n_groups`). That clamp is
+  transformers' choice: vLLM (0.32) and the config's own `time_step_limit` use (0, inf), so for a head whose
+  softplus(dt) falls below time_step_min (1e-3) the trainer and inference disagree slightly.
 - Packed rows: the trainer concatenates documents and restarts positions at 0 for each one. Both the
   conv1d state and the SSM state restart at every document start, so a packed row gives exactly the
   outputs of its documents run one by one. Nothing reads host ints: the resets are masks built from
