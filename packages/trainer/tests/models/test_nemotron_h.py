@@ -303,3 +303,17 @@ def test_nemotron_3_super_shape_builds_on_meta_at_its_published_size():
     assert sum(p.numel() for p in model.parameters()) == 120_668_687_360  # transformers on meta: the same
     active_with_embedding = num_active_params(load_model_config(super_)) + 131072 * 4096
     assert 12.7e9 < active_with_embedding < 12.8e9
+
+
+def test_init_weights_fills_every_tensor_like_transformers_and_router_stats_report_moe_layers():
+    config = {**TINY_NH, "model_type": "nemotron_h", "moe_latent_size": 32}
+    torch.manual_seed(0)
+    model = build_model(config, dtype=torch.float32, device="cpu")  # from meta: to_empty() + init_weights()
+    for name, t in model.state_dict().items():
+        assert torch.isfinite(t).all() and t.abs().max() < 1e3, name  # nothing left as to_empty() garbage
+    mixer = model.layers[0].mixer
+    assert torch.equal(mixer.A_log, torch.log(torch.arange(1, 9, dtype=torch.float32))) and (mixer.D == 1).all()
+    dt = F.softplus(mixer.dt_bias)
+    assert (dt >= 1e-4).all() and (dt <= 0.1 + 1e-6).all()
+    model(torch.randint(0, 128, (1, 10)), torch.arange(10)[None])
+    assert list(model.router_stats()) == [4] and model.router_stats()[4].sum() == 10 * 3  # 10 tokens, top 3
