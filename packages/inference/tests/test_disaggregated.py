@@ -56,11 +56,15 @@ def test_disaggregated_config_places_prefill_then_decode():
 
 
 def test_single_node_placement_gives_each_instance_its_gpus(monkeypatch):
-    from prime_rl.inference.router import RouterSetupError, _gpu_slices
+    from prime_rl.inference.router import RouterSetupError, _gpu_slices, _side_channel_env
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5")
     cfg = load_config(InferenceConfig, _pd_args("--deployment.num-decode", "2", "--vllm.tensor-parallel-size", "2"))
     assert _gpu_slices(cfg) == ["0,1", "2,3", "4,5"]  # prefill, decode, decode
+    monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
+    pd = load_config(InferenceConfig, _pd_args("--deployment.num-decode", "2", "--vllm.data-parallel-size", "2"))
+    ports = [_side_channel_env(pd, i)["VLLM_NIXL_SIDE_CHANNEL_PORT"] for i in range(3)]
+    assert ports == ["5600", "5602", "5604"]  # each engine listens on port + its DP rank
     cfg = load_config(InferenceConfig, _pd_args("--deployment.num-decode", "3", "--vllm.tensor-parallel-size", "2"))
     with pytest.raises(RouterSetupError, match="num_prefill \\+ num_decode = 4 x .* needs 8 GPUs but 6 are visible"):
         _gpu_slices(cfg)

@@ -362,7 +362,9 @@ def test_inference_pd_places_prefill_then_decode_nodes_behind_the_pd_router(tmp_
     from prime_rl.common.config.inference import InferenceConfig
 
     cfg = write_pd_config(tmp_path, "inference", 'num_prefill = 2\nnum_decode = 1\nkv_buffer_device = "cuda"')
-    launcher = dry_run(cfg, "--slurm.router-port", "9000", "--slurm.replica-port", "9100")
+    launcher = dry_run(
+        cfg, "--slurm.router-port", "9000", "--slurm.replica-port", "9100", "--vllm.data-parallel-size", "2"
+    )
     script = (launcher / "inference.sbatch").read_text()
     assert "#SBATCH --nodes=3" in script
     # each node's process config: the P/D deployment (the role comes as a flag), GPU connector settings
@@ -381,7 +383,7 @@ def test_inference_pd_places_prefill_then_decode_nodes_behind_the_pd_router(tmp_
         assert f"--nodelist={node}" in argv and arg_after(argv, "--deployment.role") == role
         assert arg_after(argv, "--server.port") == str(9100 + i)
         # NIXL's side channel on the node's own address, a port per instance (nodes may share a network)
-        assert f"VLLM_NIXL_SIDE_CHANNEL_HOST={node}" in argv and f"VLLM_NIXL_SIDE_CHANNEL_PORT={5600 + i}" in argv
+        assert f"VLLM_NIXL_SIDE_CHANNEL_HOST={node}" in argv and f"VLLM_NIXL_SIDE_CHANNEL_PORT={5600 + 2 * i}" in argv
     router = by_name["router"]
     start = router.index("--vllm-pd-disaggregation")
     assert router[start : start + 7] == [

@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from prime_rl.common.config import write_toml
+from prime_rl.common.config.deployment import NIXL_CONNECTORS
 from prime_rl.common.config.inference import InferenceConfig
 
 
@@ -200,6 +201,19 @@ def _instance_base(config: InferenceConfig, tmp: Path) -> InferenceConfig:
     return config.model_copy(update={"deployment": pd.model_copy(update={"kv_connector_extra_config": extra})})
 
 
+NIXL_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+
+def _side_channel_env(config: InferenceConfig, index: int) -> dict[str, str]:
+    """NIXL's side channel (its KV handshake) listens on VLLM_NIXL_SIDE_CHANNEL_PORT + the engine's data-parallel
+    rank: instances on one host need ports that far apart, or the second one cannot bind."""
+    pd = config.disaggregated
+    if pd is None or pd.kv_connector not in NIXL_CONNECTORS:
+        return {}
+    base = int(os.environ.get(NIXL_SIDE_CHANNEL_PORT, "5600"))
+    return {NIXL_SIDE_CHANNEL_PORT: str(base + index * config.vllm.data_parallel_size)}
+
+
 def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], exe: str, prog: str) -> int:
     endpoints = replica_endpoints(config)
     control = config.server.resolved_control_port
@@ -220,6 +234,7 @@ def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], ex
             cmd += ["--server.port", str(config.server.port + 1 + i), "--server.control-port", str(control + i)]
             if role is not None:
                 cmd += ["--deployment.role", role]
+                env.update(_side_channel_env(config, i))
             print(
                 f"instance {i}{f' ({role})' if role else ''}: {endpoints[i].url} on GPUs {gpus or 'none (CPU)'}",
                 flush=True,

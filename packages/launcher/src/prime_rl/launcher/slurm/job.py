@@ -203,4 +203,5 @@ def _place_disaggregated(job: SlurmJob) -> None:
         # vllm-router's P/D handshake: NIXL's pull protocol for the NIXL connectors (its default otherwise too)
         "router_kv_connector": "mooncake" if pd.kv_connector.startswith("Mooncake") else "nixl",
         "nixl": pd.kv_connector.startswith("Nixl"),
+        "side_channel_stride": inference.vllm.data_parallel_size,  # each DP engine listens on port + its rank
     }
