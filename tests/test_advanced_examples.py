@@ -33,3 +33,13 @@ def test_glm_4_5_air_two_node_overlay(tmp_path):
     assert orchestrator["env"][0]["entrypoint"] == "swe_env:SWEEnvironment"
     inference = tomllib.loads((run_dir / "configs" / "inference.toml").read_text())
     assert inference["vllm"]["tensor_parallel_size"] == 8 and inference["vllm"]["data_parallel_size"] == 1
+
+
+def test_nemotron_3_super_four_trainer_nodes_one_inference_node_nccl(tmp_path):
+    run_dir = _dry_run(tmp_path, EXAMPLES / "nemotron-3-super" / "swe.toml")
+    sbatch = (run_dir / "launcher" / "rl.sbatch").read_text()
+    assert "#SBATCH --nodes=5" in sbatch
+    # rank 0 of the trainer pushes to every inference server's control endpoint, resolved on the cluster
+    assert '--weight-broadcast.host "$TRAIN_HEAD"' in sbatch and "--weight-broadcast.inference-addresses" in sbatch
+    trainer = tomllib.loads((run_dir / "configs" / "trainer.toml").read_text())
+    assert trainer["weight_broadcast"]["type"] == "nccl" and trainer["model"]["ep"] == 8
