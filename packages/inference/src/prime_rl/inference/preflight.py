@@ -58,7 +58,8 @@ def check_kv_connector(config: InferenceConfig) -> None:
         # vLLM imports `nixl._api`; the nixl-cu13 wheel alone installs `nixl_cu13`, which vLLM does not look for
         raise ConfigError(
             f"deployment.kv_connector={pd.kv_connector!r} needs the `nixl` Python package (vLLM imports nixl._api), "
-            "which is not installed; pip install nixl (the meta package over nixl-cu12/cu13)",
+            "which is not installed; pip install --no-deps nixl==1.5.1 (the meta package over the nixl-cu13 wheel "
+            "of prime-rl-inference[nixl]; without --no-deps it also pulls nixl-cu12)",
             keys=["deployment.kv_connector"],
         )
 
