@@ -64,9 +64,13 @@ def test_single_node_placement_gives_each_instance_its_gpus(monkeypatch):
     cfg = load_config(InferenceConfig, _pd_args("--deployment.num-decode", "2", "--vllm.tensor-parallel-size", "2"))
     assert _gpu_slices(cfg) == ["0,1", "2,3", "4,5"]  # prefill, decode, decode
     monkeypatch.delenv("VLLM_NIXL_SIDE_CHANNEL_PORT", raising=False)
-    pd = load_config(InferenceConfig, _pd_args("--deployment.num-decode", "2", "--vllm.data-parallel-size", "2"))
+    dp2 = ["--vllm.data-parallel-size", "2", "--server.port", "9000"]
+    pd = load_config(InferenceConfig, _pd_args("--deployment.num-decode", "2", *dp2))
     ports = [_side_channel_env(pd, i)["VLLM_NIXL_SIDE_CHANNEL_PORT"] for i in range(3)]
-    assert ports == ["5600", "5602", "5604"]  # each engine listens on port + its DP rank
+    # after control ports 9100-9102 and the router's metrics port 9103; each engine listens on port + its DP rank
+    assert ports == ["9104", "9106", "9108"]
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "7000")
+    assert _side_channel_env(pd, 1) == {"VLLM_NIXL_SIDE_CHANNEL_PORT": "7002"}
     cfg = load_config(InferenceConfig, _pd_args("--deployment.num-decode", "3", "--vllm.tensor-parallel-size", "2"))
     with pytest.raises(RouterSetupError, match="num_prefill \\+ num_decode = 4 x .* needs 8 GPUs but 6 are visible"):
         _gpu_slices(cfg)
@@ -255,7 +259,6 @@ def test_nixl_connector_moves_kv_from_prefill_to_decode_on_cpu(tmp_path, tiny_mo
     env = cpu_env()
     if importlib.util.find_spec("nixl") is None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_nixl_alias(tmp_path / "alias")), env.get("PYTHONPATH")]))
-    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())  # not 5600: another run on this machine may hold it
     connector = 'kv_connector = "NixlConnector"\nkv_buffer_device = "cpu"'
     with _pd_deployment(tmp_path, tiny_model, connector, env) as (url, prefill, decode):
         reference = _completions(prefill, tiny_model)  # one server, computing every prompt itself

@@ -13,8 +13,8 @@ With ``[deployment] type = "disaggregated"`` the same supervisor starts ``num_pr
 connector in its role (``--deployment.role``), and runs the router in P/D mode
 (``--vllm-pd-disaggregation``): a request is sent to a prefill instance with ``max_tokens = 1``, then to a
 decode instance, which loads the prompt's KV through the connector instead of recomputing it (vLLM's
-disaggregated-prefill proxy, in Rust). ExampleConnector (the connector that runs on CPU) moves KV through
-files: without a ``shared_storage_path`` it gets a directory here, removed when the router stops.
+disaggregated-prefill proxy, in Rust). ExampleConnector (vLLM's file-based reference connector) moves KV
+through files: without a ``shared_storage_path`` it gets a directory here, removed when the router stops.
 
 This process supervises: when any child exits, the others are stopped and its exit code returned.
 """
@@ -206,11 +206,14 @@ NIXL_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 
 def _side_channel_env(config: InferenceConfig, index: int) -> dict[str, str]:
     """NIXL's side channel (its KV handshake) listens on VLLM_NIXL_SIDE_CHANNEL_PORT + the engine's data-parallel
-    rank: instances on one host need ports that far apart, or the second one cannot bind."""
+    rank: instances on one host need ports that far apart, or the second one cannot bind. Unless the environment
+    sets a base, it follows this deployment's own ports (after the router's metrics port, itself after the control
+    ports), so two deployments side by side on different ports do not collide on vLLM's fixed default (5600)."""
     pd = config.disaggregated
     if pd is None or pd.kv_connector not in NIXL_CONNECTORS:
         return {}
-    base = int(os.environ.get(NIXL_SIDE_CHANNEL_PORT, "5600"))
+    default = config.server.resolved_control_port + config.num_instances + 1
+    base = int(os.environ.get(NIXL_SIDE_CHANNEL_PORT, default))
     return {NIXL_SIDE_CHANNEL_PORT: str(base + index * config.vllm.data_parallel_size)}
 
 
