@@ -239,7 +239,7 @@ def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], ex
                 cmd += ["--deployment.role", role]
                 env.update(_side_channel_env(config, i))
             print(
-                f"instance {i}{f' ({role})' if role else ''}: {endpoints[i].url} on GPUs {gpus or 'none (CPU)'}",
+                f"instance {i}{f' ({role})' if role else ''}: {endpoints[i].url} on {f'GPUs {gpus}' if gpus else 'CPU'}",
                 flush=True,
             )
             procs.append(subprocess.Popen(cmd, env=env))
