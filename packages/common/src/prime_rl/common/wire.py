@@ -467,6 +467,26 @@ class WeightsPublished(Message):
     """Seconds the background part took (write + rename, or waiting for the servers' reload)."""
 
 
+class EnvRequest(Message):
+    """Orchestrator -> environment worker process: call ``method`` of its environment."""
+
+    id: int
+    method: str
+    args: bytes
+    """msgpack of the call's keyword arguments."""
+
+
+class EnvReply(Message):
+    """Environment worker -> orchestrator: the result of request ``id``."""
+
+    id: int
+    ok: bool
+    result: bytes = b""
+    """msgpack of the result (ok)."""
+    error: str = ""
+    """One line: what failed (not ok)."""
+
+
 # Append new messages above this line and add them here; the union decoder needs the closed set.
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     TrainingBatch,
@@ -486,6 +506,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     InitNixlRequest,
     NixlWeightsRequest,
     WeightsPublished,
+    EnvRequest,
+    EnvReply,
 )
 
 

@@ -37,7 +37,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from prime_rl.common.wire import Message, decode_header, encode_header
+from prime_rl.common.wire import EnvReply, EnvRequest, Message, decode_header, encode_header
 from prime_rl.orchestrator.envs.handle import (
     EnvCrashed,
     EnvFailure,
@@ -54,22 +54,6 @@ POLL_S = 0.5
 """How often a worker checks that its parent lives, and a reader that its worker does."""
 START_TIMEOUT_S = 120.0
 """Seconds a worker may take to import and build its environment."""
-
-
-class EnvRequest(Message):
-    id: int
-    method: str
-    args: bytes
-    """msgpack of the call's keyword arguments."""
-
-
-class EnvReply(Message):
-    id: int
-    ok: bool
-    result: bytes = b""
-    """msgpack of the result (ok) ."""
-    error: str = ""
-    """One line: what failed (not ok)."""
 
 
 ENV_MESSAGES: tuple[type[Message], ...] = (EnvRequest, EnvReply)
