@@ -14,6 +14,7 @@ from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.monitor import FileMonitor, read_metrics
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
+from prime_rl.common.seeding import sample_seed
 from prime_rl.common.transport import Receiver, Sender
 from prime_rl.common.wire import TrainingBatch, WeightsPublished, micro_batch_arrays
 from prime_rl.orchestrator.batch import BatchSender
@@ -75,7 +76,7 @@ class FakeTrainer:
         try:
             announcer = Sender(f"tcp://127.0.0.1:{self.weights_port}", timeout_s=30) if rank == 0 else None
             with Receiver(f"tcp://127.0.0.1:{port + rank}", bind=False, timeout_s=30) as receiver:
-                for _ in range(num_steps):
+                for i in range(num_steps):
                     message, arrays = receiver.recv()
                     self.received[rank].append((message, {k: np.array(v) for k, v in arrays.items()}))
                     if rank == 0:
@@ -83,7 +84,10 @@ class FakeTrainer:
                         d = self.run_dir.broadcast_dir(message.step + 1)
                         d.mkdir(parents=True)
                         (d / BROADCAST_MARKER).touch()
-                        announcer.send(WeightsPublished(version=message.step + 1, path=str(d)))
+                        # the last version is one no step samples from: the orchestrator may have exited,
+                        # and a send to nobody would block until its timeout
+                        if i < num_steps - 1:
+                            announcer.send(WeightsPublished(version=message.step + 1, path=str(d)))
             if announcer is not None:
                 announcer.close()
         except BaseException as e:
@@ -248,8 +252,12 @@ def test_zero_advantage_groups_are_left_out_and_counted(tmp_path, make_server, p
     run_orchestrator(config, FlatOnShortTasksEnv(min_len=3, max_len=4), RecordingControl())
     trainer.join()
     assert all(m["batch/trained_groups"] == 4 for m in read_metrics(RunDir(run, "run").metrics_path))
-    # a sampling seed makes every request reproducible without two groups sharing seeds (vLLM uses seed + i)
-    assert sorted(body["seed"] for body in server.requests) == [100 + 4 * t for t in range(len(server.requests))]
+    # a sampling seed makes every request reproducible: sample_seed(run seed, step, task index), the same
+    # after a resume; no two groups share seeds (vLLM uses seed + i for the group's i-th sample)
+    seeds = sorted(body["seed"] for body in server.requests)
+    expected = {sample_seed(100, t // 4, t, 0) for t in range(len(server.requests) + 16)}  # 4 groups per step
+    assert set(seeds) <= expected and len(set(seeds)) == len(seeds)
+    assert all(b - a >= 4 for a, b in zip(seeds, seeds[1:]))
 
 
 def test_stale_rollouts_are_dropped_and_counted(tmp_path, make_server, ports):
