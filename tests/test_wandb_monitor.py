@@ -22,7 +22,9 @@ from prime_rl.common.rundir import RunDir
 pytest.importorskip("wandb", reason="needs prime-rl-common[wandb]")
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+# a loaded 2-core CI machine can take longer than wandb's default 30 s to start its service process
+SLOW_START = {"WANDB__SERVICE_WAIT": "300", "WANDB_INIT_TIMEOUT": "300"}
+ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", **SLOW_START}
 
 
 def _finished_records(wandb_dir: Path) -> list:
@@ -67,6 +69,8 @@ def test_orchestrator_logs_metrics_and_sample_tables_offline(tmp_path, monkeypat
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    for key, value in SLOW_START.items():
+        monkeypatch.setenv(key, value)
     port = free_port_range(2)
     with FakeOpenAIServer() as server:
         wandb_cfg = {"max_samples": 3, "mode": "offline"}  # wandb reads $WANDB_MODE once per process
