@@ -43,3 +43,21 @@ def test_nemotron_3_super_four_trainer_nodes_one_inference_node_nccl(tmp_path):
     assert '--weight-broadcast.host "$TRAIN_HEAD"' in sbatch and "--weight-broadcast.inference-addresses" in sbatch
     trainer = tomllib.loads((run_dir / "configs" / "trainer.toml").read_text())
     assert trainer["weight_broadcast"]["type"] == "nccl" and trainer["model"]["ep"] == 8
+
+
+def _inference_dry_run(tmp_path: Path, config: Path) -> str:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run(
+        [BIN / "inference", "@", config, "--output-dir", tmp_path / "out", "--dry-run"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return (tmp_path / "out" / "inference" / "launcher" / "inference.sbatch").read_text()
+
+
+def test_glm_5_3_replicas_and_pd_disaggregated_inference(tmp_path):
+    sbatch = _inference_dry_run(tmp_path / "replicas", EXAMPLES / "glm-5.3" / "inference.toml")
+    assert "#SBATCH --nodes=4" in sbatch
+    sbatch = _inference_dry_run(tmp_path / "pd", EXAMPLES / "glm-5.3" / "inference-pd.toml")
+    assert "#SBATCH --nodes=4" in sbatch and "--vllm-pd-disaggregation" in sbatch
+    assert 'if [ "$i" -lt 2 ]; then role=prefill' in sbatch  # the first two nodes prefill, the other two decode
