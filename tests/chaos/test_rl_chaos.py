@@ -155,16 +155,20 @@ def test_closed_control_plane_watchdog_and_exact_resume(model, tmp_path):
         # orchestrator's own pause/load/resume around a weight update lifts a pause that lands just before
         # it (the run is not frozen then), so the operator pauses again until one sticks; one sticks as
         # soon as it lands while the orchestrator waits for rollouts (max_off_policy_steps = 0).
+        # Poll fast: with a tiny model a step's requests finish within a second of the orchestrator's resume,
+        # and a pause only sticks if it lands in that window (polling every 0.5 s missed it for minutes). A
+        # refused pause is fine too: the server answers "cannot schedule new futures after shutdown" once the
+        # watchdog is stopping it; the log and STATUS below are the test.
         deadline = time.monotonic() + 120
         with ControlClient(control, timeout_s=5.0, secret=secret) as operator:
             while proc.poll() is None and time.monotonic() < deadline:
                 try:
                     state = operator.request(HealthRequest())
                     if isinstance(state, HealthReply) and not state.paused:
-                        assert operator.request(PauseRequest(mode="keep")).ok
+                        operator.request(PauseRequest(mode="keep"))
                 except TimeoutError:
                     pass  # the server is being stopped
-                time.sleep(0.5)
+                time.sleep(0.05)
         assert proc.wait(timeout=30) == 1
         log = (tmp_path / "launcher.out").read_text()
         assert "watchdog: inference rank 0" in log and "phase 'paused by 127.0.0.1'" in log, log[-3000:]
