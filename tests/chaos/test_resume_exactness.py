@@ -45,7 +45,11 @@ def _assert_same_step(a: dict[str, float], b: dict[str, float], step: int) -> No
         if key.startswith(EXACT_PREFIXES):
             assert value == b[key], (step, key, value, b[key])
         else:
-            assert value == pytest.approx(b[key], rel=1e-3, abs=1e-5), (step, key, value, b[key])
+            # the RL loss is a sum of advantage-weighted terms that cancel to ~1e-5: summed in another packing
+            # order it moved by 1.04e-5 in one CI run (8.2e-6 vs -2.3e-6), so it gets an absolute margin
+            # against the per-token scale instead of one against its own near-zero value
+            margin = 1e-4 if key.startswith("loss/") else 1e-5
+            assert value == pytest.approx(b[key], rel=1e-3, abs=margin), (step, key, value, b[key])
 
 
 def _config(out: Path, model: Path, name: str) -> Path:
