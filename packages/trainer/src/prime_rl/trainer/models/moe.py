@@ -27,6 +27,7 @@ from torch import nn
 
 from prime_rl.kernels.grouped_gemm import grouped_swiglu
 from prime_rl.trainer.models.config import ModelConfig
+from prime_rl.trainer.models.mlp import MLP
 
 
 class Router(nn.Module):
@@ -111,19 +112,6 @@ def unpermute_tokens(
     return out.index_add_(0, order // top_k, weighted)
 
 
-class SharedExperts(nn.Module):
-    """SwiGLU MLP every token goes through (HF names: mlp.shared_experts.{gate,up,down}_proj)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MoE(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -131,7 +119,7 @@ class MoE(nn.Module):
         self.router = Router(config)
         self.experts = Experts(config)
         self.shared_experts = (
-            SharedExperts(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
             if config.n_shared_experts
             else None
         )

@@ -17,12 +17,12 @@ Left out: KV cache and generation (inference is vLLM), dropout, sliding-window a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from prime_rl.trainer.models.attention import build_core_attention, prepare_masks
 from prime_rl.trainer.models.config import ModelConfig
 from prime_rl.trainer.models.mamba import GatedRMSNorm, Mamba2Mixer
+from prime_rl.trainer.models.mlp import MLP
 from prime_rl.trainer.models.moe import MoE
 from prime_rl.trainer.models.nemotron_h import NemotronHBlock, NemotronHMoE, NemotronHRMSNorm
 from prime_rl.trainer.models.packing import PackedSeqs
@@ -73,17 +73,6 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core_attention(q, k, v, seqs)  # (T, Hq, D)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):
