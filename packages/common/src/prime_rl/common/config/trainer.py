@@ -80,11 +80,47 @@ MoEDispatchConfig = Annotated[
 ]
 
 
+class BF16ComputeConfig(BaseConfig):
+    """Routed-expert GEMMs in the activation dtype (bf16 under FSDP): the Triton grouped GEMM on CUDA."""
+
+    type: Literal["bf16"] = "bf16"
+
+
+class FP8ComputeConfig(BaseConfig):
+    """Routed-expert GEMMs in blockwise-scaled FP8 (e4m3; 1x128 activation and gradient blocks, 128x128 weight
+    blocks, as DeepSeek-V3 trains), forward and backward, through torch's scaled matmul on SM90 (H100/H200);
+    master weights and the optimizer stay as they are."""
+
+    type: Literal["fp8"] = "fp8"
+
+
+class DeepGEMMFP8ComputeConfig(BaseConfig):
+    """Blockwise FP8 through DeepGEMM's grouped GEMM (needs the `deep_gemm` package; not wired in yet)."""
+
+    type: Literal["deepgemm_fp8"] = "deepgemm_fp8"
+
+
+class MXFP8ComputeConfig(BaseConfig):
+    """MXFP8 (1x32 blocks, e8m0 scales) grouped GEMMs (needs an SM100 GPU; not wired in yet)."""
+
+    type: Literal["mxfp8"] = "mxfp8"
+
+
+MoEComputeConfig = Annotated[
+    BF16ComputeConfig | FP8ComputeConfig | DeepGEMMFP8ComputeConfig | MXFP8ComputeConfig,
+    Field(discriminator="type"),
+]
+
+
 class MoEConfig(BaseConfig):
     """Mixture-of-experts execution."""
 
     dispatch: MoEDispatchConfig = TorchDispatchConfig()
     """Expert-parallel token dispatch: `type = "torch"`, `"deepep"` or `"mega_moe"`."""
+
+    compute: MoEComputeConfig = BF16ComputeConfig()
+    """Routed-expert GEMM precision: `type = "bf16"`, `"fp8"` (blockwise, SM90), `"deepgemm_fp8"` or `"mxfp8"`;
+    Mega MoE layers use `dispatch.precision` instead."""
 
 
 DEFAULT_KEEP_LAST = 3
