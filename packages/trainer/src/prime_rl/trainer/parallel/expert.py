@@ -20,8 +20,9 @@ of also FSDP-sharding them (the torchtitan "dp_shard_mod_ep" layout is left out)
 routing, not permuted tokens): see `deepep.py`. It keeps these expert parameters and their gradient
 convention.
 
-Left out: Mega MoE dispatch (the config is validated, the kernels are not bundled), FP8 expert compute,
-and token-dropping capacity limits (dispatch is dropless).
+Left out: Mega MoE dispatch (the config is validated, the kernels are not bundled) and token-dropping
+capacity limits (dispatch is dropless). FP8 expert compute (`[model.moe.compute]`) runs in `run_local` on
+the local expert shards.
 """
 
 import importlib
@@ -41,7 +42,7 @@ from prime_rl.common.config.trainer import (
     MoEDispatchConfig,
     TorchDispatchConfig,
 )
-from prime_rl.kernels.grouped_gemm import grouped_swiglu
+from prime_rl.trainer.models.moe_compute import grouped_swiglu_for
 from prime_rl.trainer.models.nemotron_h import grouped_relu2
 from prime_rl.trainer.parallel.deepep import DeepEPDispatcher, apply_deepep_moe
 
@@ -144,6 +145,7 @@ class ExpertParallelExperts(nn.Module):
             dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
             self.register_parameter(name, nn.Parameter(dt, requires_grad=full.requires_grad))
         self.num_experts = self.down_proj.shape[0]
+        self.compute = getattr(experts, "compute", "bf16")  # routed-expert precision: FP8 quantizes the local shard
 
     def _local_weight(self, param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         w = _ReduceExpertGrad.apply(param.to_local(), self.replicate_group, self.world_size)
@@ -152,7 +154,9 @@ class ExpertParallelExperts(nn.Module):
     def run_local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The local experts only: x (M, H) grouped by local expert, counts (E_local,) -> (M, H)."""
         weights = [self._local_weight(getattr(self, n), x.dtype) for n in self.proj_names]
-        return grouped_swiglu(x, counts, *weights) if len(weights) == 3 else grouped_relu2(x, counts, *weights)
+        if len(weights) == 3:
+            return grouped_swiglu_for(self.compute)(x, counts, *weights)
+        return grouped_relu2(x, counts, *weights)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x (M, H) sorted by global expert id, tokens_per_expert (E,) -> (M, H) in the same order."""

@@ -8,6 +8,7 @@ import dataclasses
 
 from prime_rl.common.config.trainer import ModelConfig
 from prime_rl.trainer.models.config import ModelConfig as ArchConfig
+from prime_rl.trainer.models.moe_compute import check_moe_compute
 from prime_rl.trainer.parallel.context import validate_cp
 from prime_rl.trainer.parallel.dims import ParallelDims
 from prime_rl.trainer.parallel.expert import check_dispatch, resolve_ep
@@ -31,4 +32,5 @@ def resolve_parallel_dims(cfg: ModelConfig, world_size: int, arch: ArchConfig) -
         )
     if num_experts:
         check_dispatch(cfg.moe, ep)
+        check_moe_compute(cfg.moe.compute, arch.model_type)
     return dataclasses.replace(dims, cp=cfg.cp, ep=ep)

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.common.config.trainer import ModelConfig
 from prime_rl.kernels.grouped_gemm import triton_grouped_enabled
+from prime_rl.trainer.models.moe_compute import apply_moe_compute
 from prime_rl.trainer.parallel.checkpointing import apply_ac
 from prime_rl.trainer.parallel.compile import apply_compile
 from prime_rl.trainer.parallel.context import apply_cp, build_cp_mesh
@@ -28,6 +29,8 @@ def parallelize_model(
     (`model.layers` are the blocks)."""
     blocks = model.layers
     expert_params: list[nn.Parameter] = []
+    # routed-expert precision: an attribute of the experts, set before EP swaps them (EP carries it over)
+    apply_moe_compute(blocks, cfg.moe.compute.type)
     if dims.ep_enabled:  # 0. expert parallel: module swap, before AC / compile wrap the blocks
         ep_mesh = build_ep_mesh(dims.world_size, dims.ep, mesh.device_type)
         expert_params = apply_ep(blocks, ep_mesh, cfg.moe.dispatch)
@@ -39,7 +42,10 @@ def parallelize_model(
         apply_ac_offloading(root, cfg.ac_offloading.max_inflight_activations)
     if cfg.compile is not None:  # 3. compile after AC wrapping, before FSDP
         # one graph per MoE block only with the Triton grouped GEMM (bf16 compute on CUDA) and no EP dispatch
-        moe_is_one_graph = triton_grouped_enabled(mesh.device_type) and not dims.ep_enabled
+        # (fp8 compute reads the per-expert token counts on the host: never one graph)
+        moe_is_one_graph = (
+            triton_grouped_enabled(mesh.device_type) and not dims.ep_enabled and cfg.moe.compute.type == "bf16"
+        )
         apply_compile(blocks, fullgraph=cfg.compile.fullgraph, moe_is_one_graph=moe_is_one_graph)
     apply_fsdp(  # 4. FSDP last
         root,

@@ -1,0 +1,290 @@
+"""Routed-expert GEMM precision (`[model.moe.compute]`): bf16, or blockwise-scaled FP8 as DeepSeek-V3 trains.
+
+    x (M, H) sorted by expert, counts (E,), w_gate / w_up (E, I, H), w_down (E, H, I) -> (M, H)
+    y[rows of e] = (silu(x_e @ w_gate[e].T) * (x_e @ w_up[e].T)) @ w_down[e].T, each GEMM in the chosen precision
+
+Design:
+- `type = "bf16"` (default): the grouped GEMM of `prime_rl.kernels.grouped_gemm` (Triton on CUDA).
+- `type = "fp8"`: every expert GEMM, forward and backward, takes e4m3 operands with fp32 scales, one scale
+  per 1x128 block of an activation or gradient row (along the contraction) and one per 128x128 block of a
+  weight, accumulates in fp32 and writes the activation dtype. The weight gradient contracts over tokens,
+  so its operands (the output gradient and the input, both transposed) are quantized in 128-token blocks
+  within each expert (DeepSeek-V3's 128x1 backward tiles). The SwiGLU between the GEMMs stays in the
+  activation dtype. Master weights, gradients and the optimizer are untouched: a weight is quantized
+  where it is used (the local shard under EP, the gathered one under FSDP) and again in backward, which
+  keeps nothing in memory the bf16 path does not keep (x and w are saved, not their fp8 copies).
+- Scales are amax / 448 per block (e4m3's largest finite value), amax floored at 1e-4 like DeepGEMM's casts
+  so an all-zero block gets a finite scale and quantizes to zeros; a NaN or Inf input stays NaN (a loss
+  that goes NaN is found, one that was clamped is not). Dimensions that are not multiples of 128 are
+  zero-padded to the next block, which changes no product.
+- Where it runs: on CUDA SM90 each expert's GEMM is one `torch.nn.functional.scaled_mm` (cuBLASLt's
+  DeepSeek-style 1x128 x 128x128 and 1x128 x 1x128 scaling, which torch implements only for SM90).
+  torch's grouped scaled GEMM (`scaled_grouped_mm`) takes only tensorwise or rowwise scales on SM90, so
+  this is a per-expert loop with one host sync for the token counts, like the bf16 path off the GPU. On
+  any other device a reference path dequantizes the same e4m3 payloads and scales (one quantizer for
+  both) and multiplies in fp32: what the GPU computes, up to accumulation order. It is what the CPU tests
+  check against bf16; it is not fast.
+- `type = "deepgemm_fp8"` (DeepGEMM's grouped kernels) and `type = "mxfp8"` (SM100) refuse at start-up,
+  naming what is missing, as Mega MoE dispatch does: no untested kernel path is shipped for them.
+- Left out: FP8 for Nemotron-H's relu^2 experts (refused at start-up), a fused grouped FP8 kernel, and
+  FP8 weight caching across micro-batches (weights change every optimizer step only, but caching would
+  hold one more copy of every expert weight).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prime_rl.common.config.trainer import (
+    DeepGEMMFP8ComputeConfig,
+    FP8ComputeConfig,
+    MoEComputeConfig,
+    MXFP8ComputeConfig,
+)
+from prime_rl.kernels.grouped_gemm import grouped_swiglu
+
+BLOCK = 128
+"""Scale block edge: 1x128 for activations and gradients, 128x128 for weights."""
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+AMAX_FLOOR = 1e-4
+"""Smallest amax a scale is computed from: an all-zero block gets scale 1e-4 / 448, not 0 / 0."""
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def _pad_to_block(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Zero-pad the given dims of x up to a multiple of BLOCK (a view-free copy only when needed)."""
+    pad = [0] * (2 * x.dim())
+    for d in dims:
+        pad[2 * (x.dim() - 1 - d) + 1] = -x.shape[d] % BLOCK
+    return F.pad(x, pad) if any(pad) else x
+
+
+def _to_fp8(blocks: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX  # NaN amax stays NaN: clamp passes it through
+    # the clamp only catches rounding of amax / scale just above 448 (the cast's overflow differs by device)
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> q (M, Kp) e4m3, scale (M, Kp / 128) fp32; Kp = K rounded up to 128 (zero columns),
+    x[m, k] ~ q[m, k] * scale[m, k // 128]."""
+    xp = _pad_to_block(x.float(), (1,))
+    m, kp = xp.shape
+    blocks = xp.view(m, kp // BLOCK, BLOCK)  # (M, Kb, 128)
+    q, scale = _to_fp8(blocks, blocks.abs().amax(dim=-1, keepdim=True))
+    return q.view(m, kp), scale.squeeze(-1)
+
+
+def quantize_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (E, N, K) -> q (E, Np, Kp) e4m3, scale (E, Np / 128, Kp / 128) fp32, both dims padded to 128."""
+    wp = _pad_to_block(w.float(), (1, 2))
+    e, np_, kp = wp.shape
+    blocks = wp.view(e, np_ // BLOCK, BLOCK, kp // BLOCK, BLOCK)  # (E, Nb, 128, Kb, 128)
+    q, scale = _to_fp8(blocks, blocks.abs().amax(dim=(2, 4), keepdim=True))
+    return q.view(e, np_, kp), scale.view(e, np_ // BLOCK, kp // BLOCK)
+
+
+def dequantize_1x128(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(M, Kp) e4m3, (M, Kp / 128) -> (M, Kp) fp32."""
+    return (q.float().unflatten(-1, (-1, BLOCK)) * scale.unsqueeze(-1)).flatten(-2)
+
+
+def dequantize_128x128(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(E, Np, Kp) e4m3, (E, Np / 128, Kp / 128) -> (E, Np, Kp) fp32."""
+    full = scale.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    return q.float() * full
+
+
+# --------------------------------------------------------------------------- GEMMs
+
+
+def sm90_scaled_mm_enabled(device: torch.device) -> bool:
+    """Whether FP8 expert GEMMs on this device run torch's blockwise scaled_mm (CUDA SM90 only)."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] == 9
+        and hasattr(F, "scaled_mm")  # torch >= 2.10
+    )
+
+
+def _scaled_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    b_blocks: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """a (m, K) e4m3 row-major with 1x128 scales (m, K/128); b (n, K) e4m3 with 1x128 (`b_blocks=1`, scales
+    (n, K/128)) or 128x128 (`b_blocks=128`, scales (n/128, K/128)) scales -> a @ b.T (m, n) via cuBLASLt."""
+    # layouts torch's SM90 blockwise path checks (aten/src/ATen/native/cuda/ScaledBlas.cpp): a row-major,
+    # b column-major; 1x128 scales outer-dim-major (stride (1, rows)); 128x128 scales K-major with the K
+    # blocks padded to a multiple of 4 (cuBLASLt's 16-byte alignment), passed as (K/128 padded, n/128)
+    recipe = F.ScalingType
+    sa = a_scale.t().contiguous().t()
+    if b_blocks == 1:
+        sb, recipe_b = b_scale.t().contiguous().t(), recipe.BlockWise1x128
+    else:
+        sb, recipe_b = F.pad(b_scale, (0, -b_scale.shape[1] % 4), value=1.0).t(), recipe.BlockWise128x128
+    return F.scaled_mm(a, b.contiguous().t(), sa, recipe.BlockWise1x128, sb, recipe_b, output_dtype=out_dtype)
+
+
+def _grouped_fprop(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    splits: list[int],
+    n: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Per expert e: a[rows of e] (m_e, Kp) @ w[e].T (Kp, Np) -> (M, n): the forward and the input gradient."""
+    use_gpu = sm90_scaled_mm_enabled(a_q.device) and out_dtype in (torch.bfloat16, torch.float32)
+    if not use_gpu:  # reference: the same payloads and scales, dequantized, multiplied in fp32
+        a, w = dequantize_1x128(a_q, a_s), dequantize_128x128(w_q, w_s)
+    outputs, start = [], 0
+    for e, m in enumerate(splits):
+        if m == 0:
+            continue
+        rows = slice(start, start + m)
+        if use_gpu:
+            y = _scaled_mm(a_q[rows], a_s[rows], w_q[e], w_s[e], BLOCK, out_dtype)
+        else:
+            y = (a[rows] @ w[e].t()).to(out_dtype)
+        outputs.append(y[:, :n])
+        start += m
+    return torch.cat(outputs) if outputs else a_q.new_zeros(0, n, dtype=out_dtype)
+
+
+def _grouped_wgrad(
+    dy: torch.Tensor, x: torch.Tensor, splits: list[int], num_experts: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """(E, N, K): per expert dy[rows].T @ x[rows], both operands quantized in 128-token blocks; zero for an
+    expert without tokens."""
+    n, k = dy.shape[1], x.shape[1]
+    dw = torch.zeros(num_experts, n, k, device=dy.device, dtype=out_dtype)
+    use_gpu = sm90_scaled_mm_enabled(dy.device) and out_dtype in (torch.bfloat16, torch.float32)
+    start = 0
+    for e, m in enumerate(splits):
+        if m == 0:
+            continue
+        rows = slice(start, start + m)
+        start += m
+        # blocks run along tokens and never cross an expert boundary: quantize each expert's slice alone
+        dyt_q, dyt_s = quantize_1x128(dy[rows].t())  # (N, mp): mp = m padded to 128 with zero tokens
+        xt_q, xt_s = quantize_1x128(x[rows].t())  # (K, mp)
+        if use_gpu:
+            dw[e] = _scaled_mm(dyt_q, dyt_s, xt_q, xt_s, 1, out_dtype)
+        else:
+            dw[e] = (dequantize_1x128(dyt_q, dyt_s) @ dequantize_1x128(xt_q, xt_s).t()).to(out_dtype)
+    return dw
+
+
+class FP8GroupedLinear(torch.autograd.Function):
+    """x (M, K) sorted by expert, w (E, N, K), splits (E,) host ints -> (M, N), x_e @ w[e].T per expert,
+    blockwise FP8 in forward and in both backward GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(x, w)
+        ctx.splits = splits
+        x_q, x_s = quantize_1x128(x)
+        w_q, w_s = quantize_128x128(w)
+        return _grouped_fprop(x_q, x_s, w_q, w_s, splits, w.shape[1], x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # noqa: ANN001
+        x, w = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dy_q, dy_s = quantize_1x128(dy)  # 1x128 blocks along N, the contraction of dx = dy @ w
+            # w.T's 128x128 blocks are w's blocks transposed, so its payload and scales are too
+            w_q, w_s = quantize_128x128(w)
+            dx = _grouped_fprop(dy_q, dy_s, w_q.transpose(1, 2), w_s.transpose(1, 2), ctx.splits, x.shape[1], x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _grouped_wgrad(dy, x, ctx.splits, w.shape[0], w.dtype)
+        return dx, dw, None
+
+
+def fp8_grouped_swiglu(
+    x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """The SwiGLU experts with every GEMM in blockwise FP8; same contract as `grouped_swiglu`."""
+    splits = counts.tolist()  # one host sync, shared by the three projections and their backward
+    gate = FP8GroupedLinear.apply(x, w_gate, splits)  # (M, I)
+    up = FP8GroupedLinear.apply(x, w_up, splits)
+    return FP8GroupedLinear.apply(F.silu(gate) * up, w_down, splits)  # (M, H)
+
+
+def grouped_swiglu_for(compute: str):  # noqa: ANN201 - a grouped_swiglu-shaped callable
+    """The SwiGLU expert function for `[model.moe.compute] type`; start-up checks refused the others."""
+    if compute == "fp8":
+        return fp8_grouped_swiglu
+    if compute == "bf16":
+        return grouped_swiglu
+    raise ValueError(f'[model.moe.compute] type = "{compute}" has no expert GEMM here; use "bf16" or "fp8"')
+
+
+# --------------------------------------------------------------------------- start-up
+
+
+def check_moe_compute(compute: MoEComputeConfig, model_type: str, device_type: str | None = None) -> None:
+    """Fail at start-up, before any weight is read, with one line naming what this choice is missing.
+    `device_type` None: this process's device (CUDA if visible)."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    capability = torch.cuda.get_device_capability() if device_type == "cuda" else None
+    where = f"SM{capability[0]}{capability[1]}" if capability else f"no CUDA GPU ({device_type})"
+    if isinstance(compute, DeepGEMMFP8ComputeConfig):
+        missing = _missing("deep_gemm", ("m_grouped_fp8_gemm_nt_contiguous",))
+        raise ImportError(
+            f'[model.moe.compute] type = "deepgemm_fp8" needs the `deep_gemm` package (DeepGEMM: {missing} is not '
+            'importable); install DeepGEMM, or use type = "fp8" (torch blockwise FP8, SM90) or "bf16"'
+            if missing
+            else '[model.moe.compute] type = "deepgemm_fp8" is not wired into this trainer yet; use type = "fp8" '
+            '(the same blockwise recipe through torch, SM90) or "bf16"'
+        )
+    if isinstance(compute, MXFP8ComputeConfig):
+        raise RuntimeError(
+            f'[model.moe.compute] type = "mxfp8" needs an SM100 (Blackwell) GPU, found {where}; use type = "fp8" '
+            '(SM90) or "bf16"'
+            if not capability or capability[0] != 10
+            else '[model.moe.compute] type = "mxfp8" is not wired into this trainer yet; use type = "bf16"'
+        )
+    if isinstance(compute, FP8ComputeConfig):
+        if model_type == "nemotron_h":
+            raise ValueError(
+                '[model.moe.compute] type = "fp8" is implemented for SwiGLU experts, not nemotron_h\'s relu^2 '
+                'experts; use type = "bf16"'
+            )
+        if device_type == "cuda" and (capability[0] != 9 or not hasattr(F, "scaled_mm")):
+            raise RuntimeError(
+                f'[model.moe.compute] type = "fp8" needs an SM90 GPU (H100/H200) and torch >= 2.10 for torch\'s '
+                f'blockwise scaled_mm, found {where} with torch {torch.__version__}; use type = "bf16"'
+            )
+
+
+def _missing(module: str, attrs: tuple[str, ...]) -> str | None:
+    try:
+        mod = importlib.import_module(module)
+    except Exception:  # a broken CUDA extension raises more than ImportError
+        return module
+    absent = [f"{module}.{a}" for a in attrs if not hasattr(mod, a)]
+    return ", ".join(absent) or None
+
+
+def apply_moe_compute(blocks: nn.ModuleList, compute: str) -> None:
+    """Set every MoE layer's routed-expert precision (`Experts.compute`). Before expert parallelism, which
+    carries it over to the expert-parallel experts."""
+    for block in blocks:
+        experts = getattr(getattr(block, "mlp", None), "experts", None)
+        if experts is not None and hasattr(experts, "compute"):
+            experts.compute = compute
