@@ -144,8 +144,34 @@ class PythonEnvConfig(EnvBaseConfig):
     """Keyword arguments it is called with."""
 
 
+class VerifiersEnvConfig(EnvBaseConfig):
+    """An installed verifiers environment package (verifiers >= 0.4, `verifiers.v1`), loaded by its id with
+    verifiers' own loader; its tasks are played token-exactly by the orchestrator, its rubric gives the reward.
+    Needs `pip install 'prime-rl-orchestrator[verifiers]'` and the environment's package."""
+
+    type: Literal["verifiers"] = "verifiers"
+    """Environment kind."""
+    id: str = Field(min_length=1)
+    """Environment (taskset) id: the installed package's name, e.g. `vf-arithmetic` (imports `vf_arithmetic`)."""
+    args: dict[str, Any] = {}
+    """The taskset's config (what `vf-eval --env.taskset.*` sets), e.g. `{ num_tasks = 200, task = { tools = true } }`."""
+    max_turns: int = Field(default=4, ge=2)
+    """Most assistant turns per rollout (tool calls, then the answer); a taskset without tools takes one."""
+    max_tasks: int = Field(default=100_000, ge=1)
+    """Tasks read from a taskset that yields tasks forever (a finite one is read whole)."""
+
+    @property
+    def resolved_name(self) -> str:
+        return self.name or self.id
+
+
 EnvConfig = Annotated[
-    ReverseTextEnvConfig | ArithmeticEnvConfig | ReasoningGymEnvConfig | ToolArithmeticEnvConfig | PythonEnvConfig,
+    ReverseTextEnvConfig
+    | ArithmeticEnvConfig
+    | ReasoningGymEnvConfig
+    | ToolArithmeticEnvConfig
+    | PythonEnvConfig
+    | VerifiersEnvConfig,
     Field(discriminator="type"),
 ]
 

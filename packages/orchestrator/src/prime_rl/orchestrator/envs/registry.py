@@ -12,6 +12,7 @@ from prime_rl.common.config.orchestrator import (
     ReasoningGymEnvConfig,
     ReverseTextEnvConfig,
     ToolArithmeticEnvConfig,
+    VerifiersEnvConfig,
 )
 from prime_rl.orchestrator.envs.arithmetic import ArithmeticEnv
 from prime_rl.orchestrator.envs.base import Environment
@@ -57,4 +58,8 @@ def build_environment(config: EnvConfig) -> Environment:
         return ToolArithmeticEnv(config.max_value, tuple(config.ops), config.max_turns)
     if isinstance(config, PythonEnvConfig):
         return load_python_env(config.entrypoint, config.kwargs)
+    if isinstance(config, VerifiersEnvConfig):
+        from prime_rl.orchestrator.envs.verifiers_env import VerifiersEnv
+
+        return VerifiersEnv(config.id, config.args, config.max_turns, config.max_tasks)
     raise ValueError(f"unknown environment config {type(config).__name__}")
