@@ -76,7 +76,7 @@ def _to_fp8(blocks: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, tor
 def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) -> q (M, Kp) e4m3, scale (M, Kp / 128) fp32; Kp = K rounded up to 128 (zero columns),
     x[m, k] ~ q[m, k] * scale[m, k // 128]."""
-    xp = _pad_to_block(x.float(), (1,))
+    xp = _pad_to_block(x.float(), (1,)).contiguous()  # the weight gradient passes transposed views
     m, kp = xp.shape
     blocks = xp.view(m, kp // BLOCK, BLOCK)  # (M, Kb, 128)
     q, scale = _to_fp8(blocks, blocks.abs().amax(dim=-1, keepdim=True))
@@ -85,7 +85,7 @@ def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (E, N, K) -> q (E, Np, Kp) e4m3, scale (E, Np / 128, Kp / 128) fp32, both dims padded to 128."""
-    wp = _pad_to_block(w.float(), (1, 2))
+    wp = _pad_to_block(w.float(), (1, 2)).contiguous()
     e, np_, kp = wp.shape
     blocks = wp.view(e, np_ // BLOCK, BLOCK, kp // BLOCK, BLOCK)  # (E, Nb, 128, Kb, 128)
     q, scale = _to_fp8(blocks, blocks.abs().amax(dim=(2, 4), keepdim=True))

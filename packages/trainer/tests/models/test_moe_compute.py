@@ -1,0 +1,251 @@
+"""Routed-expert precision (`[model.moe.compute]`, models/moe_compute.py): the blockwise FP8 quantizer's
+properties, the FP8 grouped GEMMs against explicit dequantized math, a tiny Qwen3-MoE's loss and gradients
+with fp8 experts against unquantized ones, the start-up refusals, and (GPU) torch's SM90 scaled_mm path
+against the reference path."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prime_rl.common.config.trainer import (
+    BF16ComputeConfig,
+    DeepGEMMFP8ComputeConfig,
+    FP8ComputeConfig,
+    MoEConfig,
+    MXFP8ComputeConfig,
+)
+from prime_rl.common.config.trainer import ModelConfig as TrainerModelConfig
+from prime_rl.kernels.grouped_gemm import grouped_swiglu_loop
+from prime_rl.trainer.models import build_model, load_hf_weights, load_model_config
+from prime_rl.trainer.models.moe_compute import (
+    AMAX_FLOOR,
+    BLOCK,
+    FP8_MAX,
+    FP8GroupedLinear,
+    apply_moe_compute,
+    check_moe_compute,
+    dequantize_1x128,
+    dequantize_128x128,
+    fp8_grouped_swiglu,
+    quantize_1x128,
+    quantize_128x128,
+    sm90_scaled_mm_enabled,
+)
+from prime_rl.trainer.parallel.layout import resolve_parallel_dims
+
+# fp8 (e4m3: 3 mantissa bits) vs unquantized experts on the tiny Qwen3-MoE below; observed on CPU:
+# loss 6e-6 / 1.2e-4 relative, all gradients 0.9% / 4.2% relative in norm (cosine 0.99996 / 0.9992),
+# each expert weight's gradient 6-13% relative in norm (a weight gradient sums few tokens per expert)
+LOSS_REL_TOL = 1e-3
+ALL_GRADS_COS_MIN = 0.995
+EXPERT_GRAD_COS_MIN = 0.98
+
+
+# --------------------------------------------------------------------------- quantizer
+
+
+def test_1x128_scales_are_block_amax_over_448_and_round_trip_within_half_an_e4m3_step():
+    torch.manual_seed(0)
+    x = torch.randn(6, 3 * BLOCK) * torch.tensor([1e-3, 1.0, 300.0]).repeat_interleave(BLOCK)  # 3 scales apart
+    q, scale = quantize_1x128(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (6, 3)
+    amax = x.view(6, 3, BLOCK).abs().amax(-1)
+    torch.testing.assert_close(scale, amax / FP8_MAX, rtol=0, atol=0)
+    # each block's largest element lands on e4m3's largest value: the whole range is used
+    assert (q.float().view(6, 3, BLOCK).abs().amax(-1) == FP8_MAX).all()
+    # e4m3's step at the top binade [256, 448] is 32: error <= 16 quantized units = amax / 28 per block
+    err = (dequantize_1x128(q, scale) - x).abs().view(6, 3, BLOCK).amax(-1)
+    assert (err <= amax * 16 / FP8_MAX * (1 + 1e-6)).all()
+
+
+def test_zero_blocks_quantize_to_zeros_with_a_finite_scale_and_nan_stays_nan():
+    x = torch.zeros(3, 2 * BLOCK)
+    x[1, BLOCK:] = torch.linspace(-2, 2, BLOCK)  # row 1: one zero block, one nonzero block
+    x[2, 5] = float("nan")
+    q, scale = quantize_1x128(x)
+    assert (q[0].float() == 0).all() and (q[1, :BLOCK].float() == 0).all()
+    floor = torch.tensor(AMAX_FLOOR) / FP8_MAX  # in fp32, as the quantizer computes it
+    assert (scale[0] == floor).all() and scale[1, 0] == floor
+    assert scale[1, 1] == pytest.approx(2 / FP8_MAX)  # blocks of one row have independent scales
+    assert torch.isfinite(dequantize_1x128(q[:2], scale[:2])).all()
+    assert torch.isnan(scale[2, 0]) and torch.isfinite(scale[2, 1])  # a NaN poisons only its own block
+
+
+def test_ragged_dims_are_zero_padded_to_whole_blocks():
+    x = torch.randn(4, 200)
+    q, scale = quantize_1x128(x)
+    assert q.shape == (4, 256) and scale.shape == (4, 2) and (q[:, 200:].float() == 0).all()
+    torch.testing.assert_close(dequantize_1x128(q, scale)[:, :200], x, rtol=0.07, atol=0.07 * x.abs().max().item())
+    w = torch.randn(3, 100, 300)
+    wq, ws = quantize_128x128(w)
+    assert wq.shape == (3, 128, 384) and ws.shape == (3, 1, 3)
+    assert (wq[:, 100:].float() == 0).all() and (wq[:, :, 300:].float() == 0).all()
+
+
+def test_128x128_scales_per_block_and_transpose_commutes_with_quantization():
+    torch.manual_seed(0)
+    w = torch.randn(2, 2 * BLOCK, 3 * BLOCK)
+    w[1, :BLOCK, BLOCK : 2 * BLOCK] *= 1000  # one loud block must not coarsen its neighbours
+    q, scale = quantize_128x128(w)
+    amax = w.view(2, 2, BLOCK, 3, BLOCK).abs().amax(dim=(2, 4))
+    torch.testing.assert_close(scale, amax / FP8_MAX, rtol=0, atol=0)
+    assert scale[1, 0, 0] < scale[1, 0, 1] / 100
+    err = (dequantize_128x128(q, scale) - w).abs().view(2, 2, BLOCK, 3, BLOCK).amax(dim=(2, 4))
+    assert (err <= amax * 16 / FP8_MAX * (1 + 1e-6)).all()
+    # the input gradient multiplies by w.T and reuses w's payload and scales transposed: exactly equal
+    qt, scale_t = quantize_128x128(w.transpose(1, 2))
+    assert torch.equal(qt.view(torch.uint8), q.transpose(1, 2).view(torch.uint8))
+    assert torch.equal(scale_t, scale.transpose(1, 2))
+
+
+# --------------------------------------------------------------------------- grouped GEMMs
+
+
+def _expert_inputs(counts: list[int], k: int, n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), k, generator=g).requires_grad_()
+    w = (torch.randn(len(counts), n, k, generator=g) * 0.1).requires_grad_()
+    return x, w
+
+
+def test_fp8_grouped_linear_is_the_dequantized_math_forward_and_backward():
+    # an empty expert, one spanning two 128-token weight-gradient blocks, one filling exactly one
+    counts = [3, 0, 130, 128, 5]
+    x, w = _expert_inputs(counts, k=96, n=160)
+    y = FP8GroupedLinear.apply(x, w, counts)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    xd = dequantize_1x128(*quantize_1x128(x.detach()))[:, :96]
+    wd = dequantize_128x128(*quantize_128x128(w.detach()))[:, :160, :96]
+    dyd = dequantize_1x128(*quantize_1x128(dy))[:, :160]
+    expert = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    torch.testing.assert_close(y, torch.einsum("mk,mnk->mn", xd, wd[expert]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, torch.einsum("mn,mnk->mk", dyd, wd[expert]), rtol=1e-5, atol=1e-5)
+    rows = torch.tensor(counts).cumsum(0).tolist()
+    for e, (start, end) in enumerate(zip([0, *rows[:-1]], rows, strict=True)):
+        if start == end:
+            assert (w.grad[e] == 0).all()  # every expert gets a gradient, zero without tokens
+            continue
+        # weight gradient operands are quantized along tokens, in 128-token blocks within the expert
+        dyt = dequantize_1x128(*quantize_1x128(dy[start:end].t()))
+        xt = dequantize_1x128(*quantize_1x128(x.detach()[start:end].t()))
+        torch.testing.assert_close(w.grad[e], dyt @ xt.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_swiglu_is_close_to_unquantized_and_not_identical():
+    counts = torch.tensor([7, 0, 40, 17])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 128, generator=g)
+    ws = [torch.randn(4, 64, 128, generator=g) * 0.1, torch.randn(4, 64, 128, generator=g) * 0.1]
+    ws.append(torch.randn(4, 128, 64, generator=g) * 0.1)
+    y8 = fp8_grouped_swiglu(x, counts, *ws)
+    y = grouped_swiglu_loop(x, counts, *ws)
+    rel = ((y8 - y).norm() / y.norm()).item()
+    assert 1e-4 < rel < 0.1, rel  # e4m3 noise: three GEMMs at ~3-5% each on random data
+
+
+# --------------------------------------------------------------------------- a tiny MoE
+
+
+def _loss_and_grads(model_dir, compute: str) -> tuple[float, dict[str, torch.Tensor]]:
+    model = build_model(model_dir, attn="sdpa", dtype=torch.float32, device="cpu")
+    load_hf_weights(model, model_dir)
+    apply_moe_compute(model.layers, compute)
+    ids = torch.randint(0, 96, (1, 257), generator=torch.Generator().manual_seed(1))
+    logits = model.lm_head(model(ids[:, :-1], torch.arange(256)[None]))
+    loss = F.cross_entropy(logits[0], ids[0, 1:])
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"hidden_size": 128, "moe_intermediate_size": 128, "num_experts": 8}],
+    ids=["ragged_blocks", "whole_blocks"],
+)
+def test_tiny_qwen3_moe_fp8_loss_and_gradients_match_unquantized(hf_model_factory, overrides):
+    _, path = hf_model_factory("qwen3_moe", **overrides)
+    loss_ref, grads_ref = _loss_and_grads(path, "bf16")
+    loss, grads = _loss_and_grads(path, "fp8")
+    assert loss != loss_ref  # the experts really ran in fp8
+    assert abs(loss - loss_ref) / loss_ref < LOSS_REL_TOL, (loss, loss_ref)
+    assert grads.keys() == grads_ref.keys()
+    flat, flat_ref = (torch.cat([g[n].flatten() for n in grads_ref]) for g in (grads, grads_ref))
+    assert F.cosine_similarity(flat, flat_ref, dim=0) > ALL_GRADS_COS_MIN
+    for name, g in grads_ref.items():
+        if ".experts." in name:
+            assert F.cosine_similarity(grads[name].flatten(), g.flatten(), dim=0) > EXPERT_GRAD_COS_MIN, name
+
+
+# --------------------------------------------------------------------------- start-up
+
+
+def test_start_up_accepts_bf16_and_fp8_off_the_gpu():
+    check_moe_compute(BF16ComputeConfig(), "qwen3_moe", "cpu")
+    check_moe_compute(FP8ComputeConfig(), "qwen3_moe", "cpu")  # the reference path
+
+
+def test_deepgemm_fp8_refuses_in_one_line_naming_deep_gemm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import deep_gemm -> ImportError, installed or not
+    with pytest.raises(ImportError, match="needs the `deep_gemm` package") as e:
+        check_moe_compute(DeepGEMMFP8ComputeConfig(), "qwen3_moe", "cpu")
+    assert "\n" not in str(e.value) and 'type = "fp8"' in str(e.value)
+    # importable: still refused (not wired in), no kernel call attempted
+    monkeypatch.setitem(sys.modules, "deep_gemm", types.SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=None))
+    with pytest.raises(ImportError, match="not wired into this trainer yet"):
+        check_moe_compute(DeepGEMMFP8ComputeConfig(), "qwen3_moe", "cpu")
+
+
+def test_mxfp8_refuses_in_one_line_naming_sm100():
+    with pytest.raises(RuntimeError, match=r"needs an SM100 \(Blackwell\) GPU, found no CUDA GPU") as e:
+        check_moe_compute(MXFP8ComputeConfig(), "qwen3_moe", "cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_fp8_refuses_nemotron_h_relu2_experts():
+    with pytest.raises(ValueError, match="not nemotron_h's relu\\^2 experts"):
+        check_moe_compute(FP8ComputeConfig(), "nemotron_h", "cpu")
+
+
+@pytest.mark.parametrize("compute", [MXFP8ComputeConfig(), DeepGEMMFP8ComputeConfig()], ids=lambda c: c.type)
+def test_refusal_happens_in_layout_resolution_before_any_weight_is_read(hf_model_factory, monkeypatch, compute):
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)
+    _, path = hf_model_factory("qwen3_moe")
+    for f in path.glob("*.safetensors"):
+        f.unlink()  # nothing to read: the refusal must come first
+    cfg = TrainerModelConfig(name=str(path), moe=MoEConfig(compute=compute))
+    with pytest.raises((ImportError, RuntimeError), match=f'type = "{compute.type}"'):
+        resolve_parallel_dims(cfg, 1, load_model_config(str(path)))
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not sm90_scaled_mm_enabled(torch.device("cuda")),
+    reason="needs an SM90 GPU and torch's blockwise scaled_mm",
+)
+def test_sm90_scaled_mm_matches_the_reference_path():
+    counts = torch.tensor([64, 0, 200, 37, 128])  # ragged, an empty expert, a multi-block weight gradient
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(int(counts.sum()), 256, generator=g)
+    ws = [torch.randn(5, 384, 256, generator=g) * 0.05, torch.randn(5, 384, 256, generator=g) * 0.05]
+    ws.append(torch.randn(5, 256, 384, generator=g) * 0.05)
+    results = []
+    for device in ("cpu", "cuda"):
+        xd = x.to(device, torch.bfloat16).requires_grad_()
+        wd = [w.to(device, torch.bfloat16).requires_grad_() for w in ws]
+        y = fp8_grouped_swiglu(xd, counts, *wd)
+        y.float().square().mean().backward()
+        results.append([t.float().cpu() for t in (y, xd.grad, *(w.grad for w in wd))])
+    # the same e4m3 payloads and scales: only fp32 accumulation order and bf16 output rounding differ
+    for ref, got in zip(*results, strict=True):
+        rel = ((got - ref).norm() / ref.norm()).item()
+        assert rel < 2e-2, rel
