@@ -1,0 +1,113 @@
+"""Benchmark: routed-expert SwiGLU (forward + backward) with `[model.moe.compute] type = "bf16"` (the Triton
+grouped GEMM) vs `type = "fp8"` (blockwise FP8: torch's SM90 scaled_mm per expert, quantization included).
+Prints one JSON object per line, then one with the fp8 / bf16 time ratio.
+
+    python benchmarks/moe_compute.py                      # Qwen3-30B-A3B layer: 128 experts, 2048 x 768, top-8
+    python benchmarks/moe_compute.py --experts 16 --tokens 2048   # one EP=8 rank: 16 local experts
+    python benchmarks/moe_compute.py --device cpu --tokens 256 --experts 8 --hidden 256 --inter 128   # smoke
+
+Routing is random top-k (a balanced load). GPU times are medians of CUDA-event timed steps after warm-up;
+CPU times (smoke only: the fp8 path there is the dequantizing reference) use perf_counter. TFLOP/s counts
+the 3 GEMMs forward and 6 backward: 18 * M * H * I flops for M routed rows, whatever the precision.
+`max_rel_err_vs_fp32` is the output's largest error against unquantized fp32 math, relative to its
+largest value. Also reported: the quantization alone (activations 1x128 + the three weights 128x128), the
+part of the fp8 time that is not a GEMM.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from prime_rl.kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_loop
+from prime_rl.trainer.models.moe_compute import (
+    fp8_grouped_swiglu,
+    quantize_1x128,
+    quantize_128x128,
+    sm90_scaled_mm_enabled,
+)
+
+
+def time_ms(fn, device: torch.device, warmup: int, steps: int) -> float:  # noqa: ANN001
+    """Median ms of fn()."""
+    times = []
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            elapsed = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384, help="tokens before top-k (rows = tokens * top_k)")
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    a = p.parse_args()
+    device = torch.device(a.device)
+    if device.type == "cuda" and not sm90_scaled_mm_enabled(device):
+        cap = torch.cuda.get_device_capability(device)
+        print(json.dumps({"error": f"fp8 expert GEMMs need an SM90 GPU and torch >= 2.10, got SM{cap[0]}{cap[1]}"}))
+        return
+    torch.manual_seed(0)
+    E, H, inter = a.experts, a.hidden, a.inter
+    topk = torch.rand(a.tokens, E, device=device).topk(a.top_k, dim=-1).indices.reshape(-1)
+    counts = torch.bincount(topk, minlength=E)
+    M = int(counts.sum())
+    dtype = torch.bfloat16
+    x = (torch.randn(M, H, device=device) * 0.5).to(dtype).requires_grad_()
+    ws = [(torch.randn(E, inter, H, device=device) / H**0.5).to(dtype).requires_grad_() for _ in range(2)]
+    ws.append((torch.randn(E, H, inter, device=device) / inter**0.5).to(dtype).requires_grad_())
+    grad = torch.randn(M, H, device=device, dtype=dtype)
+    ref = grouped_swiglu_loop(x.detach().float(), counts, *(w.detach().float() for w in ws))
+    flops = 18 * M * H * inter
+    shape = dict(device=str(device), tokens=a.tokens, rows=M, experts=E, top_k=a.top_k, hidden=H, inter=inter)
+
+    results = {}
+    for name, fn in {"bf16": grouped_swiglu, "fp8": fp8_grouped_swiglu}.items():
+        with torch.no_grad():
+            err = ((fn(x, counts, *ws).float() - ref).abs().max() / ref.abs().max()).item()
+
+        def fwd_bwd(fn=fn) -> None:  # noqa: ANN001
+            torch.autograd.grad(fn(x, counts, *ws), [x, *ws], grad)
+
+        def fwd(fn=fn) -> None:  # noqa: ANN001
+            with torch.no_grad():
+                fn(x, counts, *ws)
+
+        ms, fwd_ms = time_ms(fwd_bwd, device, a.warmup, a.steps), time_ms(fwd, device, a.warmup, a.steps)
+        results[name] = ms
+        print(json.dumps(dict(compute=name, **shape, fwd_bwd_ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
+                              fwd_ms=round(fwd_ms, 3), fwd_tflops=round(flops / 3 / fwd_ms / 1e9, 1),
+                              max_rel_err_vs_fp32=round(err, 5))), flush=True)  # fmt: skip
+
+    def quantize_all() -> None:
+        with torch.no_grad():
+            quantize_1x128(x)
+            for w in ws:
+                quantize_128x128(w)
+
+    quant_ms = time_ms(quantize_all, device, a.warmup, a.steps)
+    print(json.dumps(dict(compute="fp8_quantize_only", **shape, ms=round(quant_ms, 3))), flush=True)
+    print(json.dumps({"fp8_over_bf16_fwd_bwd_time": round(results["fp8"] / results["bf16"], 3)}))
+
+
+if __name__ == "__main__":
+    main()
