@@ -8,7 +8,9 @@ Each job goes through the module CLI (what `sft` / `rl` / `inference` run with [
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -229,3 +231,43 @@ VLLM_HOST_IP = "127.0.0.1"
     assert trainer_steps == [1, 2]
     assert all(r["mismatch_kl"] < 1e-3 for r in rows if "mismatch_kl" in r)
     assert leftover_processes(str(out / "rl")) == []
+
+
+def test_stuck_rank_on_the_second_node_ends_the_job_via_the_watchdog(
+    slurm_cluster, tiny_model: Path, tmp_path: Path, free_port: int
+) -> None:
+    """Issue #17 under SLURM: a rank that stops dead (SIGSTOP: alive, silent) on the second node ends the job
+    within seconds of its deadline, the job script's watchdog naming it (component, rank, step, phase, last
+    log line) in the job log and STATUS; no process of the job is left."""
+    out = tmp_path / "out"
+    cfg = sft_toml(tmp_path / "sft.toml", tiny_model, out, "stuck", 100000, free_port)
+    stall_s = 8  # above a CPU step on 2 loaded cores, far below the default hour
+    with cfg.open("a") as f:
+        f.write(f'\n[slurm.env_vars]\nPRIME_RL_STALL_TIMEOUT = "{stall_s}"\n')
+    job_id = submit(slurm_cluster, "sft", "@", str(cfg))
+    beat_file = out / "stuck" / "heartbeats" / "trainer-node1" / "trainer-1.json"
+    deadline = time.monotonic() + 90
+    while not (beat_file.exists() and (json.loads(beat_file.read_text()).get("step") or 0) >= 3):
+        state, _ = slurm_cluster.job_state(job_id)
+        assert state not in ("FAILED", "COMPLETED", "CANCELLED") and time.monotonic() < deadline, state
+        time.sleep(0.2)
+    beat = json.loads(beat_file.read_text())
+    os.kill(beat["pid"], signal.SIGSTOP)  # one pid namespace here: the "node" is a UTS namespace
+    stopped = time.monotonic()
+    state, code = slurm_cluster.wait(job_id, timeout=stall_s + 60)
+    elapsed = time.monotonic() - stopped
+    launcher = out / "stuck" / "launcher"
+    job_log = (launcher / "logs" / f"job_{job_id}.log").read_text()
+    assert (state, code) == ("FAILED", "1:0"), job_log
+    assert elapsed < stall_s + 20, f"the job took {elapsed:.0f} s to end after the rank stopped"
+    # Ranks wait on each other in lockstep, so both pass the deadline together and the watchdog cannot tell
+    # the cause from the victim: the verdict names one (with its step and last log line) and lists the other.
+    verdict = next(line for line in job_log.splitlines() if line.startswith("job: watchdog: trainer rank"))
+    assert "stalled in phase 'step' at step" in verdict and "last log line: " in verdict, verdict
+    assert (
+        f"trainer rank 1 (pid {beat['pid']}, trainer-node1) stalled" in verdict
+        or "also past their deadlines: trainer rank 1 (trainer-node1) in 'step'" in verdict
+    ), verdict
+    status = json.loads((out / "stuck" / "logs" / "latest" / "STATUS").read_text())
+    assert status["state"] == "failed" and status["reason"].startswith("watchdog: trainer rank"), status
+    assert leftover_processes(str(out / "stuck")) == []

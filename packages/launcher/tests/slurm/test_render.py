@@ -30,6 +30,17 @@ with open(os.environ["FAKE_LOG"], "a") as f:
 if any(name.startswith(p) for p in os.environ.get("FAKE_FAIL", "").split(",") if p):
     time.sleep(0.5)
     sys.exit(3)
+if name in os.environ.get("FAKE_STALL", "").split(","):  # a rank that beats, logs a line, then hangs
+    beats = os.environ["PRIME_RL_HEARTBEAT_DIR"]
+    os.makedirs(beats, exist_ok=True)
+    now = time.time()
+    beat = {"component": "trainer", "rank": 1, "pid": os.getpid(), "phase": "step", "step": 5, "since": now,
+            "deadline_s": 1.0, "time": now, "log": ""}
+    with open(os.path.join(beats, "trainer-1.json"), "w") as f:
+        json.dump(beat, f)
+    with open(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--output=")), "a") as f:
+        f.write("Step 4 | loss 1.23\n")
+    time.sleep(60)
 if any(name.startswith(p) for p in os.environ.get("FAKE_HANG", "").split(",") if p):
     time.sleep(60)
 if name == os.environ.get("FAKE_SERVE"):  # answer HTTP on the step's --port until stopped
@@ -38,6 +49,9 @@ if name == os.environ.get("FAKE_SERVE"):  # answer HTTP on the step's --port unt
 """
 FAKE_SCONTROL = """#!/bin/sh
 [ "$1 $2" = "show hostnames" ] && printf '%s\\n' $FAKE_NODES
+"""
+FAKE_SCANCEL = """#!/bin/sh
+echo "$*" >>"$FAKE_LOG.scancel"
 """
 
 
@@ -58,7 +72,7 @@ def write_config(tmp_path: Path, kind: str = "sft", extra: str = "", deployment:
 def run_script(script: Path, tmp_path: Path, nodes: list[str], **fake: str) -> tuple[subprocess.CompletedProcess, list]:
     bin_dir = tmp_path / "fakebin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     log = tmp_path / "calls.jsonl"
@@ -183,6 +197,39 @@ def test_first_failure_stops_the_other_components(tmp_path: Path) -> None:
     assert "trainer-node1 failed with exit code 3" in proc.stderr
     assert (launcher / "job_77.exitcode").read_text().strip() == "3"
     assert not any(pid_alive(c["pid"]) for c in calls)
+
+
+def test_watchdog_ends_the_job_naming_a_stalled_rank(tmp_path: Path) -> None:
+    """A rank that stops making progress (alive, silent) on another node ends the job within seconds, named
+    with its step, rank, phase and last log line; the run's STATUS says so; no step is left running."""
+    launcher = dry_run(write_config(tmp_path, deployment="num_train_nodes = 2"))
+    assert "\nstart_watchdog " in (launcher / "sft.sbatch").read_text()
+    started = time.monotonic()
+    proc, calls = run_script(
+        launcher / "sft.sbatch", tmp_path, ["a", "b"], FAKE_STALL="trainer-node1", FAKE_HANG="trainer-node0"
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert time.monotonic() - started < 30  # a 1 s deadline, not the 60 s the ranks would hang
+    expected = "watchdog: trainer rank 1 (pid {pid}, trainer-node1) stalled in phase 'step' at step 5"
+    stalled = next(c for c in calls if c["name"] == "trainer-node1")
+    assert expected.format(pid=stalled["pid"]) in proc.stderr, proc.stderr
+    assert f"last log line: Step 4 | loss 1.23 [{launcher / 'logs' / 'trainer-node1.log'}]" in proc.stderr
+    status = json.loads((tmp_path / "out" / "r" / "logs" / "latest" / "STATUS").read_text())
+    assert status["state"] == "failed" and "trainer rank 1" in status["reason"], status
+    assert (launcher / "job_77.exitcode").read_text().strip() == "1"
+    assert "--signal=CONT 77" in (tmp_path / "calls.jsonl.scancel").read_text()  # a SIGSTOPped rank wakes to die
+    assert not any(pid_alive(c["pid"]) for c in calls)
+
+
+def test_rl_job_beats_per_step_with_the_run_stall_timeout(tmp_path: Path) -> None:
+    launcher = dry_run(write_config(tmp_path, "rl", extra="", deployment="num_train_nodes = 1\nnum_infer_nodes = 1"),
+                       "--stall-timeout", "123")  # fmt: skip
+    script = (launcher / "rl.sbatch").read_text()
+    assert 'export PRIME_RL_STALL_TIMEOUT="123.0"' in script
+    assert f"HEARTBEAT_DIR={tmp_path / 'out' / 'r' / 'heartbeats'}" in script
+    assert "\nstart_watchdog " in script
+    inference = dry_run(write_config(tmp_path, "inference", deployment="num_infer_nodes = 1"))
+    assert "\nstart_watchdog " not in (inference / "inference.sbatch").read_text()  # nothing to watch alone
 
 
 def test_cache_dirs_are_node_local_and_env_vars_override(tmp_path: Path) -> None:

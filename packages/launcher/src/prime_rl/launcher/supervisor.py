@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prime_rl.common.heartbeat import last_line, read_beats
+from prime_rl.common.heartbeat import Beat, last_line, read_beats
 
 log = logging.getLogger("prime_rl.launcher")
 
@@ -199,21 +199,14 @@ class Supervisor:
         if self.heartbeat_dir is None or time.monotonic() - self._last_watch < self.watch_interval_s:
             return None
         self._last_watch = time.monotonic()
-        now = time.time()
-        for beat in read_beats(self.heartbeat_dir, newer_than=self._started_at):
-            overdue = beat.overdue_s(now)
-            if overdue <= 0 or not _alive(beat.pid):
-                continue  # within its deadline, or exited (its exit code speaks for it)
-            log_path = beat.log or str(self._log_of(beat.component))
-            step = "" if beat.step is None else f" at step {beat.step}"
-            self.reason = (
-                f"watchdog: {beat.component} rank {beat.rank} (pid {beat.pid}) stalled in phase '{beat.phase}'{step} "
-                f"for {now - beat.since:.0f}s (deadline {beat.deadline_s:.0f}s); last log line: "
-                f"{last_line(log_path) or '(none)'} [{log_path}]"
-            )
-            log.error("%s; stopping all", self.reason)
-            return 1
-        return None
+        verdict = find_stall(
+            self.heartbeat_dir, self._started_at, lambda beat, _group: self._log_of(beat.component), alive=_alive
+        )
+        if verdict is None:
+            return None
+        self.reason = verdict
+        log.error("%s; stopping all", self.reason)
+        return 1
 
     def _log_of(self, name: str) -> Path | str:
         for r in self.running:
@@ -310,6 +303,57 @@ class Supervisor:
         except FileNotFoundError:
             return
         sys.stderr.write(f"--- last {len(tail)} lines of {path} ---\n" + "\n".join(tail) + "\n")
+
+
+def find_stall(
+    heartbeat_dir: Path,
+    newer_than: float,
+    log_of: Callable[[Beat, str], Path | str],
+    alive: Callable[[int], bool] | None = None,
+    now: float | None = None,
+) -> str | None:
+    """The watchdog's verdict: a message naming the process past its phase's deadline, or None.
+
+    One concept, two callers: the local ``Supervisor`` and the SLURM job's watchdog
+    (``prime_rl.launcher.slurm.watchdog``). Beats are read from ``heartbeat_dir`` and from its immediate
+    subdirectories (a SLURM job gives each step its own, named after the step, because two nodes' inference
+    servers both write ``inference-0.json``); the subdirectory name (``group``) is named in the message.
+    Beats written before ``newer_than`` belong to an earlier attempt and are ignored.
+
+    ``alive(pid)`` skips an overdue beat whose process has exited (its exit code speaks for it); None where
+    pids cannot be checked (SLURM: the process may be on another node). ``log_of(beat, group)`` is the log
+    whose last line is quoted when the beat names none.
+
+    When several processes are overdue (ranks in lockstep all wait on the one that hangs, the trainer waits
+    for the orchestrator's batch) the watchdog cannot tell the cause from its victims: the most overdue is
+    named first and the others are listed after it.
+    """
+    now = time.time() if now is None else now
+    overdue: list[tuple[Beat, str]] = []
+    directory = Path(heartbeat_dir)
+    groups = [""] + sorted(p.name for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []
+    for group in groups:
+        for beat in read_beats(directory / group, newer_than=newer_than):
+            if beat.overdue_s(now) > 0 and (alive is None or alive(beat.pid)):
+                overdue.append((beat, group))
+    if not overdue:
+        return None
+    overdue.sort(key=lambda item: -item[0].overdue_s(now))
+    beat, group = overdue[0]
+    log_path = beat.log or str(log_of(beat, group))
+    step = "" if beat.step is None else f" at step {beat.step}"
+    where = f", {group}" if group else ""
+    reason = (
+        f"watchdog: {beat.component} rank {beat.rank} (pid {beat.pid}{where}) stalled in phase '{beat.phase}'{step} "
+        f"for {now - beat.since:.0f}s (deadline {beat.deadline_s:.0f}s); last log line: "
+        f"{last_line(log_path) or '(none)'} [{log_path}]"
+    )
+    if len(overdue) > 1:
+        others = ", ".join(
+            f"{b.component} rank {b.rank}{f' ({g})' if g else ''} in '{b.phase}'" for b, g in overdue[1:]
+        )
+        reason += f"; also past their deadlines: {others}"
+    return reason
 
 
 SHM_DIR = Path("/dev/shm")

@@ -15,7 +15,8 @@ from typing import Any
 import jinja2
 
 from prime_rl.common.auth import SECRET_ENV, SECRET_FILE_NAME
-from prime_rl.launcher.slurm.job import SlurmJob
+from prime_rl.common.heartbeat import STALL_TIMEOUT_ENV
+from prime_rl.launcher.slurm.job import KINDS, SlurmJob
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 
@@ -41,10 +42,20 @@ def _double_quoted(value: Any) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`")
 
 
+def watchdog_env(job: SlurmJob) -> dict[str, str]:
+    """The default deadline of a heartbeat that names none: the run's ``stall_timeout`` (rl); sft has no such
+    key and keeps the heartbeat's default unless ``slurm.env_vars`` sets PRIME_RL_STALL_TIMEOUT."""
+    stall_timeout = getattr(job.config, "stall_timeout", None)
+    return {} if stall_timeout is None else {STALL_TIMEOUT_ENV: str(stall_timeout)}
+
+
 def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
     python = python or sys.executable
     launcher_dir = job.run_dir.launcher_dir.resolve()
     num_train, num_infer = job.num_train_nodes, job.num_infer_nodes
+    # Jobs that train are watched (heartbeats + watchdog); a standalone inference deployment is not: its
+    # pauses are its operator's, and there is no run to stop.
+    watched = KINDS[job.kind].places_trainer
     return {
         "kind": job.kind,
         "job_name": job.slurm.job_name,
@@ -71,8 +82,11 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "env_vars": {
             **DEFAULT_ENV_VARS,
             SECRET_ENV: str(job.run_dir.root.resolve() / SECRET_FILE_NAME),
+            **(watchdog_env(job) if watched else {}),
             **job.slurm.env_vars,
         },
+        # Every step's processes beat into <heartbeat_dir>/<step name>/; the job's watchdog reads them all.
+        "heartbeat_dir": str(job.run_dir.root.resolve() / "heartbeats") if watched else None,
         "rdzv_port": job.slurm.rdzv_port,
         "router_port": job.slurm.router_port,
         "replica_port": job.slurm.replica_port,
