@@ -150,6 +150,51 @@ def test_fp8_swiglu_is_close_to_unquantized_and_not_identical():
     assert 1e-4 < rel < 0.1, rel  # e4m3 noise: three GEMMs at ~3-5% each on random data
 
 
+def _fake_sm90_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype):  # noqa: ANN001, ANN202
+    """torch.nn.functional.scaled_mm on CPU: the layout checks of torch's SM90 blockwise path
+    (aten/src/ATen/native/cuda/ScaledBlas.cpp: _scaled_block1x128_block{128x128,1x128}, _scaled_gemm), then
+    the product it defines, from the scales as laid out."""
+    ST = F.ScalingType
+    (m, k), n = a.shape, b.shape[1]
+    kb = -(-k // BLOCK)
+    kb4 = (kb + 3) // 4 * 4  # cuBLASLt pads the K blocks of 128x128 scales to a multiple of 4
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and k % 16 == 0 and n % 16 == 0 and b.shape[0] == k
+    assert a.stride(1) == 1 and b.stride(0) == 1, "cuBLASLt on SM90: a row-major, b column-major"
+    assert recipe_a == ST.BlockWise1x128 and scale_a.dtype == scale_b.dtype == torch.float32
+    assert scale_a.shape == (m, kb) and scale_a.stride(0) == 1 and (scale_a.stride(1) == m or kb == 1)
+    a_deq = a.float() * scale_a.repeat_interleave(BLOCK, dim=1)[:, :k]
+    if recipe_b == ST.BlockWise128x128:
+        nb = -(-n // BLOCK)
+        assert scale_b.shape == (kb4, nb) and scale_b.stride(0) == 1 and (scale_b.stride(1) == kb4 or nb == 1)
+        full = scale_b[:kb].repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)[:k, :n]
+    else:
+        assert recipe_b == ST.BlockWise1x128
+        assert scale_b.shape == (n, kb) and scale_b.stride(0) == 1 and (scale_b.stride(1) == n or kb == 1)
+        full = scale_b.t().repeat_interleave(BLOCK, dim=0)[:k]
+    return (a_deq @ (b.float() * full)).to(output_dtype)
+
+
+def test_sm90_path_layouts_satisfy_torch_checks_and_match_the_reference(monkeypatch):
+    """The GPU path's operand and scale layouts (the part a CPU cannot run), through a stand-in for
+    scaled_mm that enforces torch's SM90 checks: the same numbers as the reference path."""
+    from prime_rl.trainer.models import moe_compute
+
+    counts = torch.tensor([5, 0, 131, 128, 20])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(int(counts.sum()), 192, generator=g)  # 192, 320: ragged 128-blocks (padded), 4 + 1 K blocks
+    ws = [torch.randn(5, 320, 192, generator=g) * 0.1, torch.randn(5, 320, 192, generator=g) * 0.1]
+    ws.append(torch.randn(5, 192, 320, generator=g) * 0.1)
+    results = []
+    for gpu_path in (False, True):
+        monkeypatch.setattr(moe_compute, "sm90_scaled_mm_enabled", lambda device, on=gpu_path: on)
+        monkeypatch.setattr(F, "scaled_mm", _fake_sm90_scaled_mm, raising=False)
+        xd, wd = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+        fp8_grouped_swiglu(xd, counts, *wd).square().mean().backward()
+        results.append([xd.grad, *(w.grad for w in wd)])
+    for ref, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- a tiny MoE
 
 
