@@ -34,6 +34,7 @@ Design:
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -224,7 +225,7 @@ def fp8_grouped_swiglu(
     return FP8GroupedLinear.apply(F.silu(gate) * up, w_down, splits)  # (M, H)
 
 
-def grouped_swiglu_for(compute: str):  # noqa: ANN201 - a grouped_swiglu-shaped callable
+def grouped_swiglu_for(compute: str) -> Callable[..., torch.Tensor]:
     """The SwiGLU expert function for `[model.moe.compute] type`; start-up checks refused the others."""
     if compute == "fp8":
         return fp8_grouped_swiglu
