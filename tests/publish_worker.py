@@ -24,7 +24,7 @@ from prime_rl.trainer.models import save_hf_weights
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.rl.publish import build_publisher
 from prime_rl.trainer.weights import files
-from prime_rl.trainer.world import close_world, init_world
+from prime_rl.trainer.world import close_world, exit_rank, init_world
 
 
 def synchronous_reference(model, dtype: torch.dtype, out: Path, is_main: bool) -> None:
@@ -100,3 +100,4 @@ def main(mode: str, model_dir: str, out: str, announce: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:5])
+    exit_rank(0)  # a finished rank skips interpreter finalization (see exit_rank)

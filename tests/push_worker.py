@@ -18,7 +18,7 @@ from prime_rl.trainer.model import build_training_model
 from prime_rl.trainer.models import save_hf_weights
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.rl.publish import build_publisher
-from prime_rl.trainer.world import close_world, init_world
+from prime_rl.trainer.world import close_world, exit_rank, init_world
 
 
 def main(model_dir: str, out: str, control: str, announce: str) -> None:
@@ -46,3 +46,4 @@ def main(model_dir: str, out: str, control: str, announce: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:5])
+    exit_rank(0)  # a finished rank skips interpreter finalization (see exit_rank)

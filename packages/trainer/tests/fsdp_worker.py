@@ -17,7 +17,7 @@ from prime_rl.trainer.models import load_model_config
 from prime_rl.trainer.optim import build_optimizer, clip_grad_norm
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.sft.train import train_step
-from prime_rl.trainer.world import close_world, init_world
+from prime_rl.trainer.world import close_world, exit_rank, init_world
 
 
 def main(model_dir: str, out: str, dp_replicate: int, chunk: str) -> None:
@@ -51,3 +51,4 @@ def main(model_dir: str, out: str, dp_replicate: int, chunk: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    exit_rank(0)  # a finished rank skips interpreter finalization (see exit_rank)

@@ -20,7 +20,7 @@ from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.rl.data import FakeSource
 from prime_rl.trainer.rl.loss import LossSettings
 from prime_rl.trainer.rl.train import RLObjective
-from prime_rl.trainer.world import close_world, init_world
+from prime_rl.trainer.world import close_world, exit_rank, init_world
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -61,3 +61,4 @@ def main(model_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_rank(0)  # a finished rank skips interpreter finalization (see exit_rank)

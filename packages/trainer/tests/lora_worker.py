@@ -23,7 +23,7 @@ from prime_rl.trainer.models import load_model_config
 from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.sft.train import train_step
-from prime_rl.trainer.world import close_world, init_world
+from prime_rl.trainer.world import close_world, exit_rank, init_world
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -95,3 +95,4 @@ def main(model_dir: str, out: str, dp_replicate: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    exit_rank(0)  # a finished rank skips interpreter finalization (see exit_rank)

@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from prime_rl.trainer.models import build_model, load_hf_weights, read_hf_state_dict, save_hf_weights
+from prime_rl.trainer.world import exit_rank
 
 
 def main(src: str, out: str) -> None:
@@ -39,3 +40,4 @@ def main(src: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_rank(0)  # a finished rank skips interpreter finalization (see exit_rank)

@@ -18,7 +18,7 @@ sys.modules["deep_ep"] = deep_ep_double
 import scaling_worker  # noqa: E402
 
 from prime_rl.trainer.parallel import deepep  # noqa: E402
-from prime_rl.trainer.world import close_world, init_world  # noqa: E402
+from prime_rl.trainer.world import close_world, exit_rank, init_world  # noqa: E402
 
 
 def main(out: str, variants: list[dict]) -> None:
@@ -42,3 +42,4 @@ def main(out: str, variants: list[dict]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], json.loads(sys.argv[2]))
+    exit_rank(0)  # a finished rank skips interpreter finalization (see exit_rank)

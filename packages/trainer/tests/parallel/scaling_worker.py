@@ -23,7 +23,7 @@ from prime_rl.trainer.optim import build_optimizer, clip_grad_norm
 from prime_rl.trainer.optim.full_offload import FullOffloadOptimizer
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
 from prime_rl.trainer.sft.train import train_step
-from prime_rl.trainer.world import close_world, init_world
+from prime_rl.trainer.world import close_world, exit_rank, init_world
 
 BASE = ["--data.type", "fake", "--data.seq-len", "64", "--data.batch-size", "4", "--data.min-sample-len", "8",
         "--data.max-sample-len", "40", "--model.fused-lm-head-token-chunk-size", "16", "--optim.lr", "1e-3",
@@ -71,3 +71,4 @@ def main(out: str, variants: list[dict]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], json.loads(sys.argv[2]))
+    exit_rank(0)  # a finished rank skips interpreter finalization (see exit_rank)

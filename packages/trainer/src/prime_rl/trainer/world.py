@@ -4,8 +4,11 @@ Without torchrun (a plain `python -m ...train`), it makes a one-process group on
 so single-process runs take the exact same code path as distributed ones (FSDP over one rank).
 """
 
+import logging
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -47,3 +50,21 @@ def init_world() -> World:
 def close_world() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a rank process that has finished its work, without interpreter finalization.
+
+    Why: torch keeps every DeviceMesh, and through it every gloo process group with its worker threads,
+    alive in DTensor's sharding caches even after `destroy_process_group` (measured on torch 2.13: the
+    `pt_gloo_runloop` threads survive destroy, `gc.collect()` and the caches' `cache_clear`). They are torn
+    down during interpreter finalization, and a gloo thread that drops its last work there must take the
+    GIL; a finalizing interpreter ends such a thread, which unwinds through a noexcept frame:
+    "terminate called without an active exception", SIGABRT, exit -6 from a run that succeeded (intermittent,
+    under CPU load). `os._exit` skips that teardown; the logs and standard streams are flushed first, and
+    everything else a rank owns (monitors, publishers, checkpoints) was closed by the training loop.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

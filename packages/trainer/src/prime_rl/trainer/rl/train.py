@@ -39,7 +39,7 @@ from prime_rl.trainer.rl.data import FakeSource, OrchestratorSource, RLMicroBatc
 from prime_rl.trainer.rl.loss import LossSettings, rl_loss, segment_sum
 from prime_rl.trainer.rl.publish import build_publisher
 from prime_rl.trainer.sft.train import _setup_output, check_model_dir
-from prime_rl.trainer.world import World, close_world, init_world
+from prime_rl.trainer.world import World, close_world, exit_rank, init_world
 
 
 class RLObjective:
@@ -262,3 +262,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # not interpreter finalization: see exit_rank

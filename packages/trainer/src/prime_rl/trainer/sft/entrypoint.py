@@ -66,9 +66,10 @@ def main(argv: list[str] | None = None) -> None:
             _fail(str(e))
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # already a rank of some launcher
         from prime_rl.trainer.sft.train import train
+        from prime_rl.trainer.world import exit_rank
 
         train(cfg)
-        return
+        exit_rank(0)  # a finished rank skips interpreter finalization (see exit_rank)
     nproc = num_processes(cfg)
     import torch
 

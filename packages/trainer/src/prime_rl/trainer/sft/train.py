@@ -37,7 +37,7 @@ from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.context import shard_micro_batch
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
-from prime_rl.trainer.world import World, close_world, init_world
+from prime_rl.trainer.world import World, close_world, exit_rank, init_world
 
 LOG_DIR_ENV = "PRIME_RL_TRAINER_LOG_DIR"
 """Set by `sft`: where rank files go. Without it (manual torchrun) rank 0 starts a new log attempt."""
@@ -217,3 +217,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # not interpreter finalization: see exit_rank
