@@ -15,6 +15,12 @@ takes it (`off_policy.py`).
 Not an error: an environment that raises while scoring (the rollout scores 0 and counts as failed)
 and an aborted request (pause mode "abort"; the group is discarded and counted). An error: the
 inference server staying unreachable (the exception ends up in the queue and stops the run).
+
+A discarded group (no task or prompt from the environment, or an aborted request) is retried under the
+same ticket with a fresh task: its step still gets `groups_per_step` groups. Dropping the ticket left a
+synchronous step one group short while every later ticket waited for the next version, which needs this
+step's batch first: a deadlock. An environment that never gives a prompt is retried until the run's
+`stall_timeout`, when the watchdog stops the run in the orchestrator's "rollouts" phase.
 """
 
 from __future__ import annotations
@@ -154,21 +160,27 @@ class RolloutScheduler:
     async def _worker(self) -> None:
         try:
             while True:
-                group = await self.generate_group()
-                if group is not None:
-                    self.queue.put_nowait(group)
+                ticket = self._tickets
+                self._tickets += 1
+                # a discarded group is retried under its ticket, or its step would never fill (module docstring)
+                while (group := await self.generate_group(ticket)) is None:
+                    pass
+                self.queue.put_nowait(group)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # fatal: hand it to the orchestrator loop, which stops the run
             self.queue.put_nowait(e)
 
-    async def generate_group(self) -> Group | None:
-        """One task's group of rollouts, or None when it was discarded (prompt failure, abort)."""
-        ticket = self._tickets
-        self._tickets += 1
+    async def generate_group(self, ticket: int | None = None) -> Group | None:
+        """One task's group of rollouts for ``ticket`` (default: the next one), or None when it was discarded
+        (prompt failure, abort)."""
+        if ticket is None:
+            ticket = self._tickets
+            self._tickets += 1
         target_step = self.start_step + ticket // self.groups_per_step
-        # Draw before any await so the task order depends only on the rng, not on timing.
-        if ticket % self.groups_per_step == 0:
+        # Draw before any await so the task order depends only on the rng, not on timing. A retried first
+        # ticket keeps the step's first mark: the task stream at the boundary is where that step began.
+        if ticket % self.groups_per_step == 0 and target_step not in self.step_marks:
             self.step_marks[target_step] = (self.tasks_drawn, self.rng.bit_generator.state)
         task_index = self.tasks_drawn
         env = pick_env(self.envs, self.rng)
