@@ -56,6 +56,10 @@ def runs_root(tmp_path: Path) -> Path:
         run = make_run(tmp_path, rel, logs={"trainer/torchrun/0.log": "INFO training\n"})
         for step in range(1, 31):
             append_metrics(run, metrics(step, scale))
+            if step % 10 == 0 and scale == 1.0:  # online evals: own rows at the step they evaluated
+                append_metrics(
+                    run, {"step": step, "eval/arithmetic/reward_mean": 0.02 * step, "eval/arithmetic/pass@4": 0.5}
+                )
     # Problems must show up in the page, not crash it.
     append_metrics(tmp_path / "sweep/lr-1e-6", {}, raw=PARTIAL_HEAD)  # a line still being written
     append_metrics(tmp_path / "sweep/lr-3e-6", {}, raw="not json at all\n")
@@ -119,7 +123,7 @@ def test_page_shows_two_runs_and_a_new_step(driver, base_url: str, runs_root: Pa
     assert step_cells(driver) == {"sweep/lr-1e-6": "30", "sweep/lr-3e-6": "30"}
 
     # One uPlot canvas per default metric, each with both runs in its legend.
-    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".plot canvas")) == 7)
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".plot canvas")) == 8)
     titles = [h.text for h in driver.find_elements(By.CSS_SELECTOR, ".plot h3")]
     assert titles == [
         "reward/mean",
@@ -129,13 +133,20 @@ def test_page_shows_two_runs_and_a_new_step(driver, base_url: str, runs_root: Pa
         "perf/peak_memory",
         "mismatch_kl",
         "time/step",
+        "eval/arithmetic/reward_mean",  # the online eval curve beside the training reward, by default
     ]
+    eval_x = driver.execute_script("return window.dashboard.charts.get('eval/arithmetic/reward_mean').plot.data[0]")
+    assert eval_x == [10, 20, 30]  # only the evaluated steps, not a line broken by 27 gaps
     legend = text_of(driver, '.plot[data-key="reward/mean"] .u-legend')
     assert "sweep/lr-1e-6" in legend and "sweep/lr-3e-6" in legend
     notes = text_of(driver, "#runs tbody")
     assert "last line still being written" in notes and "1 malformed line skipped" in notes
     keys = driver.execute_script("return [...document.querySelectorAll('#keys input')].map((b) => b.value)")
-    assert len(keys) == 7 and "perf/throughput" in keys
+    assert len(keys) == 9 and "perf/throughput" in keys and "eval/arithmetic/pass@4" in keys
+    cell = driver.execute_script(
+        "return [...document.querySelectorAll('#runs tbody tr')].find((r) => r.innerText.includes('lr-1e-6')).innerText"
+    )
+    assert "0.6" in cell  # the "eval reward" column: the newest eval/<env>/reward_mean
 
     # Finish the half-written line and add one more: step 32 must appear without a reload.
     append_metrics(runs_root / "sweep/lr-1e-6", {}, raw=json.dumps(metrics(31, 1.0))[len(PARTIAL_HEAD) :] + "\n")
@@ -146,7 +157,7 @@ def test_page_shows_two_runs_and_a_new_step(driver, base_url: str, runs_root: Pa
 
     # The selector drives the plots: untick one metric and its chart goes away.
     driver.execute_script("document.querySelector('#keys input[value=\"perf/mfu\"]').click()")
-    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".plot canvas")) == 6)
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".plot canvas")) == 7)
     assert driver.find_elements(By.CSS_SELECTOR, '.plot[data-key="perf/mfu"]') == []
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,7 @@ def test_state_sends_only_missing_rows(served: tuple[str, Path]) -> None:
     nan = state(base, {"exp/a": [a["epoch"], 3]})["runs"][0]
     assert nan["figures"]["loss"] == {"key": "loss/mean", "value": None, "nonfinite": True}
     assert nan["nonfinite"] == {"loss/mean": 4} and [r["step"] for r in nan["rows"]] == [4]
+
     assert (b["name"], b["num_rows"], b["has_metrics_file"], b["latest_step"]) == ("exp/b", 0, False, None)
 
     append_metrics(run, {"step": 5, "reward/mean": 0.4})
@@ -77,6 +78,12 @@ def test_state_sends_only_missing_rows(served: tuple[str, Path]) -> None:
     # A stale epoch from the client means: send everything again.
     a3 = next(r for r in state(base, {"exp/a": [99, 3]})["runs"] if r["name"] == "exp/a")
     assert a3["start"] == 0 and len(a3["rows"]) == 5
+
+    # online evals: the "eval reward" column is the newest eval/<env>/reward_mean, not pass@k or lengths
+    append_metrics(run, {}, raw='{"step": 4, "eval/arith/completion_len_mean": 7.0, "eval/arith/reward_mean": 0.75}\n')
+    ev = state(base, {"exp/a": [a["epoch"], 5]})["runs"][0]
+    assert ev["figures"]["eval reward"] == {"key": "eval/arith/reward_mean", "value": 0.75, "nonfinite": False}
+    assert a["figures"]["eval reward"] is None
 
 
 def test_large_backlog_is_paged(tmp_path: Path) -> None:

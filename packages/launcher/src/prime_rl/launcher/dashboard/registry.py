@@ -7,6 +7,7 @@ backlog arrives over a few polls instead of one huge reply.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import threading
 import time
@@ -18,9 +19,11 @@ from prime_rl.launcher.dashboard.discovery import METRICS_RELPATH, find_run_dirs
 from prime_rl.launcher.dashboard.metrics_tail import MetricsTail
 from prime_rl.launcher.dashboard.status import StatusTracker
 
-# Table columns: label -> metric keys to try in order; a trailing "/" means "first key with this prefix".
+# Table columns: label -> metric keys to try in order; a trailing "/" means "first key with this prefix", a
+# "*" matches one key segment (fnmatch): "eval/*/reward_mean" is the online eval of the first environment.
 KEY_FIGURES: dict[str, tuple[str, ...]] = {
     "reward": ("reward/mean", "reward"),
+    "eval reward": ("eval/*/reward_mean",),
     "loss": ("loss/mean", "loss", "loss/"),
     "throughput": ("perf/throughput",),
     "MFU": ("perf/mfu",),
@@ -34,7 +37,11 @@ MAX_ROWS_PER_RUN = 5000
 def pick_figure(latest: dict[str, float], candidates: tuple[str, ...]) -> tuple[str, float] | None:
     """The first candidate key present in `latest` (prefix candidates end in "/"), with its value."""
     for cand in candidates:
-        if cand.endswith("/"):
+        if "*" in cand:
+            for key in sorted(latest):
+                if fnmatch.fnmatchcase(key, cand) and key.count("/") == cand.count("/"):
+                    return key, latest[key]
+        elif cand.endswith("/"):
             for key in sorted(latest):
                 if key.startswith(cand):
                     return key, latest[key]

@@ -63,6 +63,8 @@ function defaultSelection() {
     const reward = state.keys.find((k) => k === "reward" || k.startsWith("reward/"));
     if (reward) pick.push(reward);
   }
+  // online evals (`[orchestrator.eval]`): every environment's eval reward, beside the training reward
+  pick.push(...state.keys.filter((k) => /^eval\/[^/]+\/reward_mean$/.test(k)));
   return pick.length ? pick : state.keys.slice(0, 4);
 }
 
