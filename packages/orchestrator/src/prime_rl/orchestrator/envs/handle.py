@@ -82,9 +82,15 @@ class EnvHandle(ABC):
     async def close(self) -> None:  # noqa: B027 (optional hook)
         """Stop workers."""
 
+    async def until_started(self) -> None:  # noqa: B027 (optional hook: in-process environments are always up)
+        """Wait until the environment can take a call (a worker replacing a killed one may still be starting)."""
+
     async def call(self, method: str, args: dict[str, Any], budget: Budget | None = None) -> Any:
         """Run one environment call within the budget; raise EnvFailure (and count it) otherwise."""
         budget = budget or Budget(self.timeout)
+        # A worker's start-up is not the rollout's time: with it charged, an environment that builds slower than
+        # one budget failed every rollout after its first hang (its replacements timed out while starting).
+        await self.until_started()
         if budget.left <= 0:
             self.counters["timeouts"] += 1
             raise EnvTimeout(f"environment {self.name} used its {self.timeout:.0f}s budget for this rollout")

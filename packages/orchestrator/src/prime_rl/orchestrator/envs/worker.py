@@ -12,6 +12,12 @@ C code) and fails every call in flight on it; a worker that dies is noticed by i
 build its environment (unknown id, missing package, bad arguments) answers the first call with the
 error, which `start()` raises as one line before any rollout.
 
+Start-up is not a call's time: every worker (at `start()` and each replacement) first answers an "info"
+handshake within `START_TIMEOUT_S`; calls go to workers that are up, and while none is, they wait outside
+their rollout's budget (`EnvHandle.until_started`). Charging the start-up to the call killed the replacement
+of an environment that builds slower than one rollout's budget, then its replacement, and so on: every
+later rollout failed.
+
 Messages are `prime_rl.common.wire.Message` structs with the common envelope (schema version first);
 they live here, beside the only two ends that speak them. Arguments and results are msgpack (tasks and
 chat messages are JSON-able by contract).
@@ -95,6 +101,8 @@ class _Worker:
         self.proc, self.sock, self.endpoint = proc, sock, endpoint
         self.pending: dict[int, asyncio.Future] = {}
         self.reader: asyncio.Task | None = None
+        self.ready: asyncio.Task | None = None
+        """The start-up handshake ("info"): its result once the worker has built its environment."""
 
 
 class WorkerEnv(EnvHandle):
@@ -114,7 +122,7 @@ class WorkerEnv(EnvHandle):
     async def start(self) -> None:
         self.workers = [self._spawn(i) for i in range(self.num_workers)]
         try:
-            infos = await asyncio.gather(*(self._request(w, "info", {}, START_TIMEOUT_S) for w in self.workers))
+            infos = await asyncio.gather(*(self._until_ready(w) for w in self.workers))
         except EnvFailure as e:
             await self.close()
             raise ValueError(f"environment {self.name!r} ({self.config.get('type')}) failed to start: {e}") from None
@@ -132,7 +140,19 @@ class WorkerEnv(EnvHandle):
         sock.connect(endpoint)
         worker = _Worker(proc, sock, endpoint)
         worker.reader = asyncio.create_task(self._read(worker), name=f"env-{self.name}-reader")
+        worker.ready = asyncio.create_task(
+            self._request(worker, "info", {}, START_TIMEOUT_S), name=f"env-{self.name}-handshake"
+        )
+        # its error reaches the callers that wait on it; with none waiting it is not an unretrieved exception
+        worker.ready.add_done_callback(lambda t: t.cancelled() or t.exception())
         return worker
+
+    async def _until_ready(self, worker: _Worker) -> dict[str, Any]:
+        """Wait for the worker's handshake (raises its EnvFailure). Not ``await worker.ready``: a cancelled
+        caller (a rollout stopped at shutdown) would cancel the handshake that other callers wait on."""
+        assert worker.ready is not None
+        await asyncio.wait({worker.ready})
+        return worker.ready.result()
 
     async def _read(self, worker: _Worker) -> None:
         while True:
@@ -181,14 +201,24 @@ class WorkerEnv(EnvHandle):
             raise EnvFailure(f"environment {self.name}.{method} raised {reply.error}")
         return msgspec.msgpack.decode(reply.result)
 
+    async def until_started(self) -> None:
+        """Until some worker has finished its handshake (all may be replacements still starting)."""
+        handshakes = {w.ready for w in self.workers if w.ready is not None}
+        if handshakes and not any(h.done() for h in handshakes):
+            await asyncio.wait(handshakes, return_when=asyncio.FIRST_COMPLETED)
+
     async def _call(self, method: str, args: dict[str, Any], timeout: float) -> Any:
-        worker = min(self.workers, key=lambda w: len(w.pending))
+        # workers that are up first (`call` waited for one): a call's clock never runs during a start-up
+        started = [w for w in self.workers if w.ready is not None and w.ready.done()] or self.workers
+        worker = min(started, key=lambda w: len(w.pending))
+        await self._until_ready(worker)  # done already, or raises the handshake's error
         return await self._request(worker, method, args, timeout)
 
     async def close(self) -> None:
         for worker in self.workers:
-            if worker.reader is not None:
-                worker.reader.cancel()
+            for task in (worker.reader, worker.ready):
+                if task is not None and not task.done():
+                    task.cancel()
             if worker.proc.poll() is None:
                 worker.proc.send_signal(signal.SIGKILL)
                 worker.proc.wait()

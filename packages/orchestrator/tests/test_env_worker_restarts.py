@@ -1,0 +1,72 @@
+"""A replaced environment worker's start-up is not charged to the calls waiting for it.
+
+An environment that takes longer to build (a dataset, a reward model) than one rollout's budget used to
+be killed forever after its first hang: the replacement was still starting when the next call's clock ran
+out, so that call timed out, the replacement was killed and replaced in turn, and so on; every rollout
+failed from then on (issue #17: a hanging reward must cost its rollouts, not the run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from prime_rl.orchestrator.envs.handle import Budget, EnvTimeout
+from prime_rl.orchestrator.envs.worker import WorkerEnv
+
+SLOW_START = textwrap.dedent(
+    """
+    import time
+
+    from prime_rl.orchestrator.envs.reverse_text import ReverseTextEnv
+
+
+    class SlowStart(ReverseTextEnv):
+        name = "slow_start"
+
+        def __init__(self, start_s: float) -> None:
+            time.sleep(start_s)  # loading a dataset / a reward model
+            super().__init__(min_len=3, max_len=3)
+
+        def score(self, task, completion_text):
+            if completion_text == "HANG":
+                time.sleep(3600)
+            return super().score(task, completion_text)
+    """
+)
+
+
+@pytest.fixture
+def slow_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    (tmp_path / "slow_start_env.py").write_text(SLOW_START)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    return {"type": "python", "entrypoint": "slow_start_env:SlowStart", "kwargs": {"start_s": 2.0}}
+
+
+def test_calls_wait_for_a_replaced_worker_to_start_before_their_clock_runs(slow_env: dict) -> None:
+    async def go() -> tuple[float, dict, int]:
+        env = WorkerEnv(slow_env, "slow", timeout=1.0, num_workers=1)
+        await env.start()  # start-up has its own, long deadline
+        try:
+            task = {"text": "abc", "answer": "cba"}
+            with pytest.raises(EnvTimeout):
+                await env.score(task, "HANG", None)  # the worker is killed and replaced (2 s to start)
+            started = time.monotonic()
+            budget = Budget(1.0)  # one rollout: its prompt waits for the replacement, outside the budget
+            assert (await env.build_prompt(task, budget))[0]["role"] == "user"
+            waited = time.monotonic() - started
+            score = await env.score(task, "cba", None, budget)  # so its score still has most of the second
+            assert score.reward == 1.0 and not score.failed and budget.spent < 1.0
+            assert (await env.score(task, "cba", None)).reward == 1.0
+            return waited, dict(env.pop_counters()), env.restarts
+        finally:
+            await env.close()
+
+    waited, counters, restarts = asyncio.run(go())
+    assert counters.get("timeouts") == 1 and restarts == 1, (counters, restarts)
+    assert 1.0 < waited < 30, waited  # it waited out the start-up instead of timing out after 1 s
