@@ -70,3 +70,24 @@ def test_calls_wait_for_a_replaced_worker_to_start_before_their_clock_runs(slow_
     waited, counters, restarts = asyncio.run(go())
     assert counters.get("timeouts") == 1 and restarts == 1, (counters, restarts)
     assert 1.0 < waited < 30, waited  # it waited out the start-up instead of timing out after 1 s
+
+
+def test_a_call_during_a_replacement_goes_to_the_new_worker(slow_env: dict) -> None:
+    """Killing a worker takes a moment (SIGKILL, then wait): a call made meanwhile used to pick the dying
+    worker, whose reply never comes, and wait out its whole budget (seen in tests/chaos/test_hanging_reward.py
+    as timeouts without a restart)."""
+
+    async def go() -> None:
+        env = WorkerEnv({**slow_env, "kwargs": {"start_s": 0.0}}, "slow", timeout=2.0, num_workers=1)
+        await env.start()
+        try:
+            old = env.workers[0]
+            replacing = asyncio.create_task(env._replace(old))
+            await asyncio.sleep(0)  # the replacement is under way: the old worker is being killed
+            score = await env.score({"text": "abc", "answer": "cba"}, "cba", None)
+            assert score.reward == 1.0 and env.workers[0] is not old
+            await replacing
+        finally:
+            await env.close()
+
+    asyncio.run(go())

@@ -151,7 +151,8 @@ class WorkerEnv(EnvHandle):
         """Wait for the worker's handshake (raises its EnvFailure). Not ``await worker.ready``: a cancelled
         caller (a rollout stopped at shutdown) would cancel the handshake that other callers wait on."""
         assert worker.ready is not None
-        await asyncio.wait({worker.ready})
+        if not worker.ready.done():
+            await asyncio.wait({worker.ready})
         return worker.ready.result()
 
     async def _read(self, worker: _Worker) -> None:
@@ -175,16 +176,19 @@ class WorkerEnv(EnvHandle):
     async def _replace(self, worker: _Worker) -> None:
         if worker not in self.workers:
             return
-        if worker.proc.poll() is None:
-            worker.proc.send_signal(signal.SIGKILL)
-            await asyncio.to_thread(worker.proc.wait)
-        if worker.reader is not None and worker.reader is not asyncio.current_task():
-            worker.reader.cancel()
-        worker.sock.close()
+        # The replacement takes the slot before the first await: a call picking a worker meanwhile must not
+        # send to the dying one (its reply never comes; the call would wait out its whole budget).
+        index = self.workers.index(worker)
         self.restarts += 1
         self.counters["restarts"] += 1
         logger.warning("environment %s: restarting a worker (%d restarts so far)", self.name, self.restarts)
-        self.workers[self.workers.index(worker)] = self._spawn(self.workers.index(worker))
+        self.workers[index] = self._spawn(index)
+        if worker.reader is not None and worker.reader is not asyncio.current_task():
+            worker.reader.cancel()
+        if worker.proc.poll() is None:
+            worker.proc.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(worker.proc.wait)
+        worker.sock.close()
 
     async def _request(self, worker: _Worker, method: str, args: dict[str, Any], timeout: float) -> Any:
         request_id = next(self._ids)
@@ -209,10 +213,12 @@ class WorkerEnv(EnvHandle):
 
     async def _call(self, method: str, args: dict[str, Any], timeout: float) -> Any:
         # workers that are up first (`call` waited for one): a call's clock never runs during a start-up
-        started = [w for w in self.workers if w.ready is not None and w.ready.done()] or self.workers
-        worker = min(started, key=lambda w: len(w.pending))
-        await self._until_ready(worker)  # done already, or raises the handshake's error
-        return await self._request(worker, method, args, timeout)
+        while True:
+            started = [w for w in self.workers if w.ready is not None and w.ready.done()] or self.workers
+            worker = min(started, key=lambda w: len(w.pending))
+            await self._until_ready(worker)  # raises the handshake's error
+            if worker in self.workers:  # not replaced while its handshake was awaited
+                return await self._request(worker, method, args, timeout)
 
     async def close(self) -> None:
         for worker in self.workers:
