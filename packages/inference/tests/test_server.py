@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 from prime_rl.common.net import free_port
 from prime_rl.common.weight_checksum import write_checksums
 from prime_rl.common.wire import (
+    AwaitWeightsRequest,
     ControlReply,
     HealthReply,
     HealthRequest,
@@ -220,18 +221,39 @@ def test_failed_worker_load_restores_the_previous_weights(server, tmp_path):
 
 
 def _trainer_process(control: str, model_dir: str, version: int, seed: int, port: int, corrupt, out) -> None:
-    """A trainer-like process: builds the gloo group with the server and pushes a state dict."""
-    from prime_rl.common.weight_sync.broadcast import WeightBroadcaster, WeightBroadcastError
+    """A trainer-like process: builds the gloo group with the server and pushes a state dict.
+
+    corrupt: True (a wrong shape), "nan" (NaN in the last tensor, so every other one is already loaded),
+    "die" (push ``version``, then die after the first bucket of ``version + 1``)."""
+    import os
+
+    from prime_rl.common.weight_sync.broadcast import (
+        Spec,
+        WeightBroadcaster,
+        WeightBroadcastError,
+        pack_bucket,
+    )
 
     sd = perturbed(Path(model_dir), seed=seed)
     if corrupt == "nan":
         sd["model.norm.weight"][3] = float("nan")
-    elif corrupt:
+        sd["model.norm.weight"] = sd.pop("model.norm.weight")  # sent last: the rest reached the model first
+    elif corrupt is True:
         sd["model.norm.weight"] = torch.ones(7)
     b = WeightBroadcaster([control], host="127.0.0.1", port=port, backend="gloo", bucket_bytes=64 * 1024, timeout_s=120)
     try:
         b.connect()
         layout = b.push(version, sd.items())
+        if corrupt == "die":
+            out.put(("ok", version))
+            sd = perturbed(Path(model_dir), seed=seed + 1)
+            layout = b.plan([Spec.of(n, t) for n, t in sd.items()])
+            b.begin(version + 1, layout)
+            b.group.broadcast(pack_bucket(layout, 0, list(sd.values()), torch.device("cpu")))
+            out.put(("dying", version + 1))
+            out.close()
+            out.join_thread()  # the queue's feeder thread must flush before the process vanishes
+            os._exit(3)
         out.put(("ok", len(layout.bucket_sizes)))
         b.push(version + 1, sd.items())  # a second round over the same group
         out.put(("ok", version + 1))
@@ -250,7 +272,9 @@ def _run_trainer(server, version: int, seed: int, corrupt: bool | str = False) -
     )
     p.start()
     p.join(timeout=180)
-    assert p.exitcode == 0, f"trainer process exited with {p.exitcode}:\n{server.log_tail()}"
+    assert p.exitcode == (3 if corrupt == "die" else 0), (
+        f"trainer process exited with {p.exitcode}:\n{server.log_tail()}"
+    )
     results = []
     while not out.empty():
         results.append(out.get())
@@ -273,16 +297,38 @@ def test_bad_broadcast_is_refused_before_any_data(server):
     assert max_diff(server_logprobs(server), before) < 1e-6
 
 
-def test_non_finite_broadcast_is_reported_and_a_finite_update_heals(server, tmp_path):
-    """Probe: NaN weights were accepted. A broadcast streams into the model, so it cannot be refused
-    before loading; the server reports it (reply and health) until a finite update loads."""
+def test_non_finite_broadcast_is_rolled_back(server):
+    """Probe: NaN weights were accepted. A broadcast streams into the model, so it cannot be refused before
+    loading; the worker finishes it, then reloads its host copy of the last complete broadcast (version 3)."""
+    before = server_logprobs(server)
     results = _run_trainer(server, version=12, seed=5, corrupt="nan")
     assert results[0][0] == "refused" and "NaN/Inf" in results[0][1] and "model.norm.weight" in results[0][1], results
+    assert "rolled back to version 3, which is still served" in results[0][1], results
     state = health(server)
-    assert not state.ok and "model.norm.weight" in state.error
-    path = write_step(tmp_path, 13, perturbed(server.model_dir, seed=13))
-    assert request(server, LoadWeightsRequest(path=str(path), version=13)).ok
-    assert health(server).ok and health(server).error == ""
+    assert state.ok and state.error == "" and state.weight_version == 3  # nothing broken: version 3 serves
+    assert max_diff(server_logprobs(server), before) < 1e-6
+
+
+def test_broadcast_breaking_midway_is_rolled_back(server):
+    """Probe: a trainer that dies mid-broadcast left the model partially updated. The worker rolls back."""
+    results = _run_trainer(server, version=14, seed=14, corrupt="die")
+    assert results == [("ok", 14), ("dying", 15)], results
+    reply = request(server, AwaitWeightsRequest(version=15))
+    assert not reply.ok and "rolled back to version 14, which is still served" in reply.error, reply.error
+    assert reply.weight_version == 14 and health(server).ok
+    assert max_diff(server_logprobs(server), hf_logprobs(server.model_dir, perturbed(server.model_dir, 14))) < TOL
+
+
+def test_broadcast_without_a_copy_restores_the_weights_on_disk(server, tmp_path):
+    """No host copy (a file load replaced what the copy held): the worker says the model is partial, and the
+    controller reloads the weights on disk that served before the update; health reports a finite update."""
+    path = write_step(tmp_path, 16, perturbed(server.model_dir, seed=16))
+    assert request(server, LoadWeightsRequest(path=str(path), version=16)).ok
+    results = _run_trainer(server, version=17, seed=6, corrupt="nan")
+    error = results[0][1]
+    assert results[0][0] == "refused" and "partially updated" in error and f"version 16 from {path}" in error, error
+    assert health(server).ok and health(server).weight_version == 16
+    assert max_diff(server_logprobs(server), hf_logprobs(server.model_dir, perturbed(server.model_dir, 16))) < TOL
 
 
 def test_pause_with_requests_in_flight_loses_none(server, tmp_path):

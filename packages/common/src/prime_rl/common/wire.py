@@ -276,6 +276,8 @@ class InitBroadcastRequest(Message):
     """Rank of this server's first worker in the group (the worker adds its local rank)."""
     backend: str = "nccl"
     """torch.distributed backend: "nccl" on GPU, "gloo" on CPU."""
+    keep_rollback_copy: bool = True
+    """Each worker keeps a host copy of the last complete broadcast, to roll back a failed or non-finite one."""
 
 
 class BroadcastWeightsRequest(Message):

@@ -50,6 +50,7 @@ from prime_rl.common.wire import (
 from prime_rl.inference.lora import is_adapter_dir, load_adapter
 from prime_rl.inference.weights.manifest import (
     ITEMSIZE,
+    STILL_SERVED,
     Manifest,
     Spec,
     WeightUpdateError,
@@ -254,6 +255,7 @@ class Controller:
                     request.rank_offset,
                     request.backend,
                     self.broadcast_timeout_s,
+                    request.keep_rollback_copy,
                 ),
             )
         logger.info("joined weight-broadcast group at %s:%d as %s", request.host, request.port, results)
@@ -270,10 +272,13 @@ class Controller:
         check_bucket_layout(names, [specs[n] for n in names], request.buckets, request.offsets, request.bucket_sizes)
         self.manifest.check(specs, source=f"broadcast of version {request.version}")
         await self._lock.acquire()  # released when the receive task ends
+        # A worker without a copy of the previous broadcast (the first one, or keep_rollback_copy = false)
+        # leaves a failed update partial; the weights on disk that serve now (if any) are then reloaded.
+        restore, served = self._restore_path, self.weight_version
 
         async def receive() -> list[dict]:
             try:
-                return await self._apply(
+                results = await self._apply(
                     request.version,
                     "prime_receive_broadcast",
                     names,
@@ -282,11 +287,22 @@ class Controller:
                     request.buckets,
                     request.offsets,
                     request.bucket_sizes,
+                    request.version,
+                    served,
+                    restore_path=restore,
                 )
+            except RestoreFailed as e:
+                raise WeightUpdateError(f"broadcast of version {request.version} failed ({e.__cause__}); {e}") from e
+            except Exception as e:
+                what = f"broadcast of version {request.version} failed: {e}"
+                if restore is not None and STILL_SERVED not in str(e):
+                    what += f"; version {served} from {restore} {STILL_SERVED}"
+                raise WeightUpdateError(what) from e
             finally:
                 self._lock.release()
+            self._restore_path = None  # broadcast weights exist nowhere on disk (the workers keep a copy)
+            return results
 
-        self._restore_path = None  # broadcast weights exist nowhere on disk
         self._broadcasts[request.version] = asyncio.create_task(receive())
         # Give the collective_rpc a moment to reach the workers before the trainer starts sending;
         # not needed for correctness (the collective waits for both sides), it keeps the logs in order.
@@ -301,24 +317,15 @@ class Controller:
             results = await task
         except WeightUpdateError as e:  # already says what happened to the served weights
             logger.error("update to version %d failed: %s", request.version, e)
-            self.failure = str(e)
+            # Health fails only when what serves is not a version the server can name (partial weights).
+            self.failure = "" if STILL_SERVED in str(e) else str(e)
             return self._reply(False, str(e))
         except Exception as e:
-            logger.exception("broadcast of version %d failed", request.version)
+            logger.exception("update to version %d failed", request.version)
             self.failure = (
-                f"broadcast of version {request.version} failed in the workers: {type(e).__name__}: {e}; "
+                f"update to version {request.version} failed in the workers: {type(e).__name__}: {e}; "
                 "the weights may be partially updated, send a full update again"
             )
-            return self._reply(False, self.failure)
-        nonfinite = sorted({name for result in results or [] for name in (result or {}).get("nonfinite", [])})
-        if nonfinite:
-            # Found while streaming into the model (a broadcast is never held whole), so already loaded.
-            self.failure = (
-                f"broadcast of version {request.version} carried NaN/Inf in {len(nonfinite)} tensor(s) "
-                f"({', '.join(nonfinite[:5])}): the served weights are not finite; the trainer diverged, resume "
-                "from an earlier checkpoint (health stays failed until a finite update loads)"
-            )
-            logger.error("%s", self.failure)
             return self._reply(False, self.failure)
         self.failure = ""
         logger.info("received weights version %d by broadcast: %s", request.version, results)

@@ -139,6 +139,9 @@ class NCCLBroadcastConfig(_PublishConfig):
     """Dtype of the broadcast tensors: must be the dtype inference serves the model in."""
     inference_addresses: list[str] = []
     """Control endpoints (tcp://host:port) of the inference servers to push to."""
+    keep_rollback_copy: bool = True
+    """Each inference worker keeps a host copy of the last complete broadcast (the model's checkpoint-format
+    weights in `dtype`, once per worker) so an update that breaks midway or carries NaN/Inf is rolled back."""
 
 
 class NixlBroadcastConfig(_PublishConfig):

@@ -29,7 +29,7 @@ Depends on torch and ``prime_rl.common`` only: no vLLM, no trainer code.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -206,12 +206,17 @@ def receive_buckets(group: WeightGroup, layout: BucketLayout) -> dict[str, torch
     return out
 
 
-def receive_batches(group: WeightGroup, layout: BucketLayout) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def receive_batches(
+    group: WeightGroup, layout: BucketLayout, on_bucket: Callable[[int, torch.Tensor], None] | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Receive bucket by bucket (an inference worker's end of ``send_buckets``): yields the tensors of
-    each bucket as views of it, so a worker loads one bucket while holding no more than one."""
+    each bucket as views of it, so a worker loads one bucket while holding no more than one.
+    ``on_bucket(b, buffer)`` sees each raw bucket first (the worker's rollback copy)."""
     for b, size in enumerate(layout.bucket_sizes):
         buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
         group.broadcast(buffer)
+        if on_bucket is not None:
+            on_bucket(b, buffer)
         yield unpack_bucket(layout, b, buffer)
 
 
@@ -235,8 +240,10 @@ class WeightBroadcaster:
         workers_per_server: Sequence[int] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 600.0,
+        keep_rollback_copy: bool = True,
     ) -> None:
         self.addresses = list(addresses)
+        self.keep_rollback_copy = keep_rollback_copy
         self.workers = list(workers_per_server or [1] * len(self.addresses))
         if len(self.workers) != len(self.addresses):
             raise ValueError(
@@ -254,7 +261,12 @@ class WeightBroadcaster:
         offsets = [1 + sum(self.workers[:i]) for i in range(len(self.workers))]
         joined = self.servers.start(
             lambda i: InitBroadcastRequest(
-                host=self.host, port=self.port, world_size=world_size, rank_offset=offsets[i], backend=self.backend
+                host=self.host,
+                port=self.port,
+                world_size=world_size,
+                rank_offset=offsets[i],
+                backend=self.backend,
+                keep_rollback_copy=self.keep_rollback_copy,
             ),
             "InitBroadcastRequest",
         )

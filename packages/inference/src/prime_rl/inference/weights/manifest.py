@@ -40,6 +40,11 @@ BUCKET_ALIGNMENT = 256
 MAX_LISTED = 5
 
 
+STILL_SERVED = "is still served"
+"""Said by every failed-update message after which a named, complete version serves (nothing reached the
+model, or it was rolled back): the controller keeps health ok for those and fails it for the others."""
+
+
 class WeightUpdateError(ValueError):
     """A weight update was refused; the message says what is wrong and how to fix it."""
 

@@ -8,7 +8,9 @@ post-load processing (repacking on CPU, fusing qkv / gate_up), which calling ``m
 alone does not.
 
 Validation (names, shapes, dtypes) happens in the API process before any of this runs, so a bad
-update never reaches the model. The transfer protocol itself (broadcast group, bucket layout, NIXL
+update never reaches the model. What can only be seen in the data while it streams in (a transfer that
+breaks midway, NaN/Inf) is rolled back from a host copy of the last complete update (``worker/broadcast.py``,
+``worker/nixl.py``). The transfer protocol itself (broadcast group, bucket layout, NIXL
 receiver) is shared with the trainer in ``prime_rl.common.weight_sync``.
 """
 
@@ -22,13 +24,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from safetensors import safe_open
 
-from prime_rl.common.weight_sync.broadcast import (
-    BucketLayout,
-    Spec,
-    WeightGroup,
-    build_weight_group,
-    receive_batches,
-)
+from prime_rl.common.weight_sync.broadcast import BucketLayout, Spec, WeightGroup, build_weight_group
 
 
 def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -41,25 +37,12 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _finite_checked(
-    batches: Iterable[list[tuple[str, torch.Tensor]]], nonfinite: list[str]
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Pass ``batches`` through, naming in ``nonfinite`` every floating tensor holding NaN or Inf.
-
-    Reported, not refused: stopping a layerwise reload half-way would leave the model on the meta device,
-    which is worse than finite-but-reported; the controller marks the server unhealthy instead.
-    """
-    for batch in batches:
-        for name, tensor in batch:
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                nonfinite.append(name)
-        yield batch
-
-
 class PrimeWorkerExtension:
     """Methods added to vLLM's worker class; ``self`` is the worker (``self.model_runner``, ``self.rank``)."""
 
     _prime_group: WeightGroup | None = None
+    _prime_bcast_keep = True  # keep a host copy of the last complete broadcast (set by prime_init_broadcast)
+    _prime_bcast_copy = None  # prime_rl.inference.worker.broadcast.RollbackCopy of the served broadcast
     _prime_nixl = None  # prime_rl.common.weight_sync.nixl_receiver.NixlReceiver, built by prime_init_nixl
 
     # -- helpers -------------------------------------------------------------------------------
@@ -107,18 +90,29 @@ class PrimeWorkerExtension:
         """Reload every tensor of the safetensors files in ``path`` (a validated ``broadcasts/step_<n>``)."""
         start = time.perf_counter()
         self._prime_nixl_invalidate()
+        self._prime_bcast_copy = None  # no longer what is served
         count = self._prime_reload([_iter_safetensors(path)])
         return {"tensors": count, "seconds": time.perf_counter() - start}
 
     # -- broadcast -----------------------------------------------------------------------------
 
     def prime_init_broadcast(
-        self, host: str, port: int, world_size: int, rank_offset: int, backend: str, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank_offset: int,
+        backend: str,
+        timeout_s: float,
+        keep_rollback_copy: bool = True,
     ) -> dict:
         """Join the trainer's weight-broadcast group as rank ``rank_offset + global worker index``."""
         if self._prime_group is not None:
             self._prime_group.close()
             self._prime_group = None
+        self._prime_bcast_keep = keep_rollback_copy
+        if not keep_rollback_copy:
+            self._prime_bcast_copy = None
         rank = rank_offset + self._prime_global_rank()
         self._prime_group = build_weight_group(host, port, rank, world_size, backend, timeout_s)
         return {"rank": rank}
@@ -136,13 +130,18 @@ class PrimeWorkerExtension:
         buckets: list[int],
         offsets: list[int],
         bucket_sizes: list[int],
+        version: int = 0,
+        served: int = 0,
     ) -> dict:
         """Receive ``len(bucket_sizes)`` byte buckets from the trainer and load the tensors they hold.
 
         Layout (chosen by the sender, validated by the API process): tensor ``i`` occupies bytes
         ``[offsets[i], offsets[i] + numel * itemsize)`` of bucket ``buckets[i]``; buckets are broadcast
-        in order 0, 1, ... as flat uint8 tensors; tensors are listed in bucket order.
+        in order 0, 1, ... as flat uint8 tensors; tensors are listed in bucket order. A failed or non-finite
+        update is rolled back (see ``prime_rl.inference.worker.broadcast``).
         """
+        from prime_rl.inference.worker.broadcast import receive
+
         group = self._prime_group
         if group is None:
             raise RuntimeError("no weight-broadcast group: send InitBroadcastRequest before BroadcastWeightsRequest")
@@ -150,9 +149,8 @@ class PrimeWorkerExtension:
         specs = [Spec(n, d, tuple(shape)) for n, d, shape in zip(names, dtypes, shapes)]
         layout = BucketLayout(specs, buckets, offsets, bucket_sizes)
         self._prime_nixl_invalidate()
-        nonfinite: list[str] = []
-        count = self._prime_reload(_finite_checked(receive_batches(group, layout), nonfinite))
-        return {"tensors": count, "seconds": time.perf_counter() - start, "nonfinite": nonfinite}
+        stats = receive(self, group, layout, version, served, self._prime_bcast_keep)
+        return {**stats, "seconds": time.perf_counter() - start}
 
     # -- nixl ----------------------------------------------------------------------------------
 
@@ -169,6 +167,7 @@ class PrimeWorkerExtension:
         self.prime_close_nixl()
         receiver = init_receiver(self, host, port, session, rank_offset, keep_rollback_copy, timeout_s)
         self._prime_nixl = receiver
+        self._prime_bcast_copy = None  # NIXL updates replace what a broadcast copy holds
         return {"agent": receiver.name, "arenas": receiver.num_arenas, "groups": len(receiver.layout.group_sizes)}
 
     def prime_close_nixl(self) -> None:
@@ -182,4 +181,5 @@ class PrimeWorkerExtension:
 
         if self._prime_nixl is None:
             raise RuntimeError("no NIXL receiver: send InitNixlRequest before NixlWeightsRequest")
+        self._prime_bcast_copy = None  # whatever happens next, a broadcast copy no longer holds what serves
         return receive(self, self._prime_nixl, version)

@@ -14,45 +14,8 @@ import torch
 
 from prime_rl.common.nixl_metadata import MetadataClient
 from prime_rl.common.weight_sync.nixl_receiver import NixlReceiver, NixlTransferError
-
-
-class LayerwiseReload:
-    """vLLM's layerwise reload opened lazily on the first batch (push-style twin of ``_prime_reload``)."""
-
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-        self.count = 0
-        self._context = None
-
-    def load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        model = self.worker._prime_model()
-        if self._context is None:
-            self._context = set_current_vllm_config(self.worker.vllm_config)
-            self._context.__enter__()
-            with torch.inference_mode():
-                initialize_layerwise_reload(model)
-        with torch.inference_mode():
-            # Copies: the reload keeps the tensors of a layer until all of its weights have arrived, and
-            # a layer may span two groups, while the arena is overwritten by the next group.
-            model.load_weights([(name, t.clone()) for name, t in batch])
-        self.count += len(batch)
-
-    def finish(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        if self._context is None:
-            return
-        try:
-            model = self.worker._prime_model()
-            with torch.inference_mode():
-                finalize_layerwise_reload(model, self.worker.vllm_config.model_config)
-                self.worker._prime_refresh_tied_lm_head(model)
-        finally:
-            self._context.__exit__(None, None, None)
-            self._context = None
+from prime_rl.inference.weights.manifest import STILL_SERVED
+from prime_rl.inference.worker.reload import LayerwiseReload
 
 
 def init_receiver(
@@ -83,7 +46,7 @@ def receive(worker: Any, receiver: NixlReceiver, version: int) -> dict:
     except Exception as e:
         reload.finish()
         if reload.count == 0:
-            raise NixlTransferError(f"{e}; no tensor reached the model, version {served} is still served") from e
+            raise NixlTransferError(f"{e}; no tensor reached the model, version {served} {STILL_SERVED}") from e
         batches = receiver.rollback_batches()
         if batches is None:
             raise NixlTransferError(
@@ -92,6 +55,6 @@ def receive(worker: Any, receiver: NixlReceiver, version: int) -> dict:
                 "send a full update again"
             ) from e
         worker._prime_reload(batches)
-        raise NixlTransferError(f"{e}; rolled back to version {served}, which is still served") from e
+        raise NixlTransferError(f"{e}; rolled back to version {served}, which {STILL_SERVED}") from e
     reload.finish()
     return {**stats, "tensors": reload.count}

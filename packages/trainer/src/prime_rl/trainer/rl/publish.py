@@ -299,7 +299,12 @@ class BroadcastPublisher(_Publisher):
                 )
             backend = "nccl" if world.device.type == "cuda" else "gloo"
             self.broadcaster = WeightBroadcaster(
-                cfg.inference_addresses, host=cfg.host, port=cfg.port, backend=backend, timeout_s=cfg.timeout
+                cfg.inference_addresses,
+                host=cfg.host,
+                port=cfg.port,
+                backend=backend,
+                timeout_s=cfg.timeout,
+                keep_rollback_copy=cfg.keep_rollback_copy,
             )
             self.broadcaster.connect()
 

@@ -1,0 +1,86 @@
+"""Broadcast (NCCL / gloo) updates inside a vLLM worker: stream into the model, verify, roll back.
+
+A broadcast cannot be verified before it touches the model: it is never held whole (each bucket is
+loaded as it arrives, so the update costs one bucket of extra memory, not a second model). What makes
+it safe is the way back. With ``keep_rollback_copy`` the worker keeps the bytes of the last complete,
+finite broadcast in host memory (one copy of the checkpoint-format weights, bf16 by default, per
+worker); an update that fails midway (the trainer died, the group broke) or carried NaN/Inf is
+finished and then replaced by reloading that copy. Without a copy (turned off, or before the first
+complete broadcast) the worker says the model is partial and the controller reloads the weights it
+knows on disk (the served model directory or the last filesystem update), as for a failed file load.
+
+Messages of failures after which the previous version still serves contain ``STILL_SERVED``: the
+controller keeps health ok for those (nothing is broken) and fails it for the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prime_rl.common.weight_sync.broadcast import BucketLayout, WeightGroup, receive_batches, unpack_bucket
+from prime_rl.inference.weights.manifest import STILL_SERVED
+from prime_rl.inference.worker.reload import LayerwiseReload
+
+
+class BroadcastUpdateError(RuntimeError):
+    """A broadcast update failed in the worker; the message says which weights serve now."""
+
+
+@dataclass
+class RollbackCopy:
+    """Host bytes of one complete broadcast: bucket ``b`` of ``layout`` is ``buckets[b]``."""
+
+    version: int
+    layout: BucketLayout
+    buckets: list[torch.Tensor]
+
+    def batches(self):
+        return (unpack_bucket(self.layout, b, buf) for b, buf in enumerate(self.buckets))
+
+
+def _nonfinite(batch: list[tuple[str, torch.Tensor]]) -> list[str]:
+    return [name for name, t in batch if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def receive(
+    worker: Any, group: WeightGroup, layout: BucketLayout, version: int, served: int, keep_rollback_copy: bool
+) -> dict:
+    """Receive ``version`` bucket by bucket into the model; on failure restore ``worker._prime_bcast_copy``.
+
+    ``served``: the version serving before this update (named in messages). Returns the load statistics;
+    raises ``BroadcastUpdateError`` saying what serves now.
+    """
+    previous: RollbackCopy | None = worker._prime_bcast_copy
+    kept: list[torch.Tensor] = []
+    nonfinite: list[str] = []
+    reload = LayerwiseReload(worker, copy=False)
+
+    def keep(bucket: int, buffer: torch.Tensor) -> None:
+        if keep_rollback_copy:
+            kept.append(buffer.to("cpu", copy=True))
+
+    try:
+        for batch in receive_batches(group, layout, on_bucket=keep):
+            nonfinite += _nonfinite(batch)
+            reload.load(batch)  # every bucket is received and loaded: the sender broadcasts them all
+        error = None
+    except Exception as e:  # the group broke midway (a trainer died, a timeout)
+        error = f"{type(e).__name__}: {e}"
+    reload.finish()  # a reload left open would keep the model on the meta device
+    if error is None and not nonfinite:
+        worker._prime_bcast_copy = RollbackCopy(version, layout, kept) if keep_rollback_copy else None
+        return {"tensors": reload.count}
+    what = error or f"carried NaN/Inf in {len(nonfinite)} tensor(s) ({', '.join(nonfinite[:5])})"
+    if reload.count == 0:
+        raise BroadcastUpdateError(f"{what}; no tensor reached the model, version {served} {STILL_SERVED}")
+    if previous is None:
+        worker._prime_bcast_copy = None
+        raise BroadcastUpdateError(
+            f"{what}; {reload.count} tensors were already loaded and this worker holds no copy of the previous "
+            "broadcast (keep_rollback_copy = false, or none completed yet): the model is partially updated"
+        )
+    worker._prime_reload(previous.batches())
+    raise BroadcastUpdateError(f"{what}; rolled back to version {served}, which {STILL_SERVED}")
