@@ -31,6 +31,7 @@ def test_glm_4_5_air_two_node_overlay(tmp_path):
     orchestrator = tomllib.loads((run_dir / "configs" / "orchestrator.toml").read_text())
     assert orchestrator["batch_size"] == 64  # the overlay's, over the base's 256
     assert orchestrator["env"][0]["entrypoint"] == "swe_env:SWEEnvironment"
+    assert orchestrator["model"]["tool_call_parser"] == "glm45"  # taken from [inference.vllm]
     inference = tomllib.loads((run_dir / "configs" / "inference.toml").read_text())
     assert inference["vllm"]["tensor_parallel_size"] == 8 and inference["vllm"]["data_parallel_size"] == 1
 

@@ -29,6 +29,33 @@ def test_parse_tool_calls_valid_malformed_and_unterminated():
     assert execute_tool_call(wrong_args, fns)[1] == "malformed"
 
 
+def test_parse_glm45_tool_calls():
+    """GLM-4.5's format: the name, then key/value pairs; strings raw (by the declared schema), the rest JSON."""
+
+    def search(query: str, limit: int) -> str:
+        """Search."""
+        return query
+
+    tools = [function_schema(search)]
+    text = (
+        "Looking.\n<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>42</arg_value>\n"
+        "<arg_key>limit</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+        "<tool_call>search<arg_key>query</arg_key><arg_value>a b</arg_value>stray</tool_call>"
+        '<tool_call>{"name": "search"}</tool_call><tool_call>search<arg_key>query'
+    )
+    content, calls = parse_tool_calls(text, "glm45", tools=tools)
+    assert content == "Looking."
+    assert calls[0].name == "search" and calls[0].arguments == {"query": "42", "limit": 3} and calls[0].error is None
+    assert execute_tool_call(calls[0], {"search": search}) == ("42", None)
+    assert "pairs" in calls[1].error  # text between the pairs
+    assert "start with the tool name" in calls[2].error  # a hermes call is not a glm45 call
+    assert "unterminated" in calls[3].error
+    _, (untyped,) = parse_tool_calls(
+        "<tool_call>f<arg_key>x</arg_key><arg_value>[1, 2]</arg_value></tool_call>", "glm45"
+    )
+    assert untyped.arguments == {"x": [1, 2]}  # no schema: JSON where it parses
+
+
 def test_function_schema_and_tool_env_scoring():
     def add(a: int, b: int) -> int:
         """Add two integers."""

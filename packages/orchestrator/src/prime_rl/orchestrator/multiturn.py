@@ -212,7 +212,9 @@ async def run_rollout(
         calls: list[ToolCall] = []
         content = completion.text
         if info.tools:
-            content, calls = parse_tool_calls(completion.text, info.tool_call_parser, call_id_prefix=f"call_{turn}")
+            content, calls = parse_tool_calls(
+                completion.text, info.tool_call_parser, call_id_prefix=f"call_{turn}", tools=info.tools
+            )
             tool_names = {t["function"]["name"] for t in info.tools}
             traj.num_tool_calls += len(calls)
             traj.num_malformed_calls += sum(c.error is not None or c.name not in tool_names for c in calls)

@@ -3,8 +3,9 @@
 Why the orchestrator parses tool calls itself (and not vLLM's `--tool-call-parser` on the chat API):
 multi-turn rollouts send token ids to `/v1/completions` so that every later turn conditions on exactly
 the sampled ids (see `multiturn.py`); that endpoint has no tool parsing. The parsers here are pure
-Python and mirror vLLM's parser of the same name, so `[inference.vllm] tool_call_parser = "hermes"`
-(for chat-API users of the same deployment) and `orchestrator.model.tool_call_parser = "hermes"` agree.
+Python and mirror vLLM's parser of the same name; `rl` takes `[inference.vllm] tool_call_parser` (what
+chat-API users of the same deployment get) as the orchestrator's unless `orchestrator.model.tool_call_parser`
+is set, and refuses the two set differently.
 
 A malformed call (bad JSON, no name, arguments not an object, unknown tool, a tool that raises) is the
 model's mistake, not the run's: it comes back to the model as a tool message starting with "error:"
@@ -20,11 +21,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes",)
-"""Tool-call formats the orchestrator parses (vLLM parser names)."""
+TOOL_CALL_PARSERS = ("hermes", "glm45")
+"""Tool-call formats the orchestrator parses (vLLM parser names). Both wrap each call in <tool_call> tags:
+hermes (Qwen, Hermes, most templates): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+glm45 (GLM-4.5 / 4.6 / 4.7): `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>`,
+a string argument written raw, any other as JSON."""
 
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_HERMES_OPEN = "<tool_call>"
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_CALL_OPEN = "<tool_call>"
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass
@@ -46,19 +52,59 @@ class ToolCall:
         }
 
 
-def parse_tool_calls(text: str, parser: str = "hermes", call_id_prefix: str = "call") -> tuple[str, list[ToolCall]]:
-    """Split sampled text into (content without the calls, calls). Malformed calls come back with `error` set."""
+def parse_tool_calls(
+    text: str, parser: str = "hermes", call_id_prefix: str = "call", tools: list[dict[str, Any]] | None = None
+) -> tuple[str, list[ToolCall]]:
+    """Split sampled text into (content without the calls, calls). Malformed calls come back with `error` set.
+
+    `tools` (the declared schemas) tells glm45 which arguments are strings, which it writes unquoted: "7"
+    for a string parameter stays "7" (vLLM's glm45 parser does the same)."""
     if parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser={parser!r} is not supported; use one of {list(TOOL_CALL_PARSERS)}")
     calls: list[ToolCall] = []
-    for i, match in enumerate(_HERMES.finditer(text)):
-        calls.append(_parse_hermes_call(match.group(1), f"{call_id_prefix}_{i}"))
-    content = _HERMES.sub("", text)
-    if _HERMES_OPEN in content:  # an opened call that was never closed (e.g. cut by max_tokens)
-        raw = content[content.index(_HERMES_OPEN) :]
+    for i, match in enumerate(_CALL.finditer(text)):
+        call_id = f"{call_id_prefix}_{i}"
+        body = match.group(1)
+        calls.append(
+            _parse_hermes_call(body, call_id) if parser == "hermes" else _parse_glm45_call(body, call_id, tools)
+        )
+    content = _CALL.sub("", text)
+    if _CALL_OPEN in content:  # an opened call that was never closed (e.g. cut by max_tokens)
+        raw = content[content.index(_CALL_OPEN) :]
         calls.append(ToolCall(f"{call_id_prefix}_{len(calls)}", "", {}, raw, "unterminated <tool_call>"))
-        content = content[: content.index(_HERMES_OPEN)]
+        content = content[: content.index(_CALL_OPEN)]
     return content.strip(), calls
+
+
+def _string_params(tools: list[dict[str, Any]] | None, name: str) -> set[str]:
+    for tool in tools or []:
+        fn = tool.get("function", {})
+        if fn.get("name") == name:
+            props = fn.get("parameters", {}).get("properties", {})
+            return {k for k, v in props.items() if isinstance(v, dict) and v.get("type") == "string"}
+    return set()
+
+
+def _parse_glm45_call(body: str, call_id: str, tools: list[dict[str, Any]] | None) -> ToolCall:
+    name, sep, rest = body.partition("<arg_key>")
+    name = name.strip()
+    if not _TOOL_NAME.fullmatch(name):
+        return ToolCall(call_id, "", {}, body, f"tool call must start with the tool name, got {name[:40]!r}")
+    pairs = _GLM_ARG.findall(sep + rest)
+    if _GLM_ARG.sub("", sep + rest).strip():
+        return ToolCall(call_id, name, {}, body, "arguments must be <arg_key>k</arg_key><arg_value>v</arg_value> pairs")
+    strings = _string_params(tools, name)
+    arguments: dict[str, Any] = {}
+    for key, value in pairs:
+        key = key.strip()
+        if key in strings:
+            arguments[key] = value
+            continue
+        try:
+            arguments[key] = json.loads(value)
+        except json.JSONDecodeError:
+            arguments[key] = value  # an unquoted string where the schema is unknown
+    return ToolCall(call_id, name, arguments, body)
 
 
 def _parse_hermes_call(body: str, call_id: str) -> ToolCall:

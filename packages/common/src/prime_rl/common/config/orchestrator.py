@@ -58,9 +58,9 @@ class ModelConfig(BaseConfig):
     """The inference API endpoint."""
     chat_template: str | None = None
     """Jinja chat template sent with each request; None uses the model's own template."""
-    tool_call_parser: Literal["hermes"] = "hermes"
+    tool_call_parser: Literal["hermes", "glm45"] = "hermes"
     """How the model writes tool calls (vLLM parser name); multi-turn rollouts parse them in the orchestrator.
-    Chat-API users of the same server set the same name as `[inference.vllm] tool_call_parser`."""
+    In `rl`, `[inference.vllm] tool_call_parser` (vLLM's chat-API parser) sets it too, when it is one of these."""
 
 
 class EnvBaseConfig(BaseConfig):

@@ -11,7 +11,7 @@ addresses, the orchestrator's batch port) are derived from `[inference.server]` 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -157,6 +157,7 @@ class RLConfig(BaseConfig):
                 "tokens alone, so after a weight update decode would load KV computed by the old weights; use "
                 "NixlConnector (GPUs), or P/D outside rl"
             )
+        self._link_tool_call_parser()
         if "base_url" not in self.orchestrator.model.client.model_fields_set:
             self.orchestrator.model.client.base_url = f"http://127.0.0.1:{server.port}/v1"
         if server.api_key is not None and self.orchestrator.model.client.api_key in (None, "", "EMPTY"):
@@ -189,6 +190,24 @@ class RLConfig(BaseConfig):
         if self.trainer.data.fake is not None:
             raise ValueError("trainer.data.fake is for benchmarking the trainer alone; `rl` trains on rollouts")
         return self
+
+    def _link_tool_call_parser(self) -> None:
+        """One tool-call format per model: `[inference.vllm] tool_call_parser` (vLLM's chat-API parser, for chat
+        clients of the same server) and `orchestrator.model.tool_call_parser` (what tool environments' rollouts
+        parse the sampled text with) name the same thing. Set on inference alone, the orchestrator adopts it; set
+        on both and different, one of them reads the model's calls wrongly, so `rl` refuses before starting. A
+        vLLM parser the orchestrator does not implement is left to chat clients (the orchestrator keeps its own)."""
+        served = (self.inference.vllm.model_extra or {}).get("tool_call_parser")
+        orch = self.orchestrator.model
+        if served is None or served not in get_args(type(orch).model_fields["tool_call_parser"].annotation):
+            return
+        if "tool_call_parser" in orch.model_fields_set and orch.tool_call_parser != served:
+            raise ValueError(
+                f"inference.vllm.tool_call_parser={served!r} but orchestrator.model.tool_call_parser="
+                f"{orch.tool_call_parser!r}: both describe how this model writes tool calls; set one value "
+                "(under [inference.vllm] alone is enough)"
+            )
+        orch.tool_call_parser = served
 
     @property
     def run_dir(self) -> Path:
