@@ -90,8 +90,9 @@ def load_vf_env(vf: Any, env_id: str, args: dict[str, Any]) -> Any:
         raise ValueError(
             f"verifiers environment {env_id!r}: args {args!r} do not fit its taskset config ({problems})"
         ) from None
-    except Exception as e:
-        raise ValueError(f"verifiers environment {env_id!r} with args {args!r} failed to load: {e}") from e
+    except Exception as e:  # its own error, flattened: the orchestrator reports one line
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        raise ValueError(f"verifiers environment {env_id!r} with args {args!r} failed to load: {reason}") from e
 
 
 def requires_runtime(fn: Callable[..., Any]) -> bool:
