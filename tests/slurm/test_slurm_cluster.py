@@ -266,7 +266,7 @@ def test_stuck_rank_on_the_second_node_ends_the_job_via_the_watchdog(
     assert "stalled in phase 'step' at step" in verdict and "last log line: " in verdict, verdict
     assert (
         f"trainer rank 1 (pid {beat['pid']}, trainer-node1) stalled" in verdict
-        or "also past their deadlines: trainer rank 1 (trainer-node1) in 'step'" in verdict
+        or "near or past their deadlines too: trainer rank 1 (trainer-node1) in 'step'" in verdict
     ), verdict
     status = json.loads((out / "stuck" / "logs" / "latest" / "STATUS").read_text())
     assert status["state"] == "failed" and status["reason"].startswith("watchdog: trainer rank"), status

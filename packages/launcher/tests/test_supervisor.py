@@ -269,3 +269,44 @@ def test_watchdog_ignores_beats_within_their_deadline_and_from_earlier_attempts(
     comps = [Component("trainer", [sys.executable, "-c", script], tmp_path / "t.log", finishes_run=True)]
     sup = Supervisor(comps, poll_s=0.05, heartbeat_dir=beats, watch_interval_s=0.1)
     assert sup.run() == 0, sup.reason
+
+
+def _write_beat(directory: Path, component: str, rank: int, phase: str, age_s: float, deadline_s: float) -> None:
+    import json
+    from dataclasses import asdict
+
+    from prime_rl.common.heartbeat import Beat
+
+    now = time.time()
+    directory.mkdir(parents=True, exist_ok=True)
+    beat = Beat(component, rank, 4242 + rank, phase, 3, now - age_s, deadline_s, now)
+    (directory / f"{component}-{rank}.json").write_text(json.dumps(asdict(beat)))
+
+
+def test_verdict_names_the_most_overdue_and_lists_those_near_their_deadline(tmp_path):
+    """A trainer waiting for a stuck orchestrator's batch entered its phase first and is overdue first; the
+    orchestrator, a second short of its own deadline, is in the verdict too. Per-step subdirectories (SLURM)
+    are read and named; a process far from its deadline is not listed."""
+    from prime_rl.launcher.supervisor import find_stall
+
+    beats = tmp_path / "heartbeats"
+    _write_beat(beats / "trainer-node0", "trainer", 0, "step", age_s=32, deadline_s=30)
+    _write_beat(beats / "orchestrator", "orchestrator", 0, "rollouts", age_s=29, deadline_s=30)
+    _write_beat(beats / "inference-node0", "inference", 0, "serving", age_s=1, deadline_s=60)
+    (tmp_path / "orchestrator.log").write_text("step 2 | reward 0.1\n")
+    verdict = find_stall(beats, 0.0, lambda beat, group: tmp_path / f"{group}.log")
+    assert verdict is not None
+    assert verdict.startswith("watchdog: trainer rank 0 (pid 4242, trainer-node0) stalled in phase 'step' at step 3")
+    assert "near or past their deadlines too: orchestrator rank 0 (orchestrator) in 'rollouts' for 29s" in verdict
+    assert "inference" not in verdict
+    assert find_stall(beats, time.time() + 1, lambda beat, group: "") is None  # an earlier job's beats
+
+
+def test_verdict_lists_at_most_a_few_of_many_stuck_ranks(tmp_path):
+    from prime_rl.launcher.supervisor import MAX_LISTED, find_stall
+
+    for rank in range(20):
+        _write_beat(tmp_path / "hb", "trainer", rank, "step", age_s=12 - rank * 0.01, deadline_s=10)
+    verdict = find_stall(tmp_path / "hb", 0.0, lambda beat, group: "")
+    assert verdict is not None and verdict.startswith("watchdog: trainer rank 0 ")
+    assert verdict.count("in 'step' for") == MAX_LISTED and verdict.endswith(f"and {19 - MAX_LISTED} more")

@@ -324,21 +324,22 @@ def find_stall(
     pids cannot be checked (SLURM: the process may be on another node). ``log_of(beat, group)`` is the log
     whose last line is quoted when the beat names none.
 
-    When several processes are overdue (ranks in lockstep all wait on the one that hangs, the trainer waits
-    for the orchestrator's batch) the watchdog cannot tell the cause from its victims: the most overdue is
-    named first and the others are listed after it.
+    When several processes are stuck the watchdog cannot tell the cause from its victims: ranks in lockstep
+    all wait on the one that hangs, and a trainer waiting for a stuck orchestrator's batch entered its phase
+    first, so it is overdue first. The most overdue is named; the verdict then lists every other process
+    that is past or near (``NEAR_DEADLINE``) its deadline, so a culprit a second short of its own is seen.
     """
     now = time.time() if now is None else now
-    overdue: list[tuple[Beat, str]] = []
+    beats: list[tuple[Beat, str]] = []
     directory = Path(heartbeat_dir)
     groups = [""] + sorted(p.name for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []
     for group in groups:
         for beat in read_beats(directory / group, newer_than=newer_than):
-            if beat.overdue_s(now) > 0 and (alive is None or alive(beat.pid)):
-                overdue.append((beat, group))
+            if alive is None or alive(beat.pid):
+                beats.append((beat, group))
+    overdue = sorted((b for b in beats if b[0].overdue_s(now) > 0), key=lambda item: -item[0].overdue_s(now))
     if not overdue:
         return None
-    overdue.sort(key=lambda item: -item[0].overdue_s(now))
     beat, group = overdue[0]
     log_path = beat.log or str(log_of(beat, group))
     step = "" if beat.step is None else f" at step {beat.step}"
@@ -348,12 +349,28 @@ def find_stall(
         f"for {now - beat.since:.0f}s (deadline {beat.deadline_s:.0f}s); last log line: "
         f"{last_line(log_path) or '(none)'} [{log_path}]"
     )
-    if len(overdue) > 1:
-        others = ", ".join(
-            f"{b.component} rank {b.rank}{f' ({g})' if g else ''} in '{b.phase}'" for b, g in overdue[1:]
-        )
-        reason += f"; also past their deadlines: {others}"
+
+    def used(b: Beat) -> float:  # the fraction of its deadline spent in its phase
+        return (now - b.since) / b.deadline_s if b.deadline_s > 0 else float("inf")
+
+    others = sorted(
+        (b for b in beats if b is not overdue[0] and used(b[0]) >= NEAR_DEADLINE), key=lambda b: -used(b[0])
+    )
+    if others:
+        listed = [
+            f"{b.component} rank {b.rank}{f' ({g})' if g else ''} in '{b.phase}' for {now - b.since:.0f}s "
+            f"(deadline {b.deadline_s:.0f}s)"
+            for b, g in others[:MAX_LISTED]
+        ]
+        more = f" and {len(others) - MAX_LISTED} more" if len(others) > MAX_LISTED else ""
+        reason += f"; near or past their deadlines too: {', '.join(listed)}{more}"
     return reason
+
+
+NEAR_DEADLINE = 0.8
+"""Fraction of its deadline a process must have spent in its phase to be listed beside the one named."""
+MAX_LISTED = 8
+"""At most this many other processes in a verdict (a thousand ranks in lockstep are one line, not a page)."""
 
 
 SHM_DIR = Path("/dev/shm")
