@@ -66,6 +66,8 @@ def test_tool_taskset_prompts_tools_and_rubric():
     reply = env.env_response(task, messages, [call])  # an async @vf.tool, run to completion
     assert reply == [{"role": "tool", "tool_call_id": "call_0", "content": str(answer)}]
     assert env.env_response(task, messages, []) is None  # no call: the answer
+    again = messages + reply + [{"role": "assistant", "content": "", "tool_calls": [call.to_message()]}]
+    assert env.env_response(task, again, [call]) is None  # the taskset's @vf.stop: two tool results are enough
     done = messages + reply + [{"role": "assistant", "content": str(answer)}]
     assert env.score_rollout(task, done) == 2.0  # the rubric's weight
     assert env.score_rollout(task, messages + reply + [{"role": "assistant", "content": "no"}]) == 0.0

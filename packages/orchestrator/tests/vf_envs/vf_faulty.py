@@ -1,5 +1,6 @@
 """A verifiers (v1) taskset for the tests: add two numbers, with an `add` tool when `task.tools`; its reward
-misbehaves on demand (`task.fault`: hang, crash the process, raise) so the tests see what a bad env costs."""
+misbehaves on demand (the reply HANG, CRASH or RAISE) so the tests see what a bad env costs; a `@vf.stop` ends
+the rollout once two tool results are in."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ class Adder(vf.Toolset[vf.ToolsetConfig]):
 
 class FaultyTaskConfig(vf.TaskConfig):
     tools: bool = False
-    fault: str = ""
 
 
 class FaultyTask(vf.Task[FaultyData, vf.State, FaultyTaskConfig]):
@@ -34,13 +34,17 @@ class FaultyTask(vf.Task[FaultyData, vf.State, FaultyTaskConfig]):
 
     @vf.reward(weight=2.0)
     async def correct(self, trace: vf.Trace) -> float:
-        if trace.last_reply == "HANG" or self.config.fault == "hang":
+        if trace.last_reply == "HANG":
             time.sleep(60)
         if trace.last_reply == "CRASH":
             os._exit(3)
         if trace.last_reply == "RAISE":
             raise RuntimeError("reward function failed")
         return float(trace.last_reply == str(self.data.answer))
+
+    @vf.stop
+    async def two_calls(self, trace: vf.Trace) -> bool:
+        return len(trace.tool_messages) >= 2
 
     @vf.metric
     async def turns(self, trace: vf.Trace) -> float:

@@ -16,8 +16,9 @@ Split of the work:
 
 Left out, and refused at start with one line (so a run never trains on a silently different task):
 environments with their own `Env.run` (multi-agent, simulated users), tasksets that ship their own harness
-program, tasks that need a container or sandbox (`NEEDS_CONTAINER`, rewards taking a `runtime`), and LLM
-judges. verifiers 0.4's own training path (`TrainClient`: a client-side `renderers` tokenizer and vLLM's
+program, tasks that need a container or sandbox (`NEEDS_CONTAINER`, rewards taking a `runtime`), LLM
+judges, `@vf.intercept` hooks and `@vf.stop` hooks over a model Request / Response (stops over the Trace
+run after each environment reply). verifiers 0.4's own training path (`TrainClient`: a client-side `renderers` tokenizer and vLLM's
 `/inference/v1/generate`, programs in runtimes behind an interception server) is not used: it needs the
 tokenizer in the orchestrator and a harness program per rollout, and multiturn.py already gives exact tokens.
 """
@@ -36,6 +37,7 @@ from pydantic import ValidationError
 
 from prime_rl.orchestrator.envs.base import Messages, Task
 from prime_rl.orchestrator.envs.tool_env import ToolEnvironment
+from prime_rl.orchestrator.tools import ToolCall
 
 SUPPORTED = ">=0.4,<0.5"
 """The verifiers releases this module is written against (the `verifiers.v1` API; 0.3 pins mcp<2, which
@@ -123,6 +125,21 @@ def check_playable(vf: Any, env: Any, env_id: str, sample: Any) -> None:
             f"verifiers environment {env_id!r}: rewards {sandboxed} need a runtime (sandbox), which prime-rl "
             "does not run; they would score nothing"
         )
+    from verifiers.v1.session import hook_boundary
+    from verifiers.v1.utils.decorators import discover_decorated
+
+    intercepts = [fn.__name__ for fn in discover_decorated(sample, "intercept")]
+    if intercepts:
+        raise ValueError(
+            f"verifiers environment {env_id!r}: its @vf.intercept hooks {intercepts} rewrite model requests or "
+            "responses, which prime-rl's token-exact loop does not run"
+        )
+    model_stops = [fn.__name__ for fn in sample.hooks("stop") if hook_boundary(fn, allow_trace=True) is not vf.Trace]
+    if model_stops:
+        raise ValueError(
+            f"verifiers environment {env_id!r}: @vf.stop hooks {model_stops} read a model Request or Response; "
+            "prime-rl runs only stops over the Trace"
+        )
     if sample.data.prompt is None:
         raise ValueError(f"verifiers environment {env_id!r}: its tasks have no prompt (the user opens); unsupported")
 
@@ -184,8 +201,9 @@ class VerifiersEnv(ToolEnvironment):
             return messages + [{"role": "user", "content": data.prompt}]
         return messages + [message_to_wire(m) for m in data.prompt]
 
-    def score_rollout(self, task: Task, messages: Messages) -> float:
-        """The task's rubric over the conversation, as verifiers scores a trace (weighted sum of its rewards)."""
+    def trace_of(self, task: Task, messages: Messages) -> Any:
+        """The conversation as a `vf.Trace` (one branch of message nodes; assistant turns marked sampled). It
+        carries no model-call records (token usage, finish reasons, timing): prime-rl keeps those itself."""
         from verifiers.v1.dialects.chat import parse_message
         from verifiers.v1.graph import MessageNode
 
@@ -194,11 +212,35 @@ class VerifiersEnv(ToolEnvironment):
             MessageNode(parent=i - 1 if i else None, message=parse_message(m), sampled=m["role"] == "assistant")
             for i, m in enumerate(messages)
         ]
-        trace = vf.Trace(
+        return vf.Trace(
             task=vf.TraceTask(type=type(vf_task).__name__, data=vf_task.data, key=vf_task.key, hash=vf_task.hash),
             agent=vf.AgentInfo(config=vf.AgentConfig()),
             nodes=nodes,
         )
+
+    def env_response(self, task: Task, messages: Messages, calls: list[ToolCall]) -> Messages | None:
+        """The tool results, unless a `@vf.stop` over the trace fires: verifiers checks those before each model
+        call, so a stop here ends the rollout before the turn that would read these results."""
+        reply = super().env_response(task, messages, calls)
+        if reply is None:
+            return None
+        return None if asyncio.run(self.stop_fired(task, messages + reply)) else reply
+
+    async def stop_fired(self, task: Task, messages: Messages) -> bool:
+        from verifiers.v1.session import call_hook
+
+        trace = self.trace_of(task, messages)
+        for stop in self.tasks[task["idx"]].hooks("stop"):
+            fired = await call_hook(stop, {self.vf.Trace: trace})
+            if not isinstance(fired, bool):
+                raise TypeError(f"@vf.stop {stop.__name__} returned {fired!r}; a stop must return a bool")
+            if fired:
+                return True
+        return False
+
+    def score_rollout(self, task: Task, messages: Messages) -> float:
+        """The task's rubric over the conversation, as verifiers scores a trace (weighted sum of its rewards)."""
+        vf_task, trace = self.tasks[task["idx"]], self.trace_of(task, messages)
         asyncio.run(vf_task.score(trace))  # raises (a TaskError) when a reward function fails: scored as failed
         unscored = [name for name, r in trace.rewards.items() if r is None]
         if unscored:
