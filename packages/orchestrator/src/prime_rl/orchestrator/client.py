@@ -182,6 +182,14 @@ class InferenceClient:
         data = await self._post(body, url=f"{self.server_root}/tokenize")
         return [int(t) for t in data["tokens"]]
 
+    async def metrics_text(self) -> str | None:
+        """The server's Prometheus /metrics text (rollout concurrency follows its queue), or None without one."""
+        try:
+            response = await self._http.get(f"{self.server_root}/metrics", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        return response.text if response.status_code == 200 else None
+
     async def detokenize(self, token_ids: list[int]) -> str:
         data = await self._post({"model": self.model, "tokens": token_ids}, url=f"{self.server_root}/detokenize")
         return data["prompt"]

@@ -191,6 +191,7 @@ class Orchestrator:
             max_len=config.seq_len,
             chat_template=config.model.chat_template,
             tool_call_parser=config.model.tool_call_parser,
+            follow_load=config.concurrency == "load",
         )
         self.step = self.start_step
         # online evals: their own environment handles ([orchestrator.eval] env), else the training ones

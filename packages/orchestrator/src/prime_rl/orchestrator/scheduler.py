@@ -1,4 +1,5 @@
-"""Rollout scheduling: keep `max_concurrent` groups in flight against inference; finished groups queue up.
+"""Rollout scheduling: keep `max_concurrent` groups in flight against inference (fewer while the server queues
+requests, with `follow_load`: see concurrency.py); finished groups queue up.
 
 Each worker coroutine repeats: draw a task, build its prompt, wait until the policy gate allows
 its request, sample `group_size` completions in one request (`n=group_size`, so vLLM shares the
@@ -36,6 +37,7 @@ from prime_rl.common.config.orchestrator import AdvantageConfig
 from prime_rl.common.seeding import sample_seed
 from prime_rl.orchestrator.advantages import group_advantages
 from prime_rl.orchestrator.client import ChatResult, InferenceClient, SamplingArgs
+from prime_rl.orchestrator.concurrency import LoadLimit, follow_load
 from prime_rl.orchestrator.curriculum import Curriculum
 from prime_rl.orchestrator.envs.base import Environment, Score
 from prime_rl.orchestrator.envs.handle import Budget, EnvFailure, EnvHandle, LocalEnv, pick_env
@@ -70,6 +72,7 @@ class RolloutScheduler:
         max_len: int | None = None,
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
+        follow_load: bool = False,
     ) -> None:
         self.envs = as_env_handles(env)
         self.client, self.policy, self.rng, self.sampling = client, policy, rng, sampling
@@ -77,6 +80,9 @@ class RolloutScheduler:
         self.groups_per_step = groups_per_step
         self.max_off_policy_steps = max_off_policy_steps
         self.max_concurrent = max_concurrent
+        # at most max_concurrent groups in flight; with follow_load fewer while the server queues (concurrency.py)
+        self.limit = LoadLimit(1, max_concurrent) if follow_load else None
+        self._probe: asyncio.Task | None = None
         self.start_step = start_step
         self.tasks_drawn = tasks_drawn
         self.std_normalize, self.eps = std_normalize, eps
@@ -111,12 +117,16 @@ class RolloutScheduler:
 
     def start(self) -> None:
         self._workers = [asyncio.create_task(self._worker(), name=f"rollout-{i}") for i in range(self.max_concurrent)]
+        if self.limit is not None:
+            where = f"{self.client.server_root}/metrics"
+            self._probe = asyncio.create_task(follow_load(self.limit, self.client.metrics_text, where), name="load")
 
     async def stop(self) -> None:
-        for worker in self._workers:
-            worker.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        self._workers = []
+        tasks = [*self._workers, *([self._probe] if self._probe is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._workers, self._probe = [], None
 
     async def get(self) -> Group:
         """Next finished group; re-raises a worker's fatal error (e.g. inference unreachable)."""
@@ -143,6 +153,8 @@ class RolloutScheduler:
         for part in (self.curriculum, self.teacher):
             if part is not None:
                 metrics.update(part.pop_metrics())
+        if self.limit is not None:
+            metrics["rollouts/concurrency_limit"] = float(self.limit.limit)
         if self._num_rollouts:  # multi-turn: sums, plus the mean turns per rollout
             metrics.update({k: float(v) for k, v in self._rollout_stats.items()})
             metrics["rollout/turns"] = self._rollout_stats["rollout/turns"] / self._num_rollouts
@@ -160,12 +172,18 @@ class RolloutScheduler:
     async def _worker(self) -> None:
         try:
             while True:
-                ticket = self._tickets
-                self._tickets += 1
-                # a discarded group is retried under its ticket, or its step would never fill (module docstring)
-                while (group := await self.generate_group(ticket)) is None:
-                    pass
-                self.queue.put_nowait(group)
+                if self.limit is not None:
+                    await self.limit.acquire()  # before the ticket: tickets keep request order
+                try:
+                    ticket = self._tickets
+                    self._tickets += 1
+                    # a discarded group is retried under its ticket, or its step would never fill (module docstring)
+                    while (group := await self.generate_group(ticket)) is None:
+                        pass
+                    self.queue.put_nowait(group)
+                finally:
+                    if self.limit is not None:
+                        await self.limit.release()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # fatal: hand it to the orchestrator loop, which stops the run

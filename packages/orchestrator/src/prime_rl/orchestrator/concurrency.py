@@ -1,0 +1,110 @@
+"""Rollout concurrency that follows inference load: how many groups the scheduler keeps in flight.
+
+vLLM batches every request it has room for and queues the rest (`vllm:num_requests_waiting` on its
+Prometheus `/metrics`). Groups sent beyond what it can batch buy nothing: they wait in its queue, are
+sampled later than their version tag says, and crowd out other runs sharing the servers. So the limit
+moves by AIMD on that signal, probed every `interval_s`:
+
+- the queue held requests at two probes in a row (one burst of `n` sampled children is normal)
+  -> limit x 3/4 (at least `lo`);
+- the queue was empty, the KV cache below 90% and every slot in use -> limit + max(1, limit / 4)
+  (at most `hi`).
+
+It starts at `hi` (the configured `max_concurrent_groups`), so a run on idle servers behaves exactly as
+with a fixed limit. Where `/metrics` has no vLLM queue gauge (a router in front, another server), the
+limit stays at `hi` and that is logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    waiting: float
+    running: float
+    kv_usage: float | None
+
+
+def parse_vllm_metrics(text: str) -> ServerLoad | None:
+    """Requests waiting / running (summed over engines) and the fullest KV cache, from vLLM's /metrics text."""
+    values: dict[str, list[float]] = {}
+    for name, value in _SAMPLE.findall(text):
+        values.setdefault(name, []).append(float(value))
+    if "vllm:num_requests_waiting" not in values:
+        return None
+    kv = values.get("vllm:kv_cache_usage_perc") or values.get("vllm:gpu_cache_usage_perc")
+    return ServerLoad(
+        waiting=sum(values["vllm:num_requests_waiting"]),
+        running=sum(values.get("vllm:num_requests_running", [0.0])),
+        kv_usage=max(kv) if kv else None,
+    )
+
+
+class LoadLimit:
+    """An asyncio limit on groups in flight whose size `update` moves with the server's load."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        if not 1 <= lo <= hi:
+            raise ValueError(f"concurrency bounds lo={lo}, hi={hi}: need 1 <= lo <= hi")
+        self.lo, self.hi = lo, hi
+        self.limit = hi
+        self.in_flight = 0
+        self._queued_before = False
+        self._cond = asyncio.Condition()
+
+    async def acquire(self) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.in_flight < self.limit)
+            self.in_flight += 1
+
+    async def release(self) -> None:
+        async with self._cond:
+            self.in_flight -= 1
+            self._cond.notify_all()
+
+    async def update(self, load: ServerLoad) -> int:
+        """Apply one probe's load; returns the new limit."""
+        async with self._cond:
+            queued = load.waiting > 0
+            if queued and self._queued_before:
+                self.limit = max(self.lo, math.floor(self.limit * 3 / 4))
+            elif not queued and self.in_flight >= self.limit and (load.kv_usage is None or load.kv_usage < 0.9):
+                self.limit = min(self.hi, self.limit + max(1, self.limit // 4))
+                self._cond.notify_all()
+            self._queued_before = queued
+            return self.limit
+
+
+async def follow_load(
+    limit: LoadLimit, fetch: Callable[[], Awaitable[str | None]], where: str, interval_s: float = 1.0
+) -> None:
+    """Read the server's /metrics text with `fetch` every `interval_s` and move `limit`, until cancelled.
+    A probe that fails leaves the limit where it is (a server that is down shows up in the requests)."""
+    warned = False
+    while True:
+        text = await fetch()
+        load = parse_vllm_metrics(text) if text is not None else None
+        if load is None:
+            if not warned:
+                logger.info("no vLLM request-queue gauge at %s: rollout concurrency stays at %d", where, limit.limit)
+                warned = True
+        else:
+            before = limit.limit
+            after = await limit.update(load)
+            if after != before:
+                logger.info(
+                    "rollout concurrency %d -> %d groups (server: %d waiting, %d running)",
+                    before, after, load.waiting, load.running,
+                )  # fmt: skip
+        await asyncio.sleep(interval_s)
