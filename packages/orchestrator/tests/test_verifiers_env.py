@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from prime_rl.common.config.orchestrator import OrchestratorConfig
-from prime_rl.orchestrator.envs.handle import Budget, EnvCrashed, EnvTimeout
+from prime_rl.orchestrator.envs.handle import Budget, EnvCrashed, EnvTimeout, LocalEnv
 from prime_rl.orchestrator.envs.registry import build_environment
 from prime_rl.orchestrator.envs.worker import WorkerEnv
 from prime_rl.orchestrator.tools import ToolCall
@@ -79,6 +79,27 @@ def test_taskset_without_tools_is_one_turn():
     assert env.tools == [] and len(env.tasks) == 2
     task = env.sample_tasks(1, np.random.default_rng(1))[0]
     assert env.score(task, str(task["data"]["answer"])) == 2.0 and env.score(task, "7 apples") == 0.0
+
+
+@needs_verifiers
+def test_threads_in_the_orchestrator_loop():
+    """`workers = 0`: the environment is built inside the orchestrator's running event loop and called from
+    threads; verifiers' coroutines (toolset setup, tools, rubric) still run to completion."""
+
+    async def go():
+        env = LocalEnv(build(TOOLS), "vf", timeout=30.0)
+        task = (await env.sample_tasks(1, seed=0))[0]
+        call = ToolCall("call_0", "adder_add", {"a": 2, "b": 3}, "raw")
+        messages = [
+            {"role": "user", "content": "?"},
+            {"role": "assistant", "content": "", "tool_calls": [call.to_message()]},
+        ]
+        reply = await env.env_response(task, messages, [call])
+        done = messages + reply + [{"role": "assistant", "content": str(task["data"]["answer"])}]
+        return reply, await env.score(task, "", done)
+
+    reply, score = asyncio.run(go())
+    assert reply[0]["content"] == "5" and score.reward == 2.0 and not score.failed
 
 
 @needs_verifiers

@@ -28,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -62,6 +63,18 @@ def import_verifiers() -> Any:
             f"verifiers {SUPPORTED}: {INSTALL_HINT}"
         ) from e
     return vf
+
+
+def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run one of verifiers' coroutines (tools, stops, rubric) to completion from the synchronous environment
+    API, also when this thread already runs an event loop (`workers = 0` builds the environment inside the
+    orchestrator's loop, where `asyncio.run` refuses)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def module_of(env_id: str) -> str:
@@ -152,7 +165,7 @@ def as_tool(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)  # keeps the signature and docstring: the OpenAI schema comes from them
     def call(**kwargs: Any) -> Any:
         result = method(**kwargs)
-        return asyncio.run(result) if inspect.isawaitable(result) else result
+        return run_sync(result) if inspect.isawaitable(result) else result
 
     call.__name__ = name
     return call
@@ -176,7 +189,7 @@ class VerifiersEnv(ToolEnvironment):
             type(self.tasks[0]).toolsets(taskset.config.task)
         )
         for toolset in toolsets:
-            asyncio.run(toolset.setup())
+            run_sync(toolset.setup())
         functions = [
             as_tool(f"{ts.server_name}_{tool_name}" if ts.server_name else tool_name, fn)
             for ts in toolsets
@@ -224,7 +237,7 @@ class VerifiersEnv(ToolEnvironment):
         reply = super().env_response(task, messages, calls)
         if reply is None:
             return None
-        return None if asyncio.run(self.stop_fired(task, messages + reply)) else reply
+        return None if run_sync(self.stop_fired(task, messages + reply)) else reply
 
     async def stop_fired(self, task: Task, messages: Messages) -> bool:
         from verifiers.v1.session import call_hook
@@ -241,7 +254,7 @@ class VerifiersEnv(ToolEnvironment):
     def score_rollout(self, task: Task, messages: Messages) -> float:
         """The task's rubric over the conversation, as verifiers scores a trace (weighted sum of its rewards)."""
         vf_task, trace = self.tasks[task["idx"]], self.trace_of(task, messages)
-        asyncio.run(vf_task.score(trace))  # raises (a TaskError) when a reward function fails: scored as failed
+        run_sync(vf_task.score(trace))  # raises (a TaskError) when a reward function fails: scored as failed
         unscored = [name for name, r in trace.rewards.items() if r is None]
         if unscored:
             raise RuntimeError(f"rewards {unscored} of {self.name} returned no score")
