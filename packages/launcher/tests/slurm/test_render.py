@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from prime_rl.common.auth import RunSecret
-from prime_rl.common.config import load_config
+from prime_rl.common.config import load_config, write_toml
+from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.config.trainer import SFTConfig
 from prime_rl.common.net import free_port
 from prime_rl.launcher.slurm import load_job, render_job
@@ -230,6 +231,18 @@ def test_rl_job_beats_per_step_with_the_run_stall_timeout(tmp_path: Path) -> Non
     assert "\nstart_watchdog " in script
     inference = dry_run(write_config(tmp_path, "inference", deployment="num_infer_nodes = 1"))
     assert "\nstart_watchdog " not in (inference / "inference.sbatch").read_text()  # nothing to watch alone
+
+
+def test_rl_publishes_in_the_served_dtype_after_the_rl_hand_off(tmp_path: Path) -> None:
+    """`rl` hands the module its whole resolved config (configs/rl.toml: every default written out), so the
+    default weight_broadcast.dtype reads as set; it must still follow the dtype inference serves."""
+    cfg = write_config(tmp_path, "rl", deployment="num_train_nodes = 1\nnum_infer_nodes = 1")
+    cfg.write_text(cfg.read_text().replace("[deployment]", '[inference.vllm]\ndtype = "float32"\n\n[deployment]'))
+    handed = write_toml(load_config(RLConfig, ["@", str(cfg)]), tmp_path / "handed.toml")  # as `rl` writes it
+    assert 'dtype = "bfloat16"' in handed.read_text()
+    assert main(["rl", "@", str(handed), "--dry-run"]) == 0
+    trainer = (tmp_path / "out" / "r" / "configs" / "trainer.toml").read_text()
+    assert 'dtype = "float32"' in trainer.split("[weight_broadcast]")[1].split("\n[")[0], trainer
 
 
 def test_cache_dirs_are_node_local_and_env_vars_override(tmp_path: Path) -> None:

@@ -24,9 +24,11 @@ def rl_process_configs(config: BaseModel) -> dict[str, BaseModel]:
             f"{config.deployment.num_train_nodes} nodes x {config.deployment.gpus_per_node} GPUs"
         )
     wb = trainer.weight_broadcast
-    if "dtype" not in wb.model_fields_set:
-        try:  # published weights must be in the dtype inference serves
-            wb.dtype = served_dtype(config)
-        except FileNotFoundError:
-            pass  # the model is not visible from the submit host: keep the configured dtype
+    # Published weights must be in the dtype inference serves (every transport's receiver refuses others), so
+    # it is set whether or not the config names one: `rl` hands its config over as a file of every value, so a
+    # default bfloat16 reads as set, and an fp32 server refused every update (seen in tests/slurm).
+    try:
+        wb.dtype = served_dtype(config)
+    except FileNotFoundError:
+        pass  # the model is not visible from the submit host and inference serves "auto": keep the configured dtype
     return {"trainer": trainer, "orchestrator": orchestrator, "inference": inference}
