@@ -160,23 +160,21 @@ def test_inference_job_prints_the_router_url_on_node_zero(slurm_cluster, tmp_pat
     assert (tmp_path / "out" / "inf" / "launcher" / "router_url").read_text().strip() == url
 
 
-def test_rl_one_inference_node_one_trainer_node_completes(
-    slurm_cluster, tiny_model: Path, tmp_path: Path, free_ports
-) -> None:
-    base = free_ports(700)  # router, replica (+100 control), rendezvous, batch socket
-    out = tmp_path / "out"
-    cfg = tmp_path / "rl.toml"
-    cfg.write_text(
+def rl_toml(path: Path, model: Path, out: Path, base: int, max_steps: int, stall_timeout: float = 1800) -> Path:
+    """One inference node, one trainer node; ``base`` starts 700 free ports (router, replica + 100, rendezvous,
+    batches, weight announcements: every "node" here shares one network, so no default port is safe)."""
+    path.write_text(
         f"""
 output_dir = "{out}"
-max_steps = 2
+max_steps = {max_steps}
+stall_timeout = {stall_timeout}
 seq_len = 256
 
 [run]
 name = "rl"
 
 [model]
-name = "{tiny_model}"
+name = "{model}"
 
 [deployment]
 type = "multi_node"
@@ -196,6 +194,7 @@ max_tokens = 8
 
 [orchestrator.trainer]
 port = {base + 3}
+weights_port = {base + 4}
 
 [inference.vllm]
 enforce_eager = true
@@ -207,6 +206,16 @@ VLLM_CPU_KVCACHE_SPACE = "1"
 VLLM_HOST_IP = "127.0.0.1"
 """
     )
+    return path
+
+
+def test_rl_one_inference_node_one_trainer_node_completes(
+    slurm_cluster, tiny_model: Path, tmp_path: Path, free_ports
+) -> None:
+    base = free_ports(700)  # router, replica (+100 control), rendezvous, batch socket
+    out = tmp_path / "out"
+    cfg = tmp_path / "rl.toml"
+    rl_toml(cfg, tiny_model, out, base, max_steps=2)
     # Through the `rl` entrypoint, as a user would: it hands the resolved config to the SLURM module.
     proc = subprocess.run(
         [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(cfg)],
@@ -271,3 +280,56 @@ def test_stuck_rank_on_the_second_node_ends_the_job_via_the_watchdog(
     status = json.loads((out / "stuck" / "logs" / "latest" / "STATUS").read_text())
     assert status["state"] == "failed" and status["reason"].startswith("watchdog: trainer rank"), status
     assert leftover_processes(str(out / "stuck")) == []
+
+
+def test_stuck_orchestrator_ends_the_rl_job_via_the_watchdog(
+    slurm_cluster, tiny_model: Path, tmp_path: Path, free_ports
+) -> None:
+    """Issue #17 under SLURM, rl: the orchestrator (on the trainer node) stops dead while collecting rollouts;
+    its heartbeat, on the shared run dir, goes past stall_timeout and the job script's watchdog ends the job
+    naming it (the trainer, waiting for its batch, may be named first: then the orchestrator is listed)."""
+    stall_s = 30  # above a CPU step (rollouts + weight reload) on 2 loaded cores
+    base = free_ports(700)
+    out = tmp_path / "out"
+    cfg = rl_toml(tmp_path / "rl.toml", tiny_model, out, base, max_steps=1000, stall_timeout=stall_s)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(cfg)],
+        capture_output=True,
+        text=True,
+        env=slurm_cluster.env,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    beat_file = out / "rl" / "heartbeats" / "orchestrator" / "orchestrator-0.json"
+    deadline = time.monotonic() + 240
+    while True:  # stop it in 'rollouts' of step 2 or later (its deadline there is stall_timeout)
+        try:
+            beat = json.loads(beat_file.read_text())
+        except (FileNotFoundError, ValueError):
+            beat = {}
+        if beat.get("phase") == "rollouts" and (beat.get("step") or 0) >= 2:
+            os.kill(beat["pid"], signal.SIGSTOP)
+            break
+        assert time.monotonic() < deadline, f"no orchestrator beat in 'rollouts' at step >= 2: {beat}"
+        if int(time.monotonic() * 20) % 20 == 0:  # about once a second: the job must still be running
+            state, _ = slurm_cluster.job_state(job_id)
+            logs = out / "rl" / "launcher" / "logs"
+            assert state in ("PENDING", "RUNNING"), (state, (logs / f"job_{job_id}.log").read_text()[-3000:])
+        time.sleep(0.05)
+    stopped = time.monotonic()
+    state, code = slurm_cluster.wait(job_id, timeout=stall_s + 90)
+    elapsed = time.monotonic() - stopped
+    logs = out / "rl" / "launcher" / "logs"
+    job_log = (logs / f"job_{job_id}.log").read_text()
+    assert (state, code) == ("FAILED", "1:0"), job_log
+    assert elapsed < stall_s + 30, f"the job took {elapsed:.0f} s to end after the orchestrator stopped"
+    verdict = next(line for line in job_log.splitlines() if line.startswith("job: watchdog: "))
+    print(f"{elapsed:.0f}s after SIGSTOP: {verdict[:600]}")
+    assert (
+        f"orchestrator rank 0 (pid {beat['pid']}, orchestrator) stalled in phase 'rollouts'" in verdict
+        or "orchestrator rank 0 (orchestrator) in 'rollouts'" in verdict
+    ), verdict
+    status = json.loads((out / "rl" / "logs" / "latest" / "STATUS").read_text())
+    assert status["state"] == "failed" and "orchestrator rank 0" in status["reason"], status
+    assert leftover_processes(str(out / "rl")) == []
