@@ -28,11 +28,13 @@ vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42
 vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.97
 vllm:prompt_tokens_total{engine="0",model_name="m"} 12345.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 700.0
+vllm:generation_tokens_total{engine="1",model_name="m"} 300.0
 """
 
 
 def test_parse_vllm_metrics():
-    assert parse_vllm_metrics(METRICS) == ServerLoad(waiting=3.0, running=28.0, kv_usage=0.97)
+    assert parse_vllm_metrics(METRICS) == ServerLoad(waiting=3.0, running=28.0, kv_usage=0.97, generated=1000.0)
     assert parse_vllm_metrics("# a router's metrics\nrouter_requests_total 5\n") is None
 
 
@@ -55,6 +57,22 @@ def test_limit_moves_by_aimd_within_bounds():
         return seen
 
     assert asyncio.run(go()) == [16, 16, 12, 9, 9, 11, 11, 1]
+
+
+def test_a_paused_server_does_not_lower_the_limit():
+    """During a weight update the server queues requests without generating: that is not a capacity signal."""
+
+    async def go() -> list[int]:
+        limit = LoadLimit(1, 16)
+        seen = []
+        for generated in (100, 100, 100, 100, 140, 180):  # paused for 3 probes, then generating again
+            seen.append(await limit.update(ServerLoad(8, 16, 0.5, generated=float(generated))))
+        for _ in range(12):
+            await limit.acquire()  # every slot busy
+        seen.append(await limit.update(ServerLoad(8, 16, 0.5, generated=180.0)))  # paused: no increase either
+        return seen
+
+    assert asyncio.run(go()) == [16, 16, 16, 16, 16, 12, 12]
     with pytest.raises(ValueError, match="need 1 <= lo <= hi"):
         LoadLimit(0, 4)
 

@@ -5,10 +5,12 @@ Prometheus `/metrics`). Groups sent beyond what it can batch buy nothing: they w
 sampled later than their version tag says, and crowd out other runs sharing the servers. So the limit
 moves by AIMD on that signal, probed every `interval_s`:
 
-- the queue held requests at two probes in a row (one burst of `n` sampled children is normal)
-  -> limit x 3/4 (at least `lo`);
+- the queue held requests at two probes in a row (one burst of `n` sampled children is normal) while the
+  server generated tokens (`vllm:generation_tokens_total` grew: a server paused for a weight update queues
+  without generating, and that says nothing about its capacity) -> limit x 3/4 (at least `lo`);
 - the queue was empty, the KV cache below 90% and every slot in use -> limit + max(1, limit / 4)
-  (at most `hi`).
+  (at most `hi`);
+- the server had requests but generated nothing since the last probe (paused) -> unchanged.
 
 It starts at `hi` (the configured `max_concurrent_groups`), so a run on idle servers behaves exactly as
 with a fixed limit. Where `/metrics` has no vLLM queue gauge (a router in front, another server), the
@@ -34,6 +36,8 @@ class ServerLoad:
     waiting: float
     running: float
     kv_usage: float | None
+    generated: float | None = None
+    """Tokens generated since the server started (a counter); None when not reported."""
 
 
 def parse_vllm_metrics(text: str) -> ServerLoad | None:
@@ -44,10 +48,12 @@ def parse_vllm_metrics(text: str) -> ServerLoad | None:
     if "vllm:num_requests_waiting" not in values:
         return None
     kv = values.get("vllm:kv_cache_usage_perc") or values.get("vllm:gpu_cache_usage_perc")
+    generated = values.get("vllm:generation_tokens_total")
     return ServerLoad(
         waiting=sum(values["vllm:num_requests_waiting"]),
         running=sum(values.get("vllm:num_requests_running", [0.0])),
         kv_usage=max(kv) if kv else None,
+        generated=sum(generated) if generated else None,
     )
 
 
@@ -61,6 +67,7 @@ class LoadLimit:
         self.limit = hi
         self.in_flight = 0
         self._queued_before = False
+        self._generated: float | None = None
         self._cond = asyncio.Condition()
 
     async def acquire(self) -> None:
@@ -76,6 +83,11 @@ class LoadLimit:
     async def update(self, load: ServerLoad) -> int:
         """Apply one probe's load; returns the new limit."""
         async with self._cond:
+            stalled = None not in (load.generated, self._generated) and load.generated <= self._generated
+            self._generated = load.generated
+            if stalled and load.waiting + load.running > 0:  # paused (weight update): no capacity signal either way
+                self._queued_before = False
+                return self.limit
             queued = load.waiting > 0
             if queued and self._queued_before:
                 self.limit = max(self.lo, math.floor(self.limit * 3 / 4))
