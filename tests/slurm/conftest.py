@@ -28,9 +28,11 @@ def _ports_free(base: int, count: int) -> bool:
 
 
 def free_port_range(count: int) -> int:
-    """The first of ``count`` consecutive free TCP ports."""
+    """The first of ``count`` consecutive free TCP ports, in 10000-19999: below Linux's ephemeral range (32768+,
+    where any process's outgoing connection or port-0 bind may land) and the orchestrator tests' 20000-32000 (a
+    checked-free port can still be taken by a test running beside this one before the job binds it)."""
     for _ in range(200):
-        base = random.randint(20000, 45000)
+        base = random.randint(10000, 20000 - count)
         if _ports_free(base, count):
             return base
     raise RuntimeError(f"no {count} consecutive free ports found")
