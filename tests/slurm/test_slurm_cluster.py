@@ -230,7 +230,11 @@ def test_rl_one_inference_node_one_trainer_node_completes(
     state, code = slurm_cluster.wait(job_id, timeout=240)
     logs = out / "rl" / "launcher" / "logs"
     job_log = (logs / f"job_{job_id}.log").read_text()
-    assert (state, code) == ("COMPLETED", "0:0"), job_log
+    # the components' own logs say why one failed (pytest removes the run dir after a few sessions)
+    tails = "".join(
+        f"\n--- {f.name}\n" + f.read_text()[-1500:] for f in sorted(logs.glob("*.log")) if f.name != f"job_{job_id}.log"
+    )
+    assert (state, code) == ("COMPLETED", "0:0"), job_log + tails
     inference_node, trainer_node = slurm_cluster.nodes
     assert f"nodes: inference={inference_node} trainer={trainer_node}" in job_log
     assert f"start: orchestrator on {trainer_node}" in job_log
