@@ -85,6 +85,34 @@ def test_finishing_process_ends_job_successfully(tmp_path, capsys):
     assert all(r.proc.poll() is not None for r in sup.running)
 
 
+def test_processes_the_host_ran_before_the_job_are_not_the_jobs(tmp_path):
+    """A process running a Supervisor in-process (a test, a notebook) keeps its other children: they killed a
+    test's wandb service and multiprocessing resource tracker in CI (MailboxClosedError in the next test)."""
+    pidfile = tmp_path / "host_grandchild.pid"
+    host_child = subprocess.Popen([sys.executable, "-c", SPAWNER, str(pidfile)], stdout=subprocess.DEVNULL)
+    try:
+        _wait_for(pidfile)
+        host_grandchild = int(pidfile.read_text())
+        job_pidfile = tmp_path / "job_grandchild.pid"
+        comps = [
+            Component("inference", [sys.executable, "-c", SPAWNER, str(job_pidfile)], tmp_path / "inf.log"),
+            Component("trainer", [sys.executable, "-c", "import time; time.sleep(1.0)"], tmp_path / "t.log",
+                      finishes_run=True),
+        ]  # fmt: skip
+        assert Supervisor(comps, stop_timeout_s=5).run() == 0
+        _wait_for(job_pidfile)
+        deadline = time.monotonic() + 5
+        while _alive(int(job_pidfile.read_text())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(int(job_pidfile.read_text())), "the job's own grandchild outlived it"
+        assert host_child.poll() is None and _alive(host_grandchild), "the job stopped the host's processes"
+    finally:
+        host_child.kill()
+        host_child.wait()
+        if _alive(host_grandchild):
+            os.kill(host_grandchild, signal.SIGKILL)
+
+
 def test_ctrl_c_stops_everything(tmp_path):
     """SIGINT to a launcher process: it exits 130 and its components (and their children) are gone."""
     pidfile = tmp_path / "grandchild.pid"

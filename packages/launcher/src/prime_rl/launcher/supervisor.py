@@ -48,8 +48,8 @@ def _set_subreaper(on: bool) -> None:
         pass  # not Linux: orphans of a killed torchrun agent go to init
 
 
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (children first), from /proc; empty where /proc is absent."""
+def _children_map() -> dict[int, list[int]]:
+    """Parent pid -> child pids of every live process, from /proc; empty where /proc is absent."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not entry.isdigit():
@@ -62,12 +62,23 @@ def descendants(root: int) -> list[int]:
         # Field 4 is the parent pid; field 2 (the command) may hold spaces, so split after its ")".
         ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])
         children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (children first), from /proc; empty where /proc is absent."""
+    children = _children_map()
     found, frontier = [], [root]
     while frontier:
         for child in children.get(frontier.pop(), []):
             found.append(child)
             frontier.append(child)
     return found
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (of any of its threads)."""
+    return _children_map().get(pid, [])
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -125,6 +136,9 @@ class Supervisor:
         self.reason = ""
         """Why the job ended when it did not succeed (names the component), for the run's STATUS."""
         self._signal: int | None = None
+        self._foreign: set[int] = set()
+        """Children the host process had before the job started (a test's wandb service, multiprocessing's
+        resource tracker): not the job's, so never stopped with it, nor anything below them."""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, comp: Component) -> None:
@@ -146,6 +160,7 @@ class Supervisor:
     def run(self) -> int:
         """Start everything, wait for the job to end, stop what is left; return the exit code."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._foreign = set(_children(os.getpid()))
         _set_subreaper(True)
         shm_before = shm_segments()
         self._started_at = time.time()  # heartbeats older than this belong to an earlier attempt
@@ -244,7 +259,7 @@ class Supervisor:
         Processes that left their component's group (torchrun ranks run in sessions of their own) are
         found among the launcher's descendants and get the same treatment.
         """
-        strays = set(descendants(os.getpid())) - {r.proc.pid for r in self.running}
+        strays = self._ours() - {r.proc.pid for r in self.running}
         alive = [r for r in self.running if r.proc.poll() is None]
         for r in alive:
             _killpg(r.proc.pid, signal.SIGTERM)
@@ -268,13 +283,21 @@ class Supervisor:
             r.log_file.close()
         self._kill_strays(strays)
 
+    def _ours(self) -> set[int]:
+        """The launcher's descendants that belong to the job: its components' trees and the orphans it adopted
+        (a SIGKILLed torchrun agent's ranks), not what the host process ran before the job."""
+        foreign = set(self._foreign)
+        for pid in self._foreign:
+            foreign.update(descendants(pid))
+        return set(descendants(os.getpid())) - foreign
+
     def _kill_strays(self, strays: set[int]) -> None:
         deadline = time.monotonic() + self.stop_timeout_s
         while strays and time.monotonic() < deadline:
             _reap(strays)  # adopted orphans only: their exit status is nobody's
             strays = {pid for pid in strays if _alive(pid)}
             time.sleep(0.05)
-        for pid in strays | set(descendants(os.getpid())):
+        for pid in strays | self._ours():
             log.warning("killing leftover process %d", pid)
             _kill(pid, signal.SIGKILL)
         _reap(strays)
