@@ -276,6 +276,7 @@ def test_stuck_rank_on_the_second_node_ends_the_job_via_the_watchdog(
     # Ranks wait on each other in lockstep, so both pass the deadline together and the watchdog cannot tell
     # the cause from the victim: the verdict names one (with its step and last log line) and lists the other.
     verdict = next(line for line in job_log.splitlines() if line.startswith("job: watchdog: trainer rank"))
+    print(f"job ended {elapsed:.0f}s after SIGSTOP: {verdict[:300]}")
     assert "stalled in phase 'step' at step" in verdict and "last log line: " in verdict, verdict
     assert (
         f"trainer rank 1 (pid {beat['pid']}, trainer-node1) stalled" in verdict
