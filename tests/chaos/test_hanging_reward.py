@@ -1,21 +1,22 @@
 """Chaos probe: a reward function that hangs, end to end through `rl` on CPU (issue #17).
 
-The environment is a `type = "python"` entry (reverse_text whose `score` sleeps for an hour when a flag
-file says so), served by two worker processes with a 4 s per-rollout budget. One run of 5 steps:
+The environment is a `type = "python"` entry (reverse_text whose `score`, or `build_prompt`, sleeps for an
+hour when a flag file says so), served by two worker processes with a 4 s per-rollout budget; the run's
+`stall_timeout` is 30 s. One run, three phases:
 
 1. steps 1-2, "some": rollouts of tasks whose answer starts with a-d hang. Each hang costs its rollout (and
    the calls queued behind it on that worker) the budget, the worker is killed and replaced; the run
    trains on the rest;
-2. then "all": every reward hangs. Every rollout fails (reward 0, counted), every group has zero advantage,
-   and the orchestrator still sends its (all-padding) batches, so the trainer steps in lockstep: the run
-   reaches max_steps with nothing to learn, it does not deadlock.
+2. steps 3-4, "all": every reward hangs. Every rollout fails (reward 0, counted), every group has zero
+   advantage, and the orchestrator still sends its (all-padding) batches, so the trainer steps in lockstep
+   and each step costs about one budget: the run goes on with nothing to learn, it does not deadlock;
+3. then "prompt": the environment never gives a prompt. No group can be built (each try is counted and
+   retried), the step cannot fill, and the watchdog ends the run after `stall_timeout`, naming the
+   orchestrator's 'rollouts' phase; no process (the hung workers included) outlives it.
 
-Intended behaviour checked: timeouts, crashes (calls killed with their worker) and worker restarts are
-counted per step in metrics.jsonl (`env/hang/{timeouts,crashes,restarts}`, `env/failed`), the run exits 0,
-and no process (the hung workers included) outlives it. A step in "all" mode takes about one budget, not
-forever. By design the run never stops on its own however many rollouts fail; the watchdog names the
-orchestrator's 'rollouts' phase only if a step outlasts `stall_timeout` (an environment that never gives a
-prompt: discarded groups are retried).
+So: timeouts, crashes (calls killed with their worker) and restarts are counted per step in metrics.jsonl
+(`env/hang/{timeouts,crashes,restarts}`, `env/failed`); failed rewards never stop the run; a step that
+cannot be built ends it in `stall_timeout`, never an endless hang.
 
 What it rests on (each with a unit test that failed before the fix, in packages/orchestrator/tests): a
 group discarded because its prompt call died with a killed worker is retried under its ticket (in
@@ -23,7 +24,7 @@ synchronous mode the step was left one group short and waited forever for the ne
 test_scheduler_retries.py); a replacement worker's start-up is not charged to the calls waiting for it, and
 no call is sent to a worker being killed (test_env_worker_restarts.py).
 
-About 1.5-2 minutes on 2 CPU cores (one vLLM start).
+About 1.5 minutes on 2 CPU cores (one vLLM start), 3-4 minutes when the machine is shared.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from prime_rl.common.testing import make_tiny_model  # noqa: E402
 pytestmark = [pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(400)]  # one vLLM at a time
 BIN = Path(sys.executable).parent
 BUDGET_S = 4.0
-MAX_STEPS = 5
+STALL_S = 30
 BATCH_SIZE = 16
 
 HANGING_ENV = textwrap.dedent(
@@ -59,13 +60,18 @@ HANGING_ENV = textwrap.dedent(
 
 
     class HangingReward(ReverseTextEnv):
-        """reverse_text whose reward hangs ("some": answers starting a-d; "all"; else never), as the flag says."""
+        """reverse_text that hangs as the flag says: its reward ("some": answers starting a-d; "all") or its prompt."""
 
         name = "hang"
 
         def __init__(self, mode_file: str) -> None:
             super().__init__()
             self.mode_file = Path(mode_file)
+
+        def build_prompt(self, task):
+            if self.mode_file.read_text().strip() == "prompt":
+                time.sleep(3600)  # a task server that never answers
+            return super().build_prompt(task)
 
         def score(self, task, completion_text):
             mode = self.mode_file.read_text().strip()
@@ -80,8 +86,9 @@ def _config(path: Path, model: Path, out: Path, mode_file: Path) -> Path:
     path.write_text(
         f"""
 output_dir = "{out}"
-max_steps = {MAX_STEPS}
+max_steps = 1000
 seq_len = 256
+stall_timeout = {STALL_S}
 
 [run]
 name = "hang"
@@ -128,7 +135,15 @@ def _orchestrator_rows(run: RunDir) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "env/failed" in r}
 
 
-def test_hanging_reward_fails_its_rollouts_and_the_run_goes_on(tmp_path):
+def _wait_row(run: RunDir, proc: subprocess.Popen, log: Path, step: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while step not in _orchestrator_rows(run):
+        assert proc.poll() is None, f"rl exited {proc.returncode}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no step {step} after {timeout} s:\n{log.read_text()[-4000:]}"
+        time.sleep(0.5)
+
+
+def test_hanging_environment_costs_rollouts_and_a_silent_one_ends_the_run(tmp_path):
     model = make_tiny_model(tmp_path / "model", dtype="float32")
     (tmp_path / "hang_env.py").write_text(HANGING_ENV)
     mode = tmp_path / "mode"
@@ -144,37 +159,43 @@ def test_hanging_reward_fails_its_rollouts_and_the_run_goes_on(tmp_path):
         start_new_session=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 240
-        while 2 not in _orchestrator_rows(run):
-            assert proc.poll() is None, f"rl exited {proc.returncode}:\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"no step 2 after 240 s:\n{log.read_text()[-4000:]}"
-            time.sleep(0.5)
+        _wait_row(run, proc, log, 2, timeout=240)
         mode.write_text("all")
         switched = time.monotonic()
-        assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
+        _wait_row(run, proc, log, 4, timeout=120)
         all_mode_s = time.monotonic() - switched
+        mode.write_text("prompt")
+        silent = time.monotonic()
+        assert proc.wait(timeout=STALL_S + 90) == 1, log.read_text()[-4000:]
+        silent_s = time.monotonic() - silent
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
     rows = _orchestrator_rows(run)
-    assert sorted(rows) == list(range(1, MAX_STEPS + 1)), sorted(rows)
     counted = {k: sum(r.get(f"env/hang/{k}", 0) for r in rows.values()) for k in ("timeouts", "crashes", "restarts")}
     failed = [rows[s]["env/failed"] for s in sorted(rows)]
-    print(f"counters {counted}, env/failed per step {failed}, {all_mode_s:.0f}s for the steps after 'all'")
+    print(f"counters {counted}, env/failed per step {failed}; 2 'all' steps took {all_mode_s:.0f}s; "
+          f"the run ended {silent_s:.0f}s after prompts stopped")  # fmt: skip
     assert counted["timeouts"] >= 1 and counted["restarts"] >= 1, counted
-    # "some": the early steps trained on rewards that came back; "all": the last step's rollouts all failed
+    # "some": the early steps trained on rewards that came back; "all": step 4's rollouts all failed
     assert any(rows[s]["env/failed"] < BATCH_SIZE for s in (1, 2)), failed
-    last = rows[MAX_STEPS]
-    assert last["env/failed"] == BATCH_SIZE and last["reward/mean"] == 0.0, last
-    assert last["batch/trained_groups"] == 0.0  # no signal: an all-padding batch, yet the trainer stepped
+    assert rows[4]["env/failed"] == BATCH_SIZE and rows[4]["reward/mean"] == 0.0, rows[4]
+    assert rows[4]["batch/trained_groups"] == 0.0  # no signal: an all-padding batch, yet the trainer stepped
     trainer_steps = [
         json.loads(line)["step"] for line in run.metrics_path.read_text().splitlines() if "optim/grad_norm" in line
     ]
-    assert trainer_steps == list(range(1, MAX_STEPS + 1)), trainer_steps
-    # each "all" step costs about one budget (plus a worker restart), never an endless wait
-    assert all_mode_s < (MAX_STEPS - 2) * (BUDGET_S + 15), all_mode_s
+    assert trainer_steps[:4] == [1, 2, 3, 4], trainer_steps
+    assert all_mode_s < 2 * (BUDGET_S + 20), all_mode_s  # about one budget a step, never an endless wait
     orchestrator_log = (run.attempt_logs_dir() / "orchestrator.log").read_text()
     assert "environment hang.score took more than" in orchestrator_log  # the timed-out call, named
+    assert "environment hang.build_prompt took more than" in orchestrator_log
+    # The silent environment: the watchdog names the orchestrator in 'rollouts' (the trainer, waiting for its
+    # batch, may have entered its own phase first and be named before it: then the orchestrator is listed).
+    out = log.read_text()
+    assert "watchdog: orchestrator rank 0" in out or "orchestrator rank 0 in 'rollouts'" in out, out[-3000:]
+    assert "stalled in phase" in out and silent_s < STALL_S + 60, (silent_s, out[-3000:])
+    status = json.loads((run.attempt_logs_dir() / "STATUS").read_text())
+    assert status["state"] == "failed" and "orchestrator rank 0" in status["reason"], status
     assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split(), (
         "processes outlived the run (a hung environment worker?)"
     )
