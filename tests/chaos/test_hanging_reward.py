@@ -4,12 +4,12 @@ The environment is a `type = "python"` entry (reverse_text whose `score`, or `bu
 hour when a flag file says so), served by two worker processes with a 4 s per-rollout budget; the run's
 `stall_timeout` is 30 s. One run, three phases:
 
-1. steps 1-2, "some": rollouts of tasks whose answer starts with a-d hang. Each hang costs its rollout (and
-   the calls queued behind it on that worker) the budget, the worker is killed and replaced; the run
+1. steps 1-2, "some": rollouts of tasks whose answer starts with a-d hang. Each hang costs its rollout the
+   budget, the worker is killed and replaced, the calls queued behind it run on the replacement; the run
    trains on the rest;
 2. steps 3-4, "all": every reward hangs. Every rollout fails (reward 0, counted), every group has zero
    advantage, and the orchestrator still sends its (all-padding) batches, so the trainer steps in lockstep
-   and each step costs about one budget: the run goes on with nothing to learn, it does not deadlock;
+   and each step costs about two budgets: the run goes on with nothing to learn, it does not deadlock;
 3. then "prompt": the environment never gives a prompt. No group can be built (each try is counted and
    retried), the step cannot fill, and the watchdog ends the run after `stall_timeout`, naming the
    orchestrator's 'rollouts' phase; no process (the hung workers included) outlives it.
@@ -22,7 +22,8 @@ What it rests on (each with a unit test that failed before the fix, in packages/
 group discarded because its prompt call died with a killed worker is retried under its ticket (in
 synchronous mode the step was left one group short and waited forever for the next version:
 test_scheduler_retries.py); a replacement worker's start-up is not charged to the calls waiting for it, and
-no call is sent to a worker being killed (test_env_worker_restarts.py).
+no call is sent to a worker being killed, and calls queued behind a hang are sent once more instead of
+failing with it (test_env_worker_restarts.py; crashes here fell from 51 to 30).
 
 About 1.5 minutes on 2 CPU cores (one vLLM start), 3-4 minutes when the machine is shared.
 """
@@ -185,7 +186,7 @@ def test_hanging_environment_costs_rollouts_and_a_silent_one_ends_the_run(tmp_pa
         json.loads(line)["step"] for line in run.metrics_path.read_text().splitlines() if "optim/grad_norm" in line
     ]
     assert trainer_steps[:4] == [1, 2, 3, 4], trainer_steps
-    assert all_mode_s < 2 * (BUDGET_S + 20), all_mode_s  # about one budget a step, never an endless wait
+    assert all_mode_s < 2 * (2 * BUDGET_S + 20), all_mode_s  # about two budgets a step, never endless
     orchestrator_log = (run.attempt_logs_dir() / "orchestrator.log").read_text()
     assert "environment hang.score took more than" in orchestrator_log  # the timed-out call, named
     assert "environment hang.build_prompt took more than" in orchestrator_log

@@ -91,3 +91,56 @@ def test_a_call_during_a_replacement_goes_to_the_new_worker(slow_env: dict) -> N
             await env.close()
 
     asyncio.run(go())
+
+
+def test_calls_queued_behind_a_hang_run_on_the_replacement(slow_env: dict) -> None:
+    """A worker serves one call at a time: the calls queued behind a hanging one never ran. They used to fail
+    with it (crashes, scored 0: innocent rollouts with a negative advantage); they now run on the replacement."""
+
+    async def go() -> tuple[list, dict, int]:
+        env = WorkerEnv({**slow_env, "kwargs": {"start_s": 0.0}}, "slow", timeout=2.0, num_workers=1)
+        await env.start()
+        try:
+            task = {"text": "abc", "answer": "cba"}
+
+            async def score(text: str, delay: float):
+                await asyncio.sleep(delay)  # sent after the hanging call, so queued behind it
+                return await env.score(task, text, None)
+
+            results = await asyncio.gather(
+                score("HANG", 0.0), score("cba", 0.1), score("abc", 0.2), return_exceptions=True
+            )
+            return results, dict(env.pop_counters()), env.restarts
+        finally:
+            await env.close()
+
+    (hung, first, second), counters, restarts = asyncio.run(go())
+    assert isinstance(hung, EnvTimeout), hung
+    assert first.reward == 1.0 and not first.failed and not second.failed, (first, second)
+    assert counters == {"timeouts": 1, "restarts": 1}, counters
+    assert restarts == 1
+
+
+def test_a_call_behind_two_hangs_fails_as_a_crash(slow_env: dict) -> None:
+    """Sent once more, not forever: when every call hangs, a step costs about two budgets."""
+
+    async def go() -> tuple[list, dict]:
+        env = WorkerEnv({**slow_env, "kwargs": {"start_s": 0.0}}, "slow", timeout=1.0, num_workers=1)
+        await env.start()
+        try:
+            task = {"text": "abc", "answer": "cba"}
+
+            async def score(delay: float):
+                await asyncio.sleep(delay)
+                return await env.score(task, "HANG", None)
+
+            started = time.monotonic()
+            results = await asyncio.gather(*(score(0.05 * i) for i in range(4)), return_exceptions=True)
+            assert time.monotonic() - started < 10  # two budgets and a restart, not four budgets
+            return results, dict(env.pop_counters())
+        finally:
+            await env.close()
+
+    results, counters = asyncio.run(go())
+    assert [type(r).__name__ for r in results] == ["EnvTimeout", "EnvTimeout", "_Requeued", "_Requeued"], results
+    assert counters == {"timeouts": 2, "crashes": 2, "restarts": 2}, counters

@@ -6,9 +6,13 @@ serving calls one at a time on a ROUTER socket (ipc://). The orchestrator holds 
 worker and a reader task that resolves each reply's future by request id; calls go to the worker with
 the fewest in flight.
 
-Faults, all confined to rollouts: a call past its deadline kills the worker (SIGKILL: it may be stuck in
-C code) and fails every call in flight on it; a worker that dies is noticed by its reader within
-`POLL_S` and fails its calls the same way; either way a fresh worker replaces it. A worker that cannot
+Faults, all confined to rollouts: a call past its deadline while the worker runs it kills the worker
+(SIGKILL: it may be stuck in C code); a worker that dies is noticed by its reader within `POLL_S`; either
+way the call it was running fails and a fresh worker replaces it. A worker serves its calls in order, so
+the calls queued behind that one never ran: each is sent once more, to the replacement, with a fresh clock
+(failing them scored innocent rollouts 0, a negative advantage); a call caught behind a second hang fails
+as a crash, so a step where everything hangs costs about two budgets, not one per queued call. A call
+whose deadline passes while it waits behind another (still within its own deadline) just fails. A worker that cannot
 build its environment (unknown id, missing package, bad arguments) answers the first call with the
 error, which `start()` raises as one line before any rollout.
 
@@ -96,6 +100,10 @@ def serve(endpoint: str, config: dict[str, Any]) -> None:
         sock.send_multipart([identity, encode_header(reply)])
 
 
+class _Requeued(EnvCrashed):
+    """A call that never ran: its worker was killed for the call ahead of it (`_call` sends it once more)."""
+
+
 class _Worker:
     def __init__(self, proc: subprocess.Popen, sock: zmq.asyncio.Socket, endpoint: str) -> None:
         self.proc, self.sock, self.endpoint = proc, sock, endpoint
@@ -163,14 +171,19 @@ class WorkerEnv(EnvHandle):
                 if future is not None and not future.done():
                     future.set_result(reply)
             elif worker.proc.poll() is not None:
-                self._fail(worker, EnvCrashed(f"environment {self.name} worker exited with {worker.proc.returncode}"))
+                error = EnvCrashed(f"environment {self.name} worker exited with {worker.proc.returncode}")
+                self._fail(worker, error, only_running=True)
                 await self._replace(worker)
                 return
 
-    def _fail(self, worker: _Worker, error: EnvFailure) -> None:
-        for future in worker.pending.values():
+    def _fail(self, worker: _Worker, error: EnvFailure, only_running: bool = False) -> None:
+        """Fail the calls in flight on ``worker`` with ``error``; with ``only_running``, only the one it was
+        running (the oldest: calls are served in order), the others never ran and are sent again."""
+        running = min(worker.pending, default=None)
+        requeued = _Requeued(f"environment {self.name}: the worker was killed for a call ahead of this one")
+        for request_id, future in worker.pending.items():
             if not future.done():
-                future.set_exception(error)
+                future.set_exception(requeued if only_running and request_id != running else error)
         worker.pending.clear()
 
     async def _replace(self, worker: _Worker) -> None:
@@ -196,9 +209,11 @@ class WorkerEnv(EnvHandle):
         worker.pending[request_id] = future
         await worker.sock.send(encode_header(EnvRequest(request_id, method, msgspec.msgpack.encode(args))))
         if not await wait_at_most(future, timeout):
+            running = min(worker.pending, default=request_id) == request_id  # else it waited behind another
             worker.pending.pop(request_id, None)
-            self._fail(worker, EnvCrashed(f"environment {self.name} worker killed after another call timed out"))
-            await self._replace(worker)
+            if running:  # the worker is stuck in this call: kill it; the calls behind it go to the replacement
+                self._fail(worker, _Requeued(f"environment {self.name}: the worker was killed for a call ahead"))
+                await self._replace(worker)
             raise EnvTimeout(f"environment {self.name}.{method} took more than {timeout:.1f}s") from None
         reply = future.result()  # raises EnvCrashed when the worker died meanwhile
         if not reply.ok:
@@ -213,12 +228,18 @@ class WorkerEnv(EnvHandle):
 
     async def _call(self, method: str, args: dict[str, Any], timeout: float) -> Any:
         # workers that are up first (`call` waited for one): a call's clock never runs during a start-up
+        requeued = False
         while True:
             started = [w for w in self.workers if w.ready is not None and w.ready.done()] or self.workers
             worker = min(started, key=lambda w: len(w.pending))
-            await self._until_ready(worker)  # raises the handshake's error
-            if worker in self.workers:  # not replaced while its handshake was awaited
-                return await self._request(worker, method, args, timeout)
+            try:
+                await self._until_ready(worker)  # raises the handshake's error
+                if worker in self.workers:  # not replaced while its handshake was awaited
+                    return await self._request(worker, method, args, timeout)
+            except _Requeued:
+                if requeued:  # behind a second hang: counted as a crash (EnvCrashed)
+                    raise
+                requeued = True
 
     async def close(self) -> None:
         for worker in self.workers:
