@@ -12,9 +12,10 @@ way the call it was running fails and a fresh worker replaces it. A worker serve
 the calls queued behind that one never ran: each is sent once more, to the replacement, with a fresh clock
 (failing them scored innocent rollouts 0, a negative advantage); a call caught behind a second hang fails
 as a crash, so a step where everything hangs costs about two budgets, not one per queued call. A call
-whose deadline passes while it waits behind another (still within its own deadline) just fails. A worker that cannot
-build its environment (unknown id, missing package, bad arguments) answers the first call with the
-error, which `start()` raises as one line before any rollout.
+whose deadline passes while it waits behind another (still within its own deadline) just fails.
+
+A worker that cannot build its environment (unknown id, missing package, bad arguments) answers the first
+call with the error, which `start()` raises as one line before any rollout.
 
 Start-up is not a call's time: every worker (at `start()` and each replacement) first answers an "info"
 handshake within `START_TIMEOUT_S`; calls go to workers that are up, and while none is, they wait outside
