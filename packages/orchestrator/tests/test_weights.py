@@ -168,6 +168,23 @@ def test_failed_load_still_resumes_and_keeps_version(tmp_path):
     assert asyncio.run(go())[-1] == ("resume",)
 
 
+def test_a_failed_background_update_is_the_error_the_run_stops_with(tmp_path):
+    """The poller fails a load and closes the version socket; the step loop's next wait re-raises that failure
+    (it used to re-open the socket and die with 'Address already in use', hiding the cause)."""
+
+    async def go():
+        policy, control = PolicyState(), FakeControl(fail_load=True)
+        updater, trainer = _updater(control, policy)
+        poller = asyncio.create_task(updater.run())
+        trainer.announce(1, publish(tmp_path, 1))
+        with pytest.raises(RuntimeError, match="server refused weights"):
+            await asyncio.wait_for(poller, timeout=5)
+        with pytest.raises(RuntimeError, match="server refused weights"):
+            await updater.wait_for_version(1, timeout=1)
+
+    asyncio.run(go())
+
+
 def test_recover_loads_the_newest_complete_version_up_to_the_resume_step(tmp_path):
     async def go():
         policy, control = PolicyState(), FakeControl()

@@ -195,9 +195,14 @@ class WeightUpdater:
         self.last_announcement: WeightsPublished | None = None
         """The newest announcement applied (the trainer's publish / background times ride along)."""
         self._lock = asyncio.Lock()  # the poller and wait_for_version must not load the same version twice
+        self.failure: BaseException | None = None
+        """The poller's error: a failed update stops the run, and every later call re-raises it (re-opening
+        the version socket the poller closed would fail with 'Address already in use' and hide it)."""
 
     async def update_once(self) -> bool:
         """Apply the newest announced version if it is newer than the served one; True if it did."""
+        if self.failure is not None:
+            raise self.failure
         async with self._lock:
             self.listener.poll()
             message = self.listener.latest
@@ -243,6 +248,9 @@ class WeightUpdater:
             while True:
                 await self.update_once()
                 await asyncio.sleep(self.poll_interval)
+        except Exception as e:
+            self.failure = e
+            raise
         finally:
             self.listener.close()
 
