@@ -3,39 +3,25 @@
 from __future__ import annotations
 
 import os
-import random
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from prime_rl.common import net
+
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO / "scripts" / "slurm_cluster.sh"
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
-
-
-def _ports_free(base: int, count: int) -> bool:
-    for port in range(base, base + count):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
 
 
 def free_port_range(count: int) -> int:
     """The first of ``count`` consecutive free TCP ports, in 10000-19999: below Linux's ephemeral range (32768+,
     where any process's outgoing connection or port-0 bind may land) and the orchestrator tests' 20000-32000 (a
     checked-free port can still be taken by a test running beside this one before the job binds it)."""
-    for _ in range(200):
-        base = random.randint(10000, 20000 - count)
-        if _ports_free(base, count):
-            return base
-    raise RuntimeError(f"no {count} consecutive free ports found")
+    return net.free_port_range(count, 10000, 20000)
 
 
 class Cluster:

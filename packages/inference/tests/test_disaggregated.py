@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ import pytest
 from prime_rl.common.config import load_config
 from prime_rl.common.config.base import ConfigError
 from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.common.net import free_port_range
 from prime_rl.inference.router import _router_command, instance_roles, replica_endpoints
 from prime_rl.inference.testing import cpu_env, write_config
 
@@ -162,22 +161,7 @@ def _port_base(count: int) -> int:
     """A base with ``count`` free ports above it, in 5000-9999: below Linux's ephemeral range (32768+), where
     ports derived from a ``free_port()`` collided with other processes' (a side channel: 'Address already in
     use' in CI), and apart from the other tests' ranges (slurm 10000-19999, orchestrator 20000-32000)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(5000, 10000 - count)
-        sockets = []
-        try:
-            for p in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports in 5000-9999")
+    return free_port_range(count, 5000, 10000)
 
 
 @contextlib.contextmanager

@@ -10,14 +10,13 @@ to make an environment raise). Token logprobs are -0.01 * (position + 1).
 from __future__ import annotations
 
 import json
-import random
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from prime_rl.common import net
 from prime_rl.common.net import free_port
 
 EOS = 2
@@ -123,24 +122,9 @@ def closed_port() -> int:
 
 
 def free_port_range(n: int) -> int:
-    """A base port with n consecutive free ports, below Linux's ephemeral range (32768+) so that a
+    """A base port with n consecutive free ports in 20000-31999, below Linux's ephemeral range (32768+) so that a
     ZeroMQ peer retrying a connect can never be handed the same port as its own source port."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - n)
-        sockets = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no free port range")
+    return net.free_port_range(n, 20000, 32000)
 
 
 @pytest.fixture
