@@ -1,6 +1,8 @@
 """The trainer's version announcements (real ZeroMQ sockets): delivered even when the orchestrator binds
 later, and never blocking a trainer whose orchestrator is gone."""
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -27,6 +29,25 @@ def test_announcement_reaches_an_orchestrator_that_binds_later():
         WeightsPublished(version=1, path="/run/broadcasts/step_1", publish_s=0.01, write_s=0.5),
         WeightsPublished(version=2),
     ]
+
+
+def test_the_last_announcement_survives_a_rank_that_ends_with_os_exit():
+    """A trainer rank ends with ``os._exit`` (``exit_rank``) right after closing its publisher: the final
+    version must still reach the orchestrator."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    script = (
+        "import os, sys\n"
+        "from prime_rl.common.weight_sync.announce import VersionAnnouncer\n"
+        "a = VersionAnnouncer(sys.argv[1], timeout_s=5)\n"
+        "a.announce(7, path='/run/broadcasts/step_7')\n"
+        "a.close()\n"
+        "os._exit(0)\n"
+    )
+    with Receiver(endpoint, bind=True, timeout_s=20, types=(WeightsPublished,)) as receiver:
+        for attempt in range(5):  # the loss was a race; several processes make it show without the fix
+            proc = subprocess.run([sys.executable, "-c", script, endpoint], capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            assert receiver.recv().message == WeightsPublished(version=7, path="/run/broadcasts/step_7"), attempt
 
 
 def test_a_trainer_outliving_the_orchestrator_closes_within_the_linger():

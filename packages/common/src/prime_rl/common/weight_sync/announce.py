@@ -10,6 +10,10 @@ Unlike the batch ``Sender`` this socket queues instead of blocking while no orch
 (no ZMQ_IMMEDIATE): an announcement sent before the orchestrator binds, or while it restarts, is
 delivered when it (re)connects, and a trainer that outlives the orchestrator (its last version, which
 nobody waits for) is never stuck: ``close`` gives the queue ``linger_s`` seconds, then drops it.
+The socket has its own ZeroMQ context, which ``close`` terminates: closing a socket only hands its queue
+to ZeroMQ's I/O thread, and a trainer rank ends with ``os._exit`` (``exit_rank``), which would kill that
+thread with the last announcement still queued (seen in CI: the final version never reached the
+orchestrator). Terminating the context is what waits for delivery, bounded by the linger.
 
 Torch-free (wire + transport), but lives here beside the transports that call it.
 """
@@ -41,7 +45,12 @@ class VersionAnnouncer:
     def __init__(self, endpoint: str | None, timeout_s: float = 600.0, linger_s: float = 10.0) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._sender = _QueueingSender(endpoint, timeout_s=timeout_s, linger_s=linger_s) if endpoint else None
+        self._context = zmq.Context() if endpoint else None
+        self._sender = (
+            _QueueingSender(endpoint, timeout_s=timeout_s, linger_s=linger_s, context=self._context)
+            if endpoint
+            else None
+        )
 
     def announce(self, version: int, path: str | None = None, publish_s: float = 0.0, write_s: float = 0.0) -> None:
         """Tell the orchestrator ``version`` exists: at ``path`` (to load), or already served (``path=None``)."""
@@ -57,6 +66,9 @@ class VersionAnnouncer:
             ) from e
 
     def close(self) -> None:
+        """Close the socket and wait (at most ``linger_s``) until queued announcements are delivered."""
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+            self._context.term()  # returns once the queue is sent, or dropped after the linger
+            self._context = None
