@@ -5,6 +5,11 @@ import sys
 import tomllib
 from pathlib import Path
 
+from pydantic import TypeAdapter
+
+from prime_rl.common.config.orchestrator import EnvConfig
+from prime_rl.orchestrator.envs.registry import build_environment
+
 BIN = Path(sys.executable).parent
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "advanced"
 
@@ -20,6 +25,15 @@ def _dry_run(tmp_path: Path, *configs: Path) -> Path:
     return tmp_path / "out" / "rl"
 
 
+def _assert_builds_swe_env(orchestrator: dict) -> None:
+    """The rendered env entry builds as a worker would build it: environments/swe_env is installed (setup.sh)."""
+    (entry,) = orchestrator["env"]
+    assert entry["entrypoint"] == "swe_env:SWEEnvironment" and entry["kwargs"]["tasks"] == "bundled"
+    env = build_environment(TypeAdapter(EnvConfig).validate_python(entry))
+    assert type(env).__name__ == "SWEEnvironment" and len(env.ids) == 8
+    assert env.max_turns == entry["kwargs"]["max_turns"]
+
+
 def test_glm_4_5_air_two_node_overlay(tmp_path):
     glm = EXAMPLES / "glm-4.5-air"
     run_dir = _dry_run(tmp_path, glm / "swe-budget.toml", glm / "swe-2-node.toml")
@@ -30,7 +44,7 @@ def test_glm_4_5_air_two_node_overlay(tmp_path):
     assert trainer["model"]["name"] == "zai-org/GLM-4.5-Air"
     orchestrator = tomllib.loads((run_dir / "configs" / "orchestrator.toml").read_text())
     assert orchestrator["batch_size"] == 64  # the overlay's, over the base's 256
-    assert orchestrator["env"][0]["entrypoint"] == "swe_env:SWEEnvironment"
+    _assert_builds_swe_env(orchestrator)
     assert orchestrator["model"]["tool_call_parser"] == "glm45"  # taken from [inference.vllm]
     inference = tomllib.loads((run_dir / "configs" / "inference.toml").read_text())
     assert inference["vllm"]["tensor_parallel_size"] == 8 and inference["vllm"]["data_parallel_size"] == 1
@@ -44,6 +58,7 @@ def test_nemotron_3_super_four_trainer_nodes_one_inference_node_nccl(tmp_path):
     assert '--weight-broadcast.host "$TRAIN_HEAD"' in sbatch and "--weight-broadcast.inference-addresses" in sbatch
     trainer = tomllib.loads((run_dir / "configs" / "trainer.toml").read_text())
     assert trainer["weight_broadcast"]["type"] == "nccl" and trainer["model"]["ep"] == 8
+    _assert_builds_swe_env(tomllib.loads((run_dir / "configs" / "orchestrator.toml").read_text()))
 
 
 def _inference_dry_run(tmp_path: Path, config: Path) -> str:
