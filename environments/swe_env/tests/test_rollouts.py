@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 from swe_env import SWEEnvironment
@@ -121,21 +120,7 @@ def paginate(items, page, per_page):
 """
 
 
-def _gone(pid: int, within: float = 10.0) -> bool:
-    """The process has exited (a zombie not yet reaped by init counts: it runs no code)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def test_a_hanging_fix_is_killed_at_the_timeout_with_its_children_and_scores_0(workdir, tmp_path):
+def test_a_hanging_fix_is_killed_at_the_timeout_with_its_children_and_scores_0(workdir, tmp_path, gone):
     timeout = 8.0  # room for pytest to start on a loaded 2-core machine before the hang begins
     env = SWEEnvironment(workdir=str(workdir), test_timeout=timeout)
     pid_file = tmp_path / "sleeper.pid"
@@ -146,7 +131,7 @@ def test_a_hanging_fix_is_killed_at_the_timeout_with_its_children_and_scores_0(w
     elapsed = time.monotonic() - start
     assert reward == 0.0
     assert timeout <= elapsed < timeout + 20
-    assert _gone(int(pid_file.read_text())), "the tests' child process survived the kill of their process group"
+    assert gone(int(pid_file.read_text())), "the tests' child process survived the kill of their process group"
 
 
 def test_run_tests_that_hang_answer_the_model_after_the_timeout(workdir):

@@ -5,6 +5,11 @@ its own session (process group), and when pytest returns or the timeout passes t
 SIGKILL (a `while True` or a `sleep` in a child the tests forked are both gone). Output is read by a thread
 that keeps only a head and a tail, so a test printing without end costs bounded memory.
 
+Only the process that started the run kills its group, so a worker that is itself SIGKILLed mid-run (the
+orchestrator kills a worker whose call overran its rollout's budget, and every worker at shutdown) would
+leave a hanging run behind for ever: coreutils `timeout` wraps the run as a backstop and kills the group on
+its own `BACKSTOP_S` after the timeout.
+
 The subprocess gets a minimal environment (no inherited variables: the orchestrator's tokens and keys
 stay out of the model's reach), HOME and TMPDIR inside the rollout's temp dir, no bytecode files, and no
 third-party pytest plugins (PYTEST_DISABLE_PLUGIN_AUTOLOAD: the same run whatever else is installed next
@@ -14,6 +19,7 @@ to the orchestrator; tasks are plain pytest). None of this is a sandbox: see the
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +28,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+BACKSTOP_S = 2.0
+"""Seconds past the timeout after which `timeout` (coreutils) kills the run's process group without us."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,9 @@ def run_pytest(
     junit.unlink(missing_ok=True)
     home = scratch / "home"
     home.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "--color=no", "-p", "no:cacheprovider"]
+    backstop = shutil.which("timeout")  # without coreutils (not Linux) only our own kill below bounds the run
+    cmd = [backstop, "-s", "KILL", f"{timeout + BACKSTOP_S:g}"] if backstop else []
+    cmd += [sys.executable, "-m", "pytest", "-q", "--tb=short", "--color=no", "-p", "no:cacheprovider"]
     cmd += ["--rootdir", str(repo), *([f"--junitxml={junit}"] if report else []), "--", *test_paths]
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
