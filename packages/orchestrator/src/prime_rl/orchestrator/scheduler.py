@@ -27,6 +27,7 @@ step's batch first: a deadlock. An environment that never gives a prompt is retr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections import Counter
@@ -80,8 +81,9 @@ class RolloutScheduler:
         self.groups_per_step = groups_per_step
         self.max_off_policy_steps = max_off_policy_steps
         self.max_concurrent = max_concurrent
-        # at most max_concurrent groups in flight; with follow_load fewer while the server queues (concurrency.py)
-        self.limit = LoadLimit(1, max_concurrent) if follow_load else None
+        # at most max_concurrent groups in flight; with follow_load fewer (never below 2: one generates while
+        # another is scored) while the server queues more than a batch (concurrency.py)
+        self.limit = LoadLimit(min(2, max_concurrent), max_concurrent) if follow_load else None
         self._probe: asyncio.Task | None = None
         self.start_step = start_step
         self.tasks_drawn = tasks_drawn
@@ -214,7 +216,9 @@ class RolloutScheduler:
             logger.warning("environment %s failed to give a task and prompt: %s", env.name, e)
             self.counters["env/prompt_failed"] += 1
             return None
-        version = await self.policy.wait_for(target_step - self.max_off_policy_steps)
+        # a group waiting for its policy version holds a slot but not the server (LoadLimit.parked_while)
+        with self.limit.parked_while() if self.limit is not None else contextlib.nullcontext():
+            version = await self.policy.wait_for(target_step - self.max_off_policy_steps)
         sampling = self.sampling
         if sampling.seed is not None:  # vLLM seeds the group's n samples seed, seed + 1, ...
             # from (run seed, step, task index) alone: a resumed run sends the uninterrupted run's seeds
