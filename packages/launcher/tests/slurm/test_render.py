@@ -170,6 +170,9 @@ def test_inference_replica_per_node_behind_router_on_node_zero(tmp_path: Path) -
         assert f"--nodelist={node}" in argv and arg_after(argv, "--server.port") == str(9100 + i)
     router = by_name["router"]
     assert "--nodelist=a" in router and arg_after(router, "--port") == "9000"
+    # its metrics on router_port + 1, loopback: vllm-router's fixed default (29000) made a second job's router
+    # on a shared node die with "Address already in use"
+    assert arg_after(router, "--prometheus-port") == "9001" and arg_after(router, "--prometheus-host") == "127.0.0.1"
     assert router[router.index("--worker-urls") + 1 : router.index("--worker-urls") + 3] == [
         "http://a:9100",
         "http://b:9101",
@@ -292,6 +295,7 @@ def test_install_step_runs_only_without_a_venv(tmp_path: Path) -> None:
     [
         ("", ["--slurm.no-such-key", "1"], "unknown option --slurm.no-such-key"),
         ("bogus = 1\n", [], "bogus"),
+        ("", ["--slurm.router-port", "9099", "--slurm.replica-port", "9100"], "also slurm.replica_port"),
     ],
 )
 def test_bad_config_exits_2_with_one_line(

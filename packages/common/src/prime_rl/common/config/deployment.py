@@ -159,11 +159,23 @@ class SlurmConfig(BaseConfig):
     """run once on the batch node before anything starts; skipped when the venv exists or PRIME_RL_SKIP_INSTALL=1"""
     rdzv_port: int = Field(29500, ge=1, le=65535)
     """torchrun rendezvous port on the head trainer node"""
-    router_port: int = Field(8000, ge=1, le=65535)
-    """port of the global router on the first inference node (the URL clients and the orchestrator use)"""
+    router_port: int = Field(8000, ge=1, le=65534)
+    """port of the global router on the first inference node (the URL clients and the orchestrator use); its
+    Prometheus metrics listen on router_port + 1, loopback only (vllm-router's own default, 29000, is one port
+    for every router: two jobs sharing a node collided there and the second router died)"""
     replica_port: int = Field(8100, ge=1, le=65535)
     """HTTP port of the inference replica on inference node i is replica_port + i (distinct ports keep
     nodes that share one network, like a test cluster on one machine, apart)"""
+
+    @model_validator(mode="after")
+    def _ports_distinct(self) -> SlurmConfig:
+        metrics = self.router_port + 1
+        if metrics in (self.replica_port, self.rdzv_port):
+            raise ValueError(
+                f"slurm.router_port={self.router_port} puts the router's metrics on {metrics}, which is also "
+                f"slurm.{'replica_port' if metrics == self.replica_port else 'rdzv_port'}; move one of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _template_exists(self) -> SlurmConfig:

@@ -89,6 +89,7 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "heartbeat_dir": str(job.run_dir.root.resolve() / "heartbeats") if watched else None,
         "rdzv_port": job.slurm.rdzv_port,
         "router_port": job.slurm.router_port,
+        "router_metrics_port": job.slurm.router_port + 1,  # see SlurmConfig.router_port
         "replica_port": job.slurm.replica_port,
         "router_command": shlex.quote(str(Path(python).parent / "vllm-router")),
         "router_policy": None,
