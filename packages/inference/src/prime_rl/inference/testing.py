@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from prime_rl.common.net import free_port
+from prime_rl.common.net import free_port_range
 from prime_rl.common.transport import ControlClient
 from prime_rl.common.wire import HealthReply, HealthRequest
 
@@ -82,7 +82,10 @@ def wait_ready(server: Server, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
 
 def start_server(tmp: Path, model_dir: Path, extra: str = "", max_model_len: int = 256) -> Server:
     """A vLLM CPU server for `model_dir` on free ports (config and log under `tmp`), ready; stop with stop_server."""
-    port, control_port = free_port(), free_port()
+    # Below the ephemeral range (32768+ on Linux): an ephemeral port picked here was taken before vLLM bound it
+    # (~25 s later) by an outgoing connection or vLLM's own bind-to-0 sockets ('Address already in use' in CI).
+    port = free_port_range(2, 1024, 5000)
+    control_port = port + 1
     config = write_config(tmp / "infer.toml", model_dir, port, control_port, extra, max_model_len)
     log = tmp / "server.log"
     proc = subprocess.Popen(
