@@ -45,12 +45,11 @@ class VersionAnnouncer:
     def __init__(self, endpoint: str | None, timeout_s: float = 600.0, linger_s: float = 10.0) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._context = zmq.Context() if endpoint else None
-        self._sender = (
-            _QueueingSender(endpoint, timeout_s=timeout_s, linger_s=linger_s, context=self._context)
-            if endpoint
-            else None
-        )
+        self._context: zmq.Context | None = None
+        self._sender: _QueueingSender | None = None
+        if endpoint:
+            self._context = zmq.Context()
+            self._sender = _QueueingSender(endpoint, timeout_s=timeout_s, linger_s=linger_s, context=self._context)
 
     def announce(self, version: int, path: str | None = None, publish_s: float = 0.0, write_s: float = 0.0) -> None:
         """Tell the orchestrator ``version`` exists: at ``path`` (to load), or already served (``path=None``)."""
