@@ -20,7 +20,9 @@ Design:
 - Where it runs: on CUDA SM90 each expert's GEMM is one `torch.nn.functional.scaled_mm` (cuBLASLt's
   DeepSeek-style 1x128 x 128x128 and 1x128 x 1x128 scaling, which torch implements only for SM90).
   torch's grouped scaled GEMM (`scaled_grouped_mm`) takes only tensorwise or rowwise scales on SM90, so
-  this is a per-expert loop with one host sync for the token counts, like the bf16 path off the GPU. On
+  this is a per-expert loop with one host sync for the token counts, like the bf16 path off the GPU. The
+  loop runs on each expert's rows padded with zero rows to whole 128-row blocks (`ExpertRows`: cuBLASLt
+  has no algorithm for a row count that is not a multiple of 4), dropped from the outputs. On
   any other device a reference path dequantizes the same e4m3 payloads and scales (one quantizer for
   both) and multiplies in fp32: what the GPU computes, up to accumulation order. It is what the CPU tests
   check against bf16; it is not fast.
@@ -34,6 +36,7 @@ Design:
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 
 import torch
@@ -54,6 +57,14 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 AMAX_FLOOR = 1e-4
 """Smallest amax a scale is computed from: an all-zero block gets scale 1e-4 / 448, not 0 / 0."""
+FP8_SLOW_WARNING = (
+    '[model.moe.compute] type = "fp8" is a correctness path, not a fast one: its per-expert loop of '
+    'scaled_mm calls measured 9.0-16.4x the time of type = "bf16" (routed-expert forward + backward, '
+    "H200, 128 experts x 2048 x 768, three runs; 5.6-11.2x at 16 experts) with a max error of 0.07 vs 0.005 "
+    'against fp32 (benchmarks/results/grouped_gemm.md); use type = "bf16" for speed'
+)
+"""Logged at start-up when fp8 is chosen: what it costs, measured on 2026-12-02, so that nobody picks it
+for speed. A grouped blockwise FP8 kernel (DeepGEMM's) is what would change this."""
 
 
 # --------------------------------------------------------------------------- quantization
@@ -104,6 +115,54 @@ def dequantize_128x128(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * full
 
 
+# --------------------------------------------------------------------------- expert row layout
+
+
+class ExpertRows:
+    """The per-expert row counts of x (sorted by expert) and the layout every FP8 GEMM runs on: each expert's
+    rows followed by zero rows up to a whole 128-row block.
+
+    Why padded: cuBLASLt's blockwise FP8 GEMM on SM90 has no algorithm (CUBLAS_STATUS_NOT_SUPPORTED from
+    cublasLtMatmulAlgoGetHeuristic) for a row count that is not a multiple of 4 (H200, torch 2.11: 1023,
+    1022, 129 and 2 rows failed, 1024, 1020, 132 and 4 ran), and routing gives experts any count. Why 128
+    and not 4: every expert then starts on a 128-row boundary, so the weight gradient's 128-token blocks,
+    which must not cross experts, come out of one quantization of all rows instead of one per expert
+    (those per-expert passes were, by count, most of the fp8 path's kernel launches), and it is the layout
+    DeepGEMM's contiguous grouped GEMM takes. A zero row adds nothing to any product and its output row is
+    dropped. Cost: at most 127 zero rows per expert (on average 6% more rows at 1,024 tokens per expert),
+    and the weight gradient's fp32 transposed copies of dy and x are made for all experts at once.
+    """
+
+    def __init__(self, splits: list[int], device: torch.device) -> None:
+        self.splits = splits
+        self.padded = [m + -m % BLOCK for m in splits]
+        self.num_rows, self.num_padded = sum(splits), sum(self.padded)
+        self.index = None  # row i of x -> row index[i] of the padded layout; None: nothing to pad
+        if self.num_padded != self.num_rows:
+            shifts, shift = [], 0
+            for m, mp in zip(splits, self.padded, strict=True):
+                shifts.append(shift)
+                shift += mp - m
+            per_expert = torch.tensor(shifts, device=device)
+            counts = torch.tensor(splits, device=device)
+            shift_per_row = torch.repeat_interleave(per_expert, counts, output_size=self.num_rows)  # no host sync
+            self.index = torch.arange(self.num_rows, device=device) + shift_per_row
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """(M, K) -> (Mp, K), zero rows after each expert's rows."""
+        if self.index is None:
+            return x
+        return x.new_zeros(self.num_padded, x.shape[1]).index_copy_(0, self.index, x)
+
+    def blocks(self):  # noqa: ANN201
+        """(expert, padded row slice) for each expert with tokens."""
+        start = 0
+        for e, mp in enumerate(self.padded):
+            if mp:
+                yield e, slice(start, start + mp)
+            start += mp
+
+
 # --------------------------------------------------------------------------- GEMMs
 
 
@@ -116,6 +175,25 @@ def sm90_scaled_mm_enabled(device: torch.device) -> bool:
     )
 
 
+def _outer_major(scale: torch.Tensor) -> torch.Tensor:
+    """A 1x128 scale (rows, K/128) with strides exactly (1, rows), as torch checks them (a copy unless the
+    storage is already so laid out). Exact also on size-1 dims: for one K block (an expert's weight gradient
+    over at most 128 tokens) a plain `.t().contiguous().t()` leaves strides (1, 1), and torch refused that
+    (H200: `scale_a strides must be (1, 256); got: [1, 1]`)."""
+    return scale.t().contiguous().as_strided(scale.shape, (1, scale.shape[0]))
+
+
+def _weight_scales_for_gemm(w_s: torch.Tensor) -> torch.Tensor:
+    """128x128 scales (E, N/128, K/128), any strides -> (E, N/128, Kb4) contiguous, the K blocks padded to a
+    multiple of 4 (cuBLASLt's 16-byte alignment), so that `[e].t()` is the (Kb4, N/128) tensor with strides
+    (1, Kb4) torch checks for. Always contiguous: the input gradient passes w's scales transposed, and when
+    their K-block count was already a multiple of 4 nothing was padded, the view kept its strides and torch
+    refused it (`scale_b must have strides (1, 16); got [6, 1]`, H200)."""
+    padded = F.pad(w_s, (0, -w_s.shape[-1] % 4), value=1.0).contiguous()
+    _, nb, kb4 = padded.shape  # plain strides also on size-1 dims, where contiguous() may keep odd ones
+    return padded.as_strided(padded.shape, (nb * kb4, kb4, 1))
+
+
 def _scaled_mm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -124,18 +202,17 @@ def _scaled_mm(
     b_blocks: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """a (m, K) e4m3 row-major with 1x128 scales (m, K/128); b (n, K) e4m3 with 1x128 (`b_blocks=1`, scales
-    (n, K/128)) or 128x128 (`b_blocks=128`, scales (n/128, K/128)) scales -> a @ b.T (m, n) via cuBLASLt."""
+    """a (m, K) e4m3 row-major, m a multiple of 4, with 1x128 scales (m, K/128) of strides (1, m); b (n, K)
+    e4m3 row-major with 1x128 (`b_blocks=1`: scales (n, K/128), strides (1, n)) or 128x128 (`b_blocks=128`:
+    scales from `_weight_scales_for_gemm`, one expert's (n/128, Kb4)) scales -> a @ b.T (m, n) via cuBLASLt."""
     # layouts torch's SM90 blockwise path checks (aten/src/ATen/native/cuda/ScaledBlas.cpp): a row-major,
-    # b column-major; 1x128 scales outer-dim-major (stride (1, rows)); 128x128 scales K-major with the K
-    # blocks padded to a multiple of 4 (cuBLASLt's 16-byte alignment), passed as (K/128 padded, n/128)
+    # b column-major; 1x128 scales outer-dim-major; 128x128 scales K-major, passed as (Kb4, n/128)
     recipe = F.ScalingType
-    sa = a_scale.t().contiguous().t()
     if b_blocks == 1:
-        sb, recipe_b = b_scale.t().contiguous().t(), recipe.BlockWise1x128
+        sb, recipe_b = _outer_major(b_scale), recipe.BlockWise1x128
     else:
-        sb, recipe_b = F.pad(b_scale, (0, -b_scale.shape[1] % 4), value=1.0).t(), recipe.BlockWise128x128
-    return F.scaled_mm(a, b.contiguous().t(), sa, recipe.BlockWise1x128, sb, recipe_b, output_dtype=out_dtype)
+        sb, recipe_b = b_scale.t(), recipe.BlockWise128x128
+    return F.scaled_mm(a, b.t(), _outer_major(a_scale), recipe.BlockWise1x128, sb, recipe_b, output_dtype=out_dtype)
 
 
 def _grouped_fprop(
@@ -143,75 +220,82 @@ def _grouped_fprop(
     a_s: torch.Tensor,
     w_q: torch.Tensor,
     w_s: torch.Tensor,
-    splits: list[int],
+    rows: ExpertRows,
     n: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Per expert e: a[rows of e] (m_e, Kp) @ w[e].T (Kp, Np) -> (M, n): the forward and the input gradient."""
+    """a (Mp, Kp) in `rows`' padded layout; per expert e: a[rows of e] @ w[e].T -> (M, n), padding rows
+    dropped: the forward and the input gradient. w_q (E, Np, Kp) and w_s (E, Np/128, Kp/128), any strides."""
     use_gpu = sm90_scaled_mm_enabled(a_q.device) and out_dtype in (torch.bfloat16, torch.float32)
-    if not use_gpu:  # reference: the same payloads and scales, dequantized, multiplied in fp32
+    if use_gpu:  # once for all experts, not once per expert: b row-major, its scales as torch wants them
+        w_q, w_s = w_q.contiguous(), _weight_scales_for_gemm(w_s)
+    else:  # reference: the same payloads and scales, dequantized, multiplied in fp32
         a, w = dequantize_1x128(a_q, a_s), dequantize_128x128(w_q, w_s)
-    outputs, start = [], 0
-    for e, m in enumerate(splits):
-        if m == 0:
-            continue
-        rows = slice(start, start + m)
+    outputs = []
+    for e, block in rows.blocks():
         if use_gpu:
-            y = _scaled_mm(a_q[rows], a_s[rows], w_q[e], w_s[e], BLOCK, out_dtype)
+            y = _scaled_mm(a_q[block], a_s[block], w_q[e], w_s[e], BLOCK, out_dtype)
         else:
-            y = (a[rows] @ w[e].t()).to(out_dtype)
-        outputs.append(y[:, :n])
-        start += m
+            y = (a[block] @ w[e].t()).to(out_dtype)
+        outputs.append(y[: rows.splits[e], :n])
     return torch.cat(outputs) if outputs else a_q.new_zeros(0, n, dtype=out_dtype)
 
 
 def _grouped_wgrad(
-    dy: torch.Tensor, x: torch.Tensor, splits: list[int], num_experts: int, out_dtype: torch.dtype
+    dy: torch.Tensor, x: torch.Tensor, rows: ExpertRows, num_experts: int, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """(E, N, K): per expert dy[rows].T @ x[rows], both operands quantized in 128-token blocks; zero for an
-    expert without tokens."""
+    """dy (Mp, N), x (Mp, K) in `rows`' padded layout -> (E, N, K): per expert dy[rows].T @ x[rows], both
+    operands quantized in 128-token blocks within the expert; zero for an expert without tokens."""
     n, k = dy.shape[1], x.shape[1]
-    dw = torch.zeros(num_experts, n, k, device=dy.device, dtype=out_dtype)
+    # every expert starts on a 128-row boundary: one quantization along tokens gives each expert's blocks
+    dyt_q, dyt_s = quantize_1x128(dy.t())  # (N, Mp), (N, Mp / 128)
+    xt_q, xt_s = quantize_1x128(x.t())  # (K, Mp), (K, Mp / 128)
     use_gpu = sm90_scaled_mm_enabled(dy.device) and out_dtype in (torch.bfloat16, torch.float32)
-    start = 0
-    for e, m in enumerate(splits):
-        if m == 0:
-            continue
-        rows = slice(start, start + m)
-        start += m
-        # blocks run along tokens and never cross an expert boundary: quantize each expert's slice alone
-        dyt_q, dyt_s = quantize_1x128(dy[rows].t())  # (N, mp): mp = m padded to 128 with zero tokens
-        xt_q, xt_s = quantize_1x128(x[rows].t())  # (K, mp)
+    if use_gpu:
+        # token-block-major scales: one expert's blocks [pb, pb + mb) of these, transposed, are the (N, mb)
+        # scales with strides (1, N) torch wants, with no copy per expert
+        dyt_s, xt_s = dyt_s.t().contiguous(), xt_s.t().contiguous()
+    else:
+        dyt, xt = dequantize_1x128(dyt_q, dyt_s), dequantize_1x128(xt_q, xt_s)
+    grads = []
+    for e, block in rows.blocks():
         if use_gpu:
-            dw[e] = _scaled_mm(dyt_q, dyt_s, xt_q, xt_s, 1, out_dtype)
+            sblock = slice(block.start // BLOCK, block.stop // BLOCK)
+            # a column slice of the payload is strided: copied so a and b are plain row-major operands
+            a, b = dyt_q[:, block].contiguous(), xt_q[:, block].contiguous()
+            grads.append((e, _scaled_mm(a, dyt_s[sblock].t(), b, xt_s[sblock].t(), 1, out_dtype)))
         else:
-            dw[e] = (dequantize_1x128(dyt_q, dyt_s) @ dequantize_1x128(xt_q, xt_s).t()).to(out_dtype)
-    return dw
+            grads.append((e, (dyt[:, block] @ xt[:, block].t()).to(out_dtype)))
+    per_expert = dict(grads)
+    zero = dy.new_zeros(n, k, dtype=out_dtype) if len(per_expert) < num_experts else None
+    return torch.stack([per_expert.get(e, zero) for e in range(num_experts)])
 
 
 class FP8GroupedLinear(torch.autograd.Function):
-    """x (M, K) sorted by expert, w (E, N, K), splits (E,) host ints -> (M, N), x_e @ w[e].T per expert,
+    """x (M, K) sorted by expert, w (E, N, K), rows (`ExpertRows`) -> (M, N), x_e @ w[e].T per expert,
     blockwise FP8 in forward and in both backward GEMMs."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, splits: list[int]) -> torch.Tensor:  # noqa: ANN001
-        ctx.save_for_backward(x, w)
-        ctx.splits = splits
-        x_q, x_s = quantize_1x128(x)
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, rows: ExpertRows) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(x, w)  # unpadded and unquantized: nothing kept that bf16 does not keep
+        ctx.rows = rows
+        x_q, x_s = quantize_1x128(rows.pad(x))
         w_q, w_s = quantize_128x128(w)
-        return _grouped_fprop(x_q, x_s, w_q, w_s, splits, w.shape[1], x.dtype)
+        return _grouped_fprop(x_q, x_s, w_q, w_s, rows, w.shape[1], x.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # noqa: ANN001
         x, w = ctx.saved_tensors
+        rows = ctx.rows
         dx = dw = None
+        dy_p = rows.pad(dy)
         if ctx.needs_input_grad[0]:
-            dy_q, dy_s = quantize_1x128(dy)  # 1x128 blocks along N, the contraction of dx = dy @ w
+            dy_q, dy_s = quantize_1x128(dy_p)  # 1x128 blocks along N, the contraction of dx = dy @ w
             # w.T's 128x128 blocks are w's blocks transposed, so its payload and scales are too
             w_q, w_s = quantize_128x128(w)
-            dx = _grouped_fprop(dy_q, dy_s, w_q.transpose(1, 2), w_s.transpose(1, 2), ctx.splits, x.shape[1], x.dtype)
+            dx = _grouped_fprop(dy_q, dy_s, w_q.transpose(1, 2), w_s.transpose(1, 2), rows, x.shape[1], x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = _grouped_wgrad(dy, x, ctx.splits, w.shape[0], w.dtype)
+            dw = _grouped_wgrad(dy_p, rows.pad(x), rows, w.shape[0], w.dtype)
         return dx, dw, None
 
 
@@ -219,10 +303,10 @@ def fp8_grouped_swiglu(
     x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
 ) -> torch.Tensor:
     """The SwiGLU experts with every GEMM in blockwise FP8; same contract as `grouped_swiglu`."""
-    splits = counts.tolist()  # one host sync, shared by the three projections and their backward
-    gate = FP8GroupedLinear.apply(x, w_gate, splits)  # (M, I)
-    up = FP8GroupedLinear.apply(x, w_up, splits)
-    return FP8GroupedLinear.apply(F.silu(gate) * up, w_down, splits)  # (M, H)
+    rows = ExpertRows(counts.tolist(), x.device)  # one host sync, shared by the three projections and backward
+    gate = FP8GroupedLinear.apply(x, w_gate, rows)  # (M, I)
+    up = FP8GroupedLinear.apply(x, w_up, rows)
+    return FP8GroupedLinear.apply(F.silu(gate) * up, w_down, rows)  # (M, H)
 
 
 def grouped_swiglu_for(compute: str) -> Callable[..., torch.Tensor]:
@@ -271,6 +355,8 @@ def check_moe_compute(compute: MoEComputeConfig, model_type: str, device_type: s
                 f'[model.moe.compute] type = "fp8" needs an SM90 GPU (H100/H200) and torch >= 2.10 for torch\'s '
                 f'blockwise scaled_mm, found {where} with torch {torch.__version__}; use type = "bf16"'
             )
+        # the "trainer" logger: formatted where `rl` set it up already, stderr (logging's fallback) in `sft`
+        logging.getLogger("trainer").warning(FP8_SLOW_WARNING)
 
 
 def _missing(module: str, attrs: tuple[str, ...]) -> str | None:
