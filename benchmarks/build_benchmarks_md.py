@@ -21,17 +21,18 @@ CPU numbers come from the shared 2-core development machine and carry its load.
 | what | result | goal |
 |---|---|---|
 | SFT trainer, Qwen3-1.7B shape, seq 8192, 1x H200 | 32,727 tokens/s = **1.43x** the anchor (22,915), **52.8% MFU**, 38.9 GiB peak (anchor 69.1) | >= 1.35x, >= 50% MFU |
-| SFT trainer vs torchtitan 0.2.2's own trainer, same shape, 1x H200 | 33,457 tokens/s, 54.0% MFU, 38.8 GiB vs torchtitan 30,804, 49.7%, 40.0 GiB in the same session = **1.086x** (0.98x the 34.0k torchtitan run of issue #22) | >= 1.15x, >= 60% MFU (not met) |
-| RL trainer (seed's RL command, fake data), same shape and knobs as SFT, 1x H200 | 31,581 tokens/s = **0.972x** `sft` (32,480) in one call, 1.37x the anchor; packed 1024-token docs 36,765 = **0.920x** (39,978) | >= 0.95x, >= 0.85x packed |
+| SFT trainer vs torchtitan 0.2.2's own trainer, 1x H200 (2026-12-02) | Qwen3-1.7B shape, seq 8192: 33,372 tokens/s, 53.9% MFU, 38.81 GiB vs torchtitan 32,996, 40.04 GiB in the same call = **1.011x**; Qwen3-4B shape, full AC: 12,284 vs 12,355 = **0.994x** (61.80 vs 64.67 GiB) | >= 1.15x, >= 60% MFU (not met) |
+| RL trainer (seed's RL command, fake data), same shape and knobs as SFT, 1x H200 | 31,880 tokens/s = **0.937x** `sft` (34,037) in the same run (2026-12-02), 0.966x torchtitan; packed 1024-token docs 36,765 = **0.920x** (39,978; 2026-12-01, not re-run) | >= 0.95x, >= 0.85x packed |
 | RL step wall time with filesystem publication every step | publish blocks **24 ms**; wall **1.098x** the step (packed 1.084x), the copy and the 3.4 GB write overlapping the next step | <= 1.15x |
 | LoRA r=16 vs full fine-tuning, Qwen3-1.7B shape, 1x H200 | sft **41,846 vs 34,516 tokens/s (1.21x)**, **22.5 vs 38.8 GiB**; 17.4M trainable params; **34.9 MB** per RL weight update vs 3.44 GB; but the RL loop blocks 0.41 s per adapter publish | measured (blocking not fixed) |
 | SFT trainer, 2x H200 per-GPU scaling | 30,419 tokens/s per GPU = **92.1%** of one GPU (33,012 in the same call) | >= 90% |
 | Fused LM head, T=16384, V=151936, bf16, fwd+bwd | **75.7 ms, 1.27 GiB** extra vs anchor 120.7 ms, 55.8 GiB (1.59x faster); T=65536: 307.9 ms, 1.87 GiB (vanilla OOM) | <= 2 GiB, no slower |
-| SFT LM head `fused_nll_sum` vs Liger FLCE, T=16384 / 65536 | **57.1 ms / 0.85 GiB** vs 65.4 / 0.78 (1.15x); 210.9 / 1.37 vs 205.9 / 1.37 (0.98x); RL head 1.42x the SFT head | >= Liger, <= its memory; RL <= 1.1x (not met) |
+| SFT LM head `fused_nll_sum` vs Liger FLCE, T=16384 / 65536 (2026-12-02) | **58.41 ms / 0.850 GiB** vs 65.89 / 0.778 (1.128x); 211.91 / 1.370 vs 207.52 / 1.371 (0.979x); RL head 1.344x / 1.445x the SFT head | >= Liger, <= its memory; RL <= 1.1x (not met) |
 | NCCL weight broadcast, 3.44 GB bf16, 2x H200 | **10.29 ms, 334.6 GB/s = 86%** of the 386.9 GB/s GPU copy | >= 80%, < 12 ms |
 | ZeroMQ batch transport, 256 MiB, tcp loopback | 1.6-3.5 GB/s, **12-18x pickle** (large micro-batches); 0.55-0.96 GB/s, 3.3-4.4x (8k-token micro-batches) | >= 1 GB/s, >= 2x pickle |
 | Scaling knobs, Qwen3-1.7B dense and a 64-expert MoE, seq 8192, 1-2x H200 | dense base 50.3% MFU, fullgraph 53.1%; full AC -26% peak for -12% speed; selective AC -16% peak, no cost; full offload -43% peak at 27x slower; FSDP 2 GPUs 96.7% per GPU; EP=2 and CP=2 slower than FSDP=2 at this size | table |
-| Routed-expert grouped GEMM (Triton), 128 experts x 2048 x 768, bf16 fwd+bwd | **352 TFLOP/s**, 17.9x the per-expert loop, 0.76x torch._grouped_mm (CUTLASS) | Triton on GPU |
+| Routed-expert grouped GEMM (Triton), 128 experts x 2048 x 768, bf16 fwd+bwd | **352 TFLOP/s**, 17.9x the per-expert loop, 0.76x torch._grouped_mm (CUTLASS); 343-381 TFLOP/s in four runs on 2026-12-02 | Triton on GPU |
+| Routed-expert fp8 (`[model.moe.compute] type = "fp8"`, per-expert `scaled_mm`), same shape, fwd+bwd (2026-12-02) | runs after the crash fix, but **97-174 ms vs bf16 9.7-10.8 ms = 9.0-16.4x slower** (16 experts: 5.6-11.2x), max error 0.066 vs 0.005; start-up warns to use bf16 | correct; fast needs a grouped fp8 kernel |
 | NIXL weight transfer (CPU, UCX host memory) | 1 GiB: **0.92 s (1.17 GB/s)** vs filesystem 1.28 s, gloo 1.38 s; tiny model: 125 ms vs 31/32 ms | measured |
 | RL example on CPU (`examples/arithmetic`, 2 cores) | mean reward 0.23 -> 0.6 in 60 steps; whole run (model, SFT, RL) in minutes | rises clearly, <= 10 min |
 
