@@ -85,6 +85,13 @@ async def _fill(limit: LoadLimit) -> None:
     await _hold(limit, limit.limit - limit.in_flight)
 
 
+async def _raise_to_hi(limit: LoadLimit, probe: Probe) -> None:
+    """Raises that pay (the default Probe), every slot busy, until the limit reaches hi."""
+    while limit.limit < limit.hi:
+        await _fill(limit)
+        await probe(limit, 0, 16)
+
+
 def _changes(seen: list[int]) -> list[int]:
     return [x for i, x in enumerate(seen) if i == 0 or x != seen[i - 1]]
 
@@ -154,9 +161,7 @@ def test_a_queue_of_up_to_four_batches_keeps_the_added_groups():
 
     async def go() -> list[int]:
         limit, probe = LoadLimit(4, 16), Probe()
-        while limit.limit < 16:
-            await _fill(limit)
-            await probe(limit, 0, 16)
+        await _raise_to_hi(limit, probe)
         await _free(limit, limit.in_flight)
         probe.rate = lambda limit: 1600.0  # the server keeps generating for the queue
         seen = [await probe(limit, waiting, 16) for waiting in (16, 64, 16, 64, 64)]
@@ -172,9 +177,7 @@ def test_one_cut_per_drain():
 
     async def go() -> list[int]:
         limit, probe = LoadLimit(4, 16), Probe()
-        while limit.limit < 16:
-            await _fill(limit)
-            await probe(limit, 0, 16)
+        await _raise_to_hi(limit, probe)
         await _fill(limit)  # 16 in flight
         await probe(limit, 3, 8)  # a first reading: counters need one to compare with
         seen = [await probe(limit, 3, 8, preempted=p) for p in (1, 2, 3, 4)]  # 16 still in flight after one
@@ -192,9 +195,7 @@ def test_preempted_sequences_take_back_the_added_groups_at_once():
 
     async def go() -> list[int]:
         limit, probe = LoadLimit(4, 16), Probe()
-        while limit.limit < 16:
-            await _fill(limit)
-            await probe(limit, 0, 16)
+        await _raise_to_hi(limit, probe)
         await _free(limit, limit.in_flight)
         probe.rate = lambda limit: 1600.0
         return [await probe(limit, 3, 16, kv=0.95, preempted=p) for p in (0, 0, 5, 5, 9, 9, 12, 20, 30)]

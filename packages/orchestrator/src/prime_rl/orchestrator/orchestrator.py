@@ -192,7 +192,7 @@ class Orchestrator:
             chat_template=config.model.chat_template,
             tool_call_parser=config.model.tool_call_parser,
             follow_load=config.concurrency == "load",
-            base_concurrent=config.max_concurrent_groups or config.groups_per_step,
+            base_concurrent=config.base_concurrent,
         )
         self.step = self.start_step
         # online evals: their own environment handles ([orchestrator.eval] env), else the training ones

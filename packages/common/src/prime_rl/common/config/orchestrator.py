@@ -503,10 +503,14 @@ class OrchestratorConfig(BaseConfig):
         return self.batch_size // self.group_size
 
     @property
+    def base_concurrent(self) -> int:
+        """Groups in flight with "fixed", and the floor of "load": `max_concurrent_groups`, one step's unless set."""
+        return self.max_concurrent_groups or self.groups_per_step
+
+    @property
     def max_concurrent(self) -> int:
-        """Most groups ever in flight: `max_concurrent_groups` (one step's groups unless set) with "fixed"; with
-        "load" at least every group the policy gate can admit, `groups_per_step * (max_off_policy_steps + 1)`."""
-        base = self.max_concurrent_groups or self.groups_per_step
+        """Most groups ever in flight: `base_concurrent` with "fixed"; with "load" at least every group the policy
+        gate can admit, `groups_per_step * (max_off_policy_steps + 1)`."""
         if self.concurrency == "fixed":
-            return base
-        return max(base, self.groups_per_step * (self.max_off_policy_steps + 1))
+            return self.base_concurrent
+        return max(self.base_concurrent, self.groups_per_step * (self.max_off_policy_steps + 1))
