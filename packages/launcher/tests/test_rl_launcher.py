@@ -286,6 +286,10 @@ def test_pd_inference_in_rl_updates_every_instance(model_dir, tmp_path):
     # the orchestrator loads each published step into the prefill instance and both decode instances
     addresses = tomllib.loads((configs / "orchestrator.toml").read_text())["inference"]["addresses"]
     assert addresses == [f"tcp://127.0.0.1:{control + i}" for i in range(3)]
+    # rollout concurrency follows every instance's /metrics (vllm-router proxies /metrics to one of them)
+    client = tomllib.loads((configs / "orchestrator.toml").read_text())["model"]["client"]
+    port = inference["server"]["port"]
+    assert client["metrics_urls"] == [f"http://127.0.0.1:{port + 1 + i}" for i in range(3)]
 
 
 @pytest.mark.parametrize(

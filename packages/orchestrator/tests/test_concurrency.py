@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -23,6 +24,7 @@ from prime_rl.orchestrator.concurrency import (
     LoadLimit,
     ServerLoad,
     parse_vllm_metrics,
+    total_load,
 )
 from prime_rl.orchestrator.envs.handle import LocalEnv
 from prime_rl.orchestrator.envs.reverse_text import ReverseTextEnv
@@ -55,6 +57,70 @@ def test_parse_vllm_metrics():
         waiting=3.0, running=28.0, kv_usage=0.97, generated=1000.0, preempted=3.0
     )
     assert parse_vllm_metrics("# a router's metrics\nrouter_requests_total 5\n") is None
+
+
+def test_servers_behind_a_router_are_summed():
+    """Replicas behind a router: queues, batches and counters add up, the fullest KV cache counts; one server
+    without vLLM's gauges (a router's own /metrics) makes the whole reading unusable rather than a partial sum."""
+    other = (
+        "vllm:num_requests_waiting 1.0\nvllm:num_requests_running 4.0\nvllm:kv_cache_usage_perc 0.10\n"
+        "vllm:generation_tokens_total 500.0\nvllm:num_preemptions_total 7.0\n"
+    )
+    assert total_load([METRICS, other]) == ServerLoad(
+        waiting=4.0, running=32.0, kv_usage=0.97, generated=1500.0, preempted=10.0
+    )
+    assert total_load([METRICS, "router_requests_total 5\n"]) is None
+    no_counters = "vllm:num_requests_waiting 0.0\nvllm:num_requests_running 2.0\n"
+    assert total_load([METRICS, no_counters]) == ServerLoad(
+        waiting=3.0, running=30.0, kv_usage=0.97, generated=None, preempted=None
+    )
+
+
+def test_the_client_reads_every_servers_metrics():
+    """The real client against two HTTP servers: one text each, in order; None unless every server answered (a sum
+    over fewer servers would read as the load falling)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prime_rl.orchestrator.client import InferenceClient
+
+    def serve(status: int, body: str) -> ThreadingHTTPServer:
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                data = body.encode() if self.path == "/metrics" else b""
+                self.send_response(status if self.path == "/metrics" else 404)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        return httpd
+
+    servers = [serve(200, "vllm:num_requests_waiting 1.0\n"), serve(200, "vllm:num_requests_waiting 2.0\n")]
+    servers.append(serve(503, "starting"))
+    roots = [f"http://127.0.0.1:{httpd.server_address[1]}" for httpd in servers]
+
+    async def go() -> tuple[list[str] | None, list[str] | None, list[str]]:
+        both = InferenceClient("http://127.0.0.1:1/v1", "m", metrics_urls=[f"{roots[0]}/", roots[1]])
+        failing = InferenceClient("http://127.0.0.1:1/v1", "m", metrics_urls=roots)
+        plain = InferenceClient(f"{roots[1]}/v1", "m")  # no router: the server at base_url
+        try:
+            return await both.metrics_texts(), await failing.metrics_texts(), await plain.metrics_texts()
+        finally:
+            for client in (both, failing, plain):
+                await client.aclose()
+
+    try:
+        both, failing, plain = asyncio.run(go())
+    finally:
+        for httpd in servers:
+            httpd.shutdown()
+    assert both == ["vllm:num_requests_waiting 1.0\n", "vllm:num_requests_waiting 2.0\n"]
+    assert failing is None
+    assert plain == ["vllm:num_requests_waiting 2.0\n"]
 
 
 class Probe:
@@ -307,15 +373,15 @@ class Server:
         completions = [Completion([7 + i], [-0.5], f"answer {i}", finish_reason="stop") for i in range(n)]
         return ChatResult(prompt_ids=[1, 2, 3], completions=completions)
 
-    server_root = "http://fake"
+    metrics_roots = ["http://fake"]
 
-    async def metrics_text(self) -> str:
+    async def metrics_texts(self) -> list[str]:
         now = time.perf_counter()
         partial = sum(100 * min(1.0, (now - start) / duration) for start, duration in self.spans.values())
-        return (
+        return [
             f"vllm:num_requests_waiting {self.waiting}.0\nvllm:num_requests_running {self.running}.0\n"
             f"vllm:generation_tokens_total {self.done_tokens + partial}\n"
-        )
+        ]
 
 
 def _run_scheduler(

@@ -361,6 +361,7 @@ def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path
     orch = by_name["orchestrator"]
     assert "--nodelist=t1" in orch
     assert arg_after(orch, "--model.client.base-url") == f"http://localhost:{router_port}/v1"
+    assert arg_after(orch, "--model.client.metrics-urls") == "http://localhost:9100"  # each replica's /metrics
     if broadcast == "filesystem":  # the orchestrator has replicas load each published step
         assert arg_after(orch, "--inference.addresses") == "tcp://localhost:9200"
     else:  # the trainer pushes the weights itself; a load request would find only the marker

@@ -104,8 +104,11 @@ class InferenceClient:
         retry_backoff: float = 0.5,
         max_backoff: float = 10.0,
         max_connections: int = 1024,
+        metrics_urls: list[str] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.metrics_roots = [url.rstrip("/") for url in metrics_urls or []] or [self.server_root]
+        """Servers whose /metrics rollout concurrency follows: each one behind a router, else this one."""
         self.url = f"{self.base_url}/chat/completions"
         self.model = model
         self.max_retries, self.retry_backoff, self.max_backoff = max_retries, retry_backoff, max_backoff
@@ -182,13 +185,18 @@ class InferenceClient:
         data = await self._post(body, url=f"{self.server_root}/tokenize")
         return [int(t) for t in data["tokens"]]
 
-    async def metrics_text(self) -> str | None:
-        """The server's Prometheus /metrics text (rollout concurrency follows its queue), or None without one."""
+    async def metrics_texts(self) -> list[str] | None:
+        """Every server's Prometheus /metrics text (rollout concurrency follows their load), or None unless all
+        answered: a sum over some of them would read as the load falling."""
         try:
-            response = await self._http.get(f"{self.server_root}/metrics", timeout=5.0)
+            responses = await asyncio.gather(
+                *(self._http.get(f"{root}/metrics", timeout=5.0) for root in self.metrics_roots)
+            )
         except httpx.HTTPError:
             return None
-        return response.text if response.status_code == 200 else None
+        if any(response.status_code != 200 for response in responses):
+            return None
+        return [response.text for response in responses]
 
     async def detokenize(self, token_ids: list[int]) -> str:
         data = await self._post({"model": self.model, "tokens": token_ids}, url=f"{self.server_root}/detokenize")

@@ -34,8 +34,10 @@ then four, then preemptions (which were the weight updates' resets, above; cutti
 moment a slot frees. So `max_concurrent_groups` stays what the user asked for, and "load" only adds groups
 while they pay.
 
-Where `/metrics` has no vLLM queue gauge (a router in front, another server), the limit stays at `base` and
-that is logged once.
+Behind a router, `[orchestrator.model.client] metrics_urls` names every server, and the limit follows their summed
+load (`total_load`); `rl` sets it for its replicas, locally and on SLURM. The router's own `/metrics` is no
+substitute: vllm-router proxies it to one replica (tests/test_router_metrics.py). Where `/metrics` has no vLLM
+queue gauge (another server), the limit stays at `base` and that is logged once.
 """
 
 from __future__ import annotations
@@ -98,6 +100,26 @@ def parse_vllm_metrics(text: str) -> ServerLoad | None:
         kv_usage=max(kv) if kv else None,
         generated=sum(generated) if generated else None,
         preempted=sum(preempted) if preempted else None,
+    )
+
+
+def total_load(texts: list[str]) -> ServerLoad | None:
+    """The load of several servers behind a router: queues, batches and counters summed, the fullest KV cache.
+    None unless every one reports vLLM's gauges."""
+    loads = [parse_vllm_metrics(text) for text in texts]
+    if not loads or None in loads:
+        return None
+
+    def total(values: list[float | None]) -> float | None:
+        return None if None in values else sum(values)
+
+    kv = [load.kv_usage for load in loads if load.kv_usage is not None]
+    return ServerLoad(
+        waiting=sum(load.waiting for load in loads),
+        running=sum(load.running for load in loads),
+        kv_usage=max(kv) if kv else None,
+        generated=total([load.generated for load in loads]),
+        preempted=total([load.preempted for load in loads]),
     )
 
 
@@ -202,14 +224,14 @@ class LoadLimit:
 
 
 async def follow_load(
-    limit: LoadLimit, fetch: Callable[[], Awaitable[str | None]], where: str, interval_s: float = 1.0
+    limit: LoadLimit, fetch: Callable[[], Awaitable[list[str] | None]], where: str, interval_s: float = 1.0
 ) -> None:
-    """Read the server's /metrics text with `fetch` every `interval_s` and move `limit`, until cancelled.
-    A probe that fails leaves the limit where it is (a server that is down shows up in the requests)."""
+    """Read the servers' /metrics texts with `fetch` every `interval_s` and move `limit` by their total load, until
+    cancelled. A probe that fails leaves the limit where it is (a server that is down shows up in the requests)."""
     warned = False
     while True:
-        text = await fetch()
-        load = parse_vllm_metrics(text) if text is not None else None
+        texts = await fetch()
+        load = total_load(texts) if texts is not None else None
         if load is None:
             if not warned:
                 logger.info("no vLLM request-queue gauge at %s: rollout concurrency stays at %d", where, limit.limit)
@@ -219,7 +241,7 @@ async def follow_load(
             after = await limit.update(load)
             if after != before:
                 logger.info(
-                    "rollout concurrency %d -> %d groups (server: %d waiting, %d running)",
+                    "rollout concurrency %d -> %d groups (servers: %d waiting, %d running)",
                     before, after, load.waiting, load.running,
                 )  # fmt: skip
         await asyncio.sleep(interval_s)

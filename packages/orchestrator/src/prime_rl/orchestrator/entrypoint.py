@@ -56,6 +56,7 @@ async def run(config: OrchestratorConfig) -> None:
         max_retries=client_cfg.max_retries,
         retry_backoff=client_cfg.retry_backoff,
         max_backoff=client_cfg.max_backoff,
+        metrics_urls=client_cfg.metrics_urls,
     )
     control = build_control(config)
     sender = BatchSender(

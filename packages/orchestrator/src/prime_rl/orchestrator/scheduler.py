@@ -123,8 +123,8 @@ class RolloutScheduler:
     def start(self) -> None:
         self._workers = [asyncio.create_task(self._worker(), name=f"rollout-{i}") for i in range(self.max_concurrent)]
         if self.limit is not None:
-            where = f"{self.client.server_root}/metrics"
-            self._probe = asyncio.create_task(follow_load(self.limit, self.client.metrics_text, where), name="load")
+            where = ", ".join(f"{root}/metrics" for root in self.client.metrics_roots)
+            self._probe = asyncio.create_task(follow_load(self.limit, self.client.metrics_texts, where), name="load")
 
     async def stop(self) -> None:
         tasks = [*self._workers, *([self._probe] if self._probe is not None else [])]

@@ -47,6 +47,10 @@ class ClientConfig(BaseConfig):
     """Seconds before the first retry; doubled after each failed attempt."""
     max_backoff: float = Field(default=10.0, gt=0)
     """Upper bound on the wait between two retries, in seconds."""
+    metrics_urls: list[str] = Field(default_factory=list)
+    """Root URL (http://host:port) of every inference server behind a router: rollout concurrency follows the sum
+    of their vLLM `/metrics` (vllm-router answers /metrics with one replica's). Empty: the server at `base_url`.
+    `rl` sets it for its replicas and P/D instances, locally and on SLURM."""
 
 
 class ModelConfig(BaseConfig):

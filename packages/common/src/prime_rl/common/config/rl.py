@@ -160,6 +160,10 @@ class RLConfig(BaseConfig):
         self._link_tool_call_parser()
         if "base_url" not in self.orchestrator.model.client.model_fields_set:
             self.orchestrator.model.client.base_url = f"http://127.0.0.1:{server.port}/v1"
+        client = self.orchestrator.model.client
+        if self.inference.fronted_by_router and "metrics_urls" not in client.model_fields_set:
+            # rollout concurrency follows vLLM's /metrics, which the router proxies to one replica: read each one's
+            client.metrics_urls = [f"http://127.0.0.1:{server.port + 1 + i}" for i in range(replicas)]
         if server.api_key is not None and self.orchestrator.model.client.api_key in (None, "", "EMPTY"):
             self.orchestrator.model.client.api_key = server.api_key  # the HTTP API refuses requests without it
         if not self.orchestrator.inference.addresses and self.trainer.weight_broadcast.type == "filesystem":
