@@ -322,6 +322,43 @@ def test_submit_without_sbatch_says_so(tmp_path: Path, capsys, monkeypatch: pyte
     assert (tmp_path / "out" / "r" / "launcher" / "sft.sbatch").is_file()
 
 
+def args_after(argv: list[str], flag: str) -> list[str]:
+    """The values of a list flag: everything up to the next --flag."""
+    rest = argv[argv.index(flag) + 1 :]
+    return rest[: next((k for k, a in enumerate(rest) if a.startswith("--")), len(rest))]
+
+
+def test_rl_with_local_replicas_updates_and_probes_every_replica(tmp_path: Path) -> None:
+    """Two replicas per inference node behind that node's router: a router forwards control requests and /metrics
+    to one replica only, so the orchestrator gets every replica's control address (weight updates) and HTTP root
+    (rollout concurrency), not the node's. Replica j of a node on port p: HTTP p + 1 + j, control p + 100 + j."""
+    router_port = free_port()
+    cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 2\nnum_train_nodes = 1\ngpus_per_node = 2")
+    flags = [
+        "--slurm.router-port",
+        str(router_port),
+        "--slurm.replica-port",
+        "9100",
+        "--inference.router.replicas",
+        "2",
+    ]
+    assert main(["rl", "@", str(cfg), *flags, "--dry-run"]) == 0
+    proc, calls = run_script(
+        tmp_path / "out" / "r" / "launcher" / "rl.sbatch", tmp_path, ["localhost", "i1", "t1"], FAKE_SERVE="router",
+        FAKE_HANG="inference",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    by_name = {c["name"]: c["argv"] for c in calls}
+    assert args_after(by_name["router"], "--worker-urls") == ["http://localhost:9100", "http://i1:9103"]
+    orch = by_name["orchestrator"]
+    assert args_after(orch, "--inference.addresses") == [
+        "tcp://localhost:9200", "tcp://localhost:9201", "tcp://i1:9203", "tcp://i1:9204"
+    ]  # fmt: skip
+    assert args_after(orch, "--model.client.metrics-urls") == [
+        "http://localhost:9101", "http://localhost:9102", "http://i1:9104", "http://i1:9105"
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("broadcast", ["filesystem", "nccl", "nixl"])
 def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path, broadcast: str) -> None:
     from prime_rl.common.config.orchestrator import OrchestratorConfig
