@@ -213,15 +213,18 @@ def test_sigkilled_torchrun_agent_takes_its_ranks_down(tmp_path):
     assert not _alive(rank), "the rank outlived its agent and the launcher"
 
 
-# Like vLLM's engine: a shared-memory segment the resource tracker will not clean up.
+# Like vLLM's engine: a shared-memory segment the resource tracker will not clean up. It writes its pid (its process
+# group: components run in sessions of their own) with the segment's name, and exits 7 if nobody kills it: a kill
+# that never came fails the test in bounded time (a component's exit 0 would not end the job: it hung CI for 30 min).
 SHM_OWNER = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     from multiprocessing import resource_tracker, shared_memory
     shm = shared_memory.SharedMemory(create=True, size=1 << 20)
     resource_tracker.unregister(shm._name, "shared_memory")
-    open(sys.argv[1], "w").write(shm.name + "\\n")
-    time.sleep(600)
+    open(sys.argv[1], "w").write(f"{os.getpid()} {shm.name}\\n")
+    time.sleep(120)
+    sys.exit(7)
     """
 )
 
@@ -235,14 +238,16 @@ def test_shared_memory_of_a_killed_engine_is_released(tmp_path):
     sup = Supervisor(comps, poll_s=0.05)
 
     def kill_engine():
-        _wait_for(namefile)
-        os.killpg(sup.running[0].proc.pid, signal.SIGKILL)
+        # the pid from the file, not sup.running: the engine can write it before start() has recorded it
+        _wait_for(namefile, timeout=100)
+        os.killpg(int(namefile.read_text().split()[0]), signal.SIGKILL)
 
     thread = threading.Thread(target=kill_engine)
     thread.start()
     assert sup.run() == 1
     thread.join()
-    name = namefile.read_text().strip()
+    assert "inference exited with code -9" in sup.reason, sup.reason  # killed, not timed out
+    name = namefile.read_text().split()[1]
     assert not (Path("/dev/shm") / name).exists(), f"/dev/shm/{name} leaked"
 
 
