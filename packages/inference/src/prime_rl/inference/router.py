@@ -54,10 +54,9 @@ def replica_endpoints(config: InferenceConfig) -> list[ReplicaEndpoints]:
     """Where each replica (or P/D instance, prefill first) of ``config`` serves; send weight updates to
     every ``control`` endpoint."""
     host, control_host = _client_host(config.server.host), _client_host(config.server.control_host)
-    control = config.server.resolved_control_port
     return [
-        ReplicaEndpoints(f"http://{host}:{config.server.port + 1 + i}", f"tcp://{control_host}:{control + i}")
-        for i in range(config.num_instances)
+        ReplicaEndpoints(f"http://{host}:{port}", f"tcp://{control_host}:{control}")
+        for port, control in zip(config.instance_http_ports, config.instance_control_ports, strict=True)
     ]
 
 
@@ -219,7 +218,6 @@ def _side_channel_env(config: InferenceConfig, index: int) -> dict[str, str]:
 
 def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], exe: str, prog: str) -> int:
     endpoints = replica_endpoints(config)
-    control = config.server.resolved_control_port
     procs: list[subprocess.Popen] = []
     stopping = False
 
@@ -234,7 +232,8 @@ def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], ex
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus
             cmd = [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(base)]
-            cmd += ["--server.port", str(config.server.port + 1 + i), "--server.control-port", str(control + i)]
+            port, control = config.instance_http_ports[i], config.instance_control_ports[i]
+            cmd += ["--server.port", str(port), "--server.control-port", str(control)]
             if role is not None:
                 cmd += ["--deployment.role", role]
                 env.update(_side_channel_env(config, i))

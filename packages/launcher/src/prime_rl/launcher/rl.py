@@ -245,8 +245,8 @@ def inference_ready(cfg: RLConfig, secret: RunSecret) -> bool:
     server = cfg.inference.server
     if not _http_ok(f"http://127.0.0.1:{server.port}/health"):
         return False
-    for i in range(cfg.inference.num_instances):  # every replica, or every P/D instance
-        endpoint = f"tcp://127.0.0.1:{server.resolved_control_port + i}"
+    for control in cfg.inference.instance_control_ports:  # every replica, or every P/D instance
+        endpoint = f"tcp://127.0.0.1:{control}"
         try:
             with ControlClient(endpoint, timeout_s=2.0, secret=secret) as client:
                 reply = client.request(HealthRequest())

@@ -211,6 +211,17 @@ class InferenceConfig(BaseConfig):
         return self.router.replicas
 
     @property
+    def instance_http_ports(self) -> list[int]:
+        """HTTP port of each instance when a router fronts them (``fronted_by_router``): ``server.port + 1 + i``."""
+        return [self.server.port + 1 + i for i in range(self.num_instances)]
+
+    @property
+    def instance_control_ports(self) -> list[int]:
+        """Control port of each instance (of the one server, when it serves alone): ``control_port + i``."""
+        control = self.server.resolved_control_port
+        return [control + i for i in range(self.num_instances)]
+
+    @property
     def fronted_by_router(self) -> bool:
         """True when this process starts instances and a router instead of serving itself."""
         pd = self.disaggregated
@@ -253,11 +264,8 @@ class InferenceConfig(BaseConfig):
     @model_validator(mode="after")
     def _ports_do_not_collide(self) -> InferenceConfig:
         control = self.server.resolved_control_port
-        replicas = self.num_instances
-        http_ports = {self.server.port} | (
-            {self.server.port + 1 + i for i in range(replicas)} if self.fronted_by_router else set()
-        )
-        control_ports = {control + i for i in range(replicas)}
+        http_ports = {self.server.port} | (set(self.instance_http_ports) if self.fronted_by_router else set())
+        control_ports = set(self.instance_control_ports)
         if http_ports & control_ports:
             raise ValueError(
                 f"server.control_port={control} collides with the HTTP port(s) {sorted(http_ports)}; "

@@ -149,7 +149,6 @@ class RLConfig(BaseConfig):
     @model_validator(mode="after")
     def _wire(self) -> RLConfig:
         server = self.inference.server
-        replicas = self.inference.num_instances  # replicas, or P/D instances (every one takes weight updates)
         pd = self.inference.disaggregated
         if pd is not None and pd.kv_connector == "ExampleConnector":
             raise ValueError(
@@ -163,16 +162,16 @@ class RLConfig(BaseConfig):
         client = self.orchestrator.model.client
         if self.inference.fronted_by_router and "metrics_urls" not in client.model_fields_set:
             # rollout concurrency follows vLLM's /metrics, which the router proxies to one replica: read each one's
-            client.metrics_urls = [f"http://127.0.0.1:{server.port + 1 + i}" for i in range(replicas)]
+            client.metrics_urls = [f"http://127.0.0.1:{port}" for port in self.inference.instance_http_ports]
         if server.api_key is not None and self.orchestrator.model.client.api_key in (None, "", "EMPTY"):
             self.orchestrator.model.client.api_key = server.api_key  # the HTTP API refuses requests without it
+        # every replica or P/D instance takes weight updates
+        controls = [f"tcp://127.0.0.1:{port}" for port in self.inference.instance_control_ports]
         if not self.orchestrator.inference.addresses and self.trainer.weight_broadcast.type == "filesystem":
-            self.orchestrator.inference.addresses = [
-                f"tcp://127.0.0.1:{server.resolved_control_port + i}" for i in range(replicas)
-            ]
+            self.orchestrator.inference.addresses = controls
         wb = self.trainer.weight_broadcast
         if wb.type in ("nccl", "nixl") and not wb.inference_addresses:
-            wb.inference_addresses = [f"tcp://127.0.0.1:{server.resolved_control_port + i}" for i in range(replicas)]
+            wb.inference_addresses = list(controls)
         if wb.announce is None:  # trainer rank 0 runs beside the orchestrator (SLURM: on TRAIN_HEAD)
             wb.announce = f"tcp://127.0.0.1:{self.orchestrator.trainer.weights_port}"
         lora, served = self.trainer.model.lora, self.inference.lora
