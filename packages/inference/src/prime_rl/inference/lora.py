@@ -168,7 +168,7 @@ async def load_adapter(controller: Controller, request: LoadWeightsRequest) -> C
                 return controller._reply(False, str(e))
             # running requests and cached prompts under this adapter's id were computed with its old weights
             await engine.reset_prefix_cache(reset_running_requests=True)
-            await engine.update_weight_version(str(request.version))
+            await controller.label_version(request.version)
             controller.weight_version = request.version
         finally:
             if paused_here:

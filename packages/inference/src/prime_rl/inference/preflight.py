@@ -76,9 +76,12 @@ def check_vllm_keys(config: InferenceConfig) -> None:
     if config.fronted_by_router or importlib.util.find_spec("vllm") is None:
         return
     from prime_rl.inference.server import build_vllm_args
+    from prime_rl.inference.vllm_api import UnsupportedVLLM
 
     try:
         build_vllm_args(config)
+    except UnsupportedVLLM as e:
+        raise ConfigError(str(e), keys=[]) from None
     except ValueError as e:
         match = _VLLM_KEY.search(str(e))
         keys = [f"vllm.{match.group(1) or match.group(2)}"] if match else []

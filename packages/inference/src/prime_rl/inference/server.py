@@ -14,10 +14,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from prime_rl.common.config.inference import PROCESSED_LOGPROBS, InferenceConfig
+from prime_rl.common.config.inference import InferenceConfig
 from prime_rl.common.heartbeat import Heartbeat
+from prime_rl.common.vllm_compat import PROCESSED_LOGPROBS
 from prime_rl.inference.control import Controller, ControlThread, beat_forever
 from prime_rl.inference.lora import AdapterLoader, apply_lora_args
+from prime_rl.inference.vllm_api import VLLMLauncher, load_launcher
 from prime_rl.inference.weights.manifest import Manifest
 
 logger = logging.getLogger(__name__)
@@ -25,12 +27,14 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "prime_rl.inference.worker.extension.PrimeWorkerExtension"
 
 
-def build_vllm_args(config: InferenceConfig, port: int | None = None) -> argparse.Namespace:
+def build_vllm_args(
+    config: InferenceConfig, port: int | None = None, launcher: VLLMLauncher | None = None
+) -> argparse.Namespace:
     """vLLM's serve arguments: its own defaults, then our typed options, then ``[vllm]`` verbatim."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog="inference"))
+    launcher = launcher or load_launcher()
+    parser = launcher.make_arg_parser(FlexibleArgumentParser(prog="inference"))
     args = parser.parse_args(["--model", config.model.name])
     args.host = config.server.host
     args.port = config.server.port if port is None else port
@@ -63,7 +67,7 @@ def build_vllm_args(config: InferenceConfig, port: int | None = None) -> argpars
     # the trainer's importance ratio is only right against those. The config refuses other values.
     if args.logprobs_mode != PROCESSED_LOGPROBS:
         raise ValueError(f"[vllm] logprobs_mode={args.logprobs_mode!r} must be {PROCESSED_LOGPROBS!r}; remove it")
-    validate_parsed_serve_args(args)
+    launcher.validate_parsed_serve_args(args)
     return args
 
 
@@ -85,18 +89,17 @@ def build_manifest(engine: Any, model_name: str) -> Manifest:
 
 async def serve(config: InferenceConfig, *, port: int | None = None, control_port: int | None = None) -> None:
     """Run the server until it is shut down (SIGINT / SIGTERM)."""
-    from vllm.entrypoints.launchers.api_server.entry import build_and_serve, build_async_engine_client
-    from vllm.entrypoints.launchers.launcher import setup_server
-
+    launcher = load_launcher()
+    logger.info("vLLM %s", launcher.version)
     for key, value in config.env_vars.items():
         os.environ[key] = value
-    args = build_vllm_args(config, port=port)
-    listen_address, sock = setup_server(args, reuse_port=False)
+    args = build_vllm_args(config, port=port, launcher=launcher)
+    listen_address, sock = launcher.setup_server(args, reuse_port=False)
     control_port = config.server.resolved_control_port if control_port is None else control_port
     control: ControlThread | None = None
     beats: asyncio.Task | None = None
     try:
-        async with build_async_engine_client(args) as engine:
+        async with launcher.build_async_engine_client(args) as engine:
             controller = Controller(
                 engine,
                 build_manifest(engine, config.model.name),
@@ -106,6 +109,7 @@ async def serve(config: InferenceConfig, *, port: int | None = None, control_por
                 broadcast_timeout_s=config.weights.broadcast_timeout,
                 model_dir=str(_resolve_model_dir(config.model.name)),
                 verify_data=config.weights.verify_data,
+                weight_version_label=launcher.weight_version_label,
             )
             controller.adapters = AdapterLoader.for_server(config, args.port)  # LoRA adapters loaded by name
             await controller.start()
@@ -114,7 +118,7 @@ async def serve(config: InferenceConfig, *, port: int | None = None, control_por
             endpoint = f"tcp://{config.server.control_host}:{control_port}"
             control = ControlThread(endpoint, controller, asyncio.get_running_loop()).start()
             logger.info("control plane on %s", control.endpoint)
-            shutdown_task = await build_and_serve(engine, listen_address, sock, args)
+            shutdown_task = await launcher.build_and_serve(engine, listen_address, sock, args)
         await shutdown_task
     finally:
         if beats is not None:

@@ -40,6 +40,7 @@ from prime_rl.common.heartbeat import HEARTBEAT_DIR_ENV, STALL_TIMEOUT_ENV
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.transport import ControlClient
+from prime_rl.common.vllm_compat import installed_vllm_version, unsupported_reason
 from prime_rl.common.weight_checksum import safetensors_layout
 from prime_rl.common.wire import HealthReply, HealthRequest
 from prime_rl.launcher.dashboard.status import write_status
@@ -64,7 +65,8 @@ def visible_gpus() -> list[str]:
 
 
 def place(deployment: SingleNodeDeployment, gpus: list[str]) -> tuple[list[str], list[str]]:
-    """(inference GPUs, trainer GPUs); both empty on a machine without GPUs."""
+    """(inference GPUs, trainer GPUs); both empty on a machine without GPUs. With ``num_infer_gpus = 0`` on a
+    GPU machine, inference starts on the trainer's GPUs and shares them (see ``shared_gpu_warning``)."""
     if not gpus:
         return [], []
     need = deployment.num_infer_gpus + deployment.num_train_gpus
@@ -74,7 +76,67 @@ def place(deployment: SingleNodeDeployment, gpus: list[str]) -> tuple[list[str],
             f"= {need}, but {len(gpus)} are visible ({','.join(gpus)}); lower num_infer_gpus/num_train_gpus or "
             "set CUDA_VISIBLE_DEVICES"
         )
-    return gpus[: deployment.num_infer_gpus], gpus[deployment.num_infer_gpus : need]
+    train = gpus[deployment.num_infer_gpus : need]
+    return (gpus[: deployment.num_infer_gpus] or train), train
+
+
+TRAINER_FLOOR_BYTES = 2 * 2**30
+"""Memory a trainer needs beyond its bf16 weights and gradients (CUDA context, activations of one chunk)."""
+
+
+def shared_gpu_check(gpu_memory_utilization: float, gpu_bytes: int | None, num_params: int | None) -> str | None:
+    """On a GPU that vLLM shares with the trainer: the one-line error when vLLM's share leaves the trainer
+    less than it needs even with `offload = "full"` (bf16 weights + gradients, 4 bytes a parameter), else None."""
+    if gpu_bytes is None or num_params is None:
+        return None
+    left = (1.0 - gpu_memory_utilization) * gpu_bytes
+    need = 4 * num_params + TRAINER_FLOOR_BYTES
+    if left >= need:
+        return None
+    most = max(0.0, 1.0 - need / gpu_bytes)
+    return (
+        f"inference.vllm.gpu_memory_utilization={gpu_memory_utilization} leaves the trainer {left / 2**30:.1f} GiB of "
+        f"the shared {gpu_bytes / 2**30:.0f} GiB GPU, below the {need / 2**30:.1f} GiB it needs even with "
+        f'trainer.model.offload = "full"; set it to at most {math.floor(most * 100) / 100:.2f}, or give inference '
+        "its own GPUs with deployment.num_infer_gpus"
+    )
+
+
+def check_shared_gpus(cfg: RLConfig, gpus: list[str]) -> None:
+    """Inference on the trainer's GPUs (``num_infer_gpus = 0``): say so, and refuse a vLLM share that leaves
+    the trainer no room. Both sides keep their memory all the time and take turns on the GPU."""
+    util = cfg.inference.vllm.gpu_memory_utilization
+    log.warning(
+        "deployment.num_infer_gpus=0: inference shares GPU %s with the trainer (vLLM takes %.0f%% of it and keeps it); "
+        "give inference its own GPUs with deployment.num_infer_gpus, or see the colocated mode in docs/DESIGN.md",
+        ",".join(gpus), util * 100,
+    )  # fmt: skip
+    error = shared_gpu_check(util, gpu_memory_bytes(gpus[0]), checkpoint_params(Path(cfg.trainer.model.name)))
+    if error is not None:
+        raise ConfigError(error, keys=["inference.vllm.gpu_memory_utilization"])
+
+
+def gpu_memory_bytes(gpu: str) -> int | None:
+    """Total memory of GPU ``gpu`` from nvidia-smi; None when it cannot be read."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(
+        ["nvidia-smi", "-i", gpu, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    try:
+        return int(out.stdout.split()[0]) * 2**20 if out.returncode == 0 else None
+    except (IndexError, ValueError):
+        return None
+
+
+def checkpoint_params(model_dir: Path) -> int | None:
+    """Parameters of a local checkpoint, from its safetensors headers; None when there are none."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    headers = [safetensors_layout(f)[1] for f in files]
+    return sum(math.prod(t["shape"]) for h in headers for name, t in h.items() if name != "__metadata__")
 
 
 def num_train_ranks(cfg: RLConfig) -> tuple[int, str]:
@@ -321,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     try:
         infer_gpus, train_gpus = place(cfg.deployment, visible_gpus())
+        if infer_gpus and infer_gpus == train_gpus:
+            check_shared_gpus(cfg, infer_gpus)
         resolve(cfg)
         resume_step = resolve_resume(cfg, run_dir)
     except ConfigError as e:
@@ -333,6 +397,10 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.dry_run:
         print(f"wrote {', '.join(str(p) for p in configs.values())}")
         return
+    version = installed_vllm_version()  # read from the package metadata: the launcher never imports vLLM
+    if version is not None and (reason := unsupported_reason(version)) is not None:
+        sys.stderr.write(f"rl: error: {reason}\n")
+        sys.exit(2)
     run_dir.start_attempt()
     if (warning := check_disk(cfg, run_dir.root)) is not None:
         log.warning("%s", warning)
@@ -341,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     for path in run_dir.discard_after(resume_step):
         log.warning("set aside %s: newer than the resume point (%s)", path, resume_step or "fresh start")
     log.info(
-        "run %s: inference on %s, trainer on %s",
+        "run %s: inference on GPU %s, trainer on GPU %s" if train_gpus else "run %s: inference on %s, trainer on %s",
         run_dir.root,
         ",".join(infer_gpus) or "CPU",
         ",".join(train_gpus) or "CPU",

@@ -52,6 +52,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from prime_rl.common import vllm_compat as vc
+
 logger = logging.getLogger(__name__)
 
 QUEUED_BATCHES = 4
@@ -89,14 +91,14 @@ def parse_vllm_metrics(text: str) -> ServerLoad | None:
     values: dict[str, list[float]] = {}
     for name, value in _SAMPLE.findall(text):
         values.setdefault(name, []).append(float(value))
-    if "vllm:num_requests_waiting" not in values:
+    if vc.METRIC_WAITING not in values:
         return None
-    kv = values.get("vllm:kv_cache_usage_perc") or values.get("vllm:gpu_cache_usage_perc")
-    generated = values.get("vllm:generation_tokens_total")
-    preempted = values.get("vllm:num_preemptions_total")
+    kv = values.get(vc.METRIC_KV_USAGE)
+    generated = values.get(vc.METRIC_GENERATED)
+    preempted = values.get(vc.METRIC_PREEMPTED)
     return ServerLoad(
-        waiting=sum(values["vllm:num_requests_waiting"]),
-        running=sum(values.get("vllm:num_requests_running", [0.0])),
+        waiting=sum(values[vc.METRIC_WAITING]),
+        running=sum(values.get(vc.METRIC_RUNNING, [0.0])),
         kv_usage=max(kv) if kv else None,
         generated=sum(generated) if generated else None,
         preempted=sum(preempted) if preempted else None,

