@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any
 
 from prime_rl.common.heartbeat import Heartbeat
@@ -220,10 +221,12 @@ class Controller:
             return await load_adapter(self, request)
         specs = check_checkpoint_dir(request.path, self.marker)
         self.manifest.check(specs, source=request.path)
+        start = time.perf_counter()
         if self.verify_data:
             # Off the event loop: serving continues while every byte is read.
             report = await asyncio.to_thread(verify_weights_dir, request.path)
             logger.info("verified %s: %s", request.path, report)
+        verified = time.perf_counter()
         async with self._lock:
             try:
                 results = await self._apply(
@@ -233,7 +236,11 @@ class Controller:
                 return self._load_failed(request, e)
         self._restore_path = str(request.path)
         self.failure = ""
-        logger.info("loaded weights version %d from %s: %s", request.version, request.path, results)
+        # benchmarks/rl_system.py reads these two durations (verify: serving goes on; load: paused)
+        logger.info(
+            "loaded weights version %d from %s: verify %.3f s, load %.3f s: %s",
+            request.version, request.path, verified - start, time.perf_counter() - verified, results,
+        )  # fmt: skip
         return self._reply(True)
 
     def _load_failed(self, request: LoadWeightsRequest, error: Exception) -> ControlReply:
