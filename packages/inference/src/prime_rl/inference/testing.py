@@ -42,9 +42,15 @@ class Server:
 
 
 def write_config(
-    path: Path, model_dir: Path, port: int, control_port: int, extra: str = "", max_model_len: int = 256
+    path: Path,
+    model_dir: Path,
+    port: int,
+    control_port: int,
+    extra: str = "",
+    max_model_len: int = 256,
+    dtype: str = "float32",
 ) -> Path:
-    """A CPU inference config; `extra` is TOML appended inside its [vllm] table (keys, or further tables)."""
+    """A test inference config; `extra` is TOML appended inside its [vllm] table (keys, or further tables)."""
     path.write_text(
         f"""
 [model]
@@ -56,7 +62,7 @@ control_host = "127.0.0.1"
 control_port = {control_port}
 [vllm]
 enforce_eager = true
-dtype = "float32"
+dtype = "{dtype}"
 max_model_len = {max_model_len}
 max_num_seqs = 16
 {extra}
@@ -80,13 +86,16 @@ def wait_ready(server: Server, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
     raise RuntimeError(f"inference server not ready after {timeout_s}s:\n{server.log_tail()}")
 
 
-def start_server(tmp: Path, model_dir: Path, extra: str = "", max_model_len: int = 256) -> Server:
-    """A vLLM CPU server for `model_dir` on free ports (config and log under `tmp`), ready; stop with stop_server."""
+def start_server(
+    tmp: Path, model_dir: Path, extra: str = "", max_model_len: int = 256, dtype: str = "float32"
+) -> Server:
+    """A vLLM server for `model_dir` on free ports (config and log under `tmp`), ready; stop with stop_server.
+    On CPU unless CUDA is visible (then on the first GPU, with `extra` setting its gpu_memory_utilization)."""
     # Below the ephemeral range (32768+ on Linux): an ephemeral port picked here was taken before vLLM bound it
     # (~25 s later) by an outgoing connection or vLLM's own bind-to-0 sockets ('Address already in use' in CI).
     port = free_port_range(2, 1024, 5000)
     control_port = port + 1
-    config = write_config(tmp / "infer.toml", model_dir, port, control_port, extra, max_model_len)
+    config = write_config(tmp / "infer.toml", model_dir, port, control_port, extra, max_model_len, dtype)
     log = tmp / "server.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(config)],

@@ -1,0 +1,213 @@
+"""The whole RL step on one GPU: `rl` itself (vLLM, orchestrator, trainer) at default trainer settings, beside
+vLLM's own generation rate on the same GPU share, prompts and sampling settings, in the same call.
+
+    python benchmarks/rl_system.py --shape qwen3-1.7b --steps 5 --max-tokens 1024
+
+1. Model: a Qwen3 of the given shape with random bf16 weights and the tiny test tokenizer (its ids padded to
+   the shape's 151,936), so rollouts run to `max_tokens` almost always (EOS is one id in 151,936).
+2. vLLM alone (`--baseline`): offline `LLM.generate` in a fresh process with the run's `gpu_memory_utilization`
+   and `max_model_len`, the arithmetic environment's prompts rendered by the chat template, `n = group_size`,
+   `logprobs = 0` and the run's temperature: generated tokens / seconds over a second, timed call.
+3. `rl` on one GPU (`num_infer_gpus = 0`: inference shares the trainer's GPU), synchronous by default, for
+   `--steps` steps; everything else at its default unless `--extra` says otherwise. Per step it reads
+   metrics.jsonl (trainer and orchestrator rows) and the inference log's weight loads:
+   rollout = the orchestrator collecting the step's groups, train = the trainer's step (forward, backward,
+   optimizer), publish = the loop blocked publishing (+ the background write), load = inference paused
+   loading (+ verifying while serving), wall = step end to step end; gpu_busy = (rollout + train + load) /
+   wall, an upper bound when rollouts overlap training (`--off-policy 1`), an exact share when synchronous.
+
+Prints one JSON line per step and a summary line last (rollout tok/s against vLLM's, trainer tok/s, MFU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer import make_model_dir  # noqa: E402 - benchmarks/trainer.py: random bf16 weights of a shape
+
+ROOT = Path(__file__).resolve().parents[1]
+LOAD_LINE = re.compile(r"loaded weights version (\d+) from .*: verify ([0-9.]+) s, load ([0-9.]+) s")
+
+BASELINE = r"""
+import json, sys, time
+from transformers import AutoTokenizer
+from vllm import LLM, SamplingParams
+model, util, max_len, n, temperature, max_tokens, prompts_file = sys.argv[1:8]
+tok = AutoTokenizer.from_pretrained(model)
+prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+           for p in json.load(open(prompts_file))]
+llm = LLM(model=model, gpu_memory_utilization=float(util), max_model_len=int(max_len), dtype="bfloat16",
+          logprobs_mode="processed_logprobs")
+params = SamplingParams(n=int(n), temperature=float(temperature), max_tokens=int(max_tokens), logprobs=0,
+                        top_p=1.0, top_k=-1, min_p=0.0)
+llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up: CUDA graphs, allocator
+start = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+elapsed = time.perf_counter() - start
+tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+print("BASELINE " + json.dumps(dict(tokens=tokens, seconds=elapsed, tokens_per_s=tokens / elapsed)))
+"""
+
+
+def build_model(shape: str, workdir: Path) -> Path:
+    """Random weights of ``shape`` plus the tiny tokenizer (ids 0 <|endoftext|>, 2 <|im_end|>)."""
+    from prime_rl.common.testing import make_tiny_model
+
+    model_dir = make_model_dir(shape, workdir / f"{shape}-random")
+    tok = make_tiny_model(workdir / "tokenizer-donor", num_layers=1, hidden_size=64)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        shutil.copy(tok / name, model_dir / name)
+    config = json.loads((model_dir / "config.json").read_text())
+    donor = json.loads((tok / "config.json").read_text())
+    config.update(bos_token_id=donor["bos_token_id"], eos_token_id=donor["eos_token_id"])
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return model_dir
+
+
+def arithmetic_prompts(count: int) -> list[str]:
+    """The arithmetic environment's task texts, as the orchestrator sends them."""
+    import numpy as np
+
+    from prime_rl.orchestrator.envs.arithmetic import ArithmeticEnv
+
+    env = ArithmeticEnv()
+    return [env.build_prompt(task)[-1]["content"] for task in env.sample_tasks(count, np.random.default_rng(0))]
+
+
+def run_baseline(args: argparse.Namespace, model_dir: Path) -> dict:
+    prompts_file = args.workdir / "prompts.json"
+    prompts_file.write_text(json.dumps(arithmetic_prompts(args.rollouts // args.group_size)))
+    cmd = [sys.executable, "-c", BASELINE, str(model_dir), str(args.gpu_memory_utilization), str(args.seq_len),
+           str(args.group_size), str(args.temperature), str(args.max_tokens), str(prompts_file)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    for line in out.stdout.splitlines():
+        if line.startswith("BASELINE "):
+            return json.loads(line.removeprefix("BASELINE "))
+    return dict(error=f"baseline exited {out.returncode}: {out.stderr[-2000:]}")
+
+
+def rl_config(args: argparse.Namespace, model_dir: Path) -> Path:
+    path = args.workdir / "rl_system.toml"
+    path.write_text(f"""
+output_dir = "{args.workdir / "runs"}"
+max_steps = {args.steps}
+seq_len = {args.seq_len}
+[run]
+name = "{args.name}"
+[model]
+name = "{model_dir}"
+[deployment]
+num_train_gpus = 1
+num_infer_gpus = 0
+[orchestrator]
+batch_size = {args.rollouts}
+group_size = {args.group_size}
+max_off_policy_steps = {args.off_policy}
+[orchestrator.sampling]
+temperature = {args.temperature}
+max_tokens = {args.max_tokens}
+[orchestrator.env]
+type = "arithmetic"
+[inference.vllm]
+max_model_len = {args.seq_len}
+gpu_memory_utilization = {args.gpu_memory_utilization}
+dtype = "bfloat16"
+""")
+    return path
+
+
+def run_rl(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]:
+    run_dir = args.workdir / "runs" / args.name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(rl_config(args, model_dir)), *args.extra]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    total = time.perf_counter() - start
+    if proc.returncode != 0:
+        return [], dict(error=f"rl exited {proc.returncode}", run_dir=str(run_dir))
+    rows: dict[int, dict] = {}
+    for line in (run_dir / "monitors/file/metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault(row["step"], {}).update(row)
+    loads = {}
+    for log in (run_dir / "logs/latest").glob("inference*.log"):
+        for m in LOAD_LINE.finditer(log.read_text(errors="replace")):
+            loads[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
+    steps = []
+    for step in sorted(rows):
+        r = rows[step]
+        verify, load = loads.get(step, (0.0, 0.0))  # version n is loaded after trainer step n
+        rollout = r.get("time/collect_rollouts", 0.0)
+        train = r.get("time/step", 0.0)
+        wall = r.get("time/wall", 0.0)
+        steps.append(dict(
+            step=step, rollout_s=rollout, train_s=train, wait_for_weights_s=r.get("time/wait_for_weights"),
+            data_wait_s=r.get("time/data_wait"), publish_s=r.get("time/publish_weights"),
+            publish_write_s=r.get("time/publish_write"), verify_s=verify, load_s=load, wall_s=wall,
+            gpu_busy=(rollout + train + load) / wall if wall else None,
+            rollout_tokens=r.get("batch/loss_tokens"), train_tokens_per_s=r.get("perf/throughput"),
+            mfu=r.get("perf/mfu"), peak_memory_gib=r.get("perf/peak_memory"), mismatch_kl=r.get("mismatch_kl"),
+            reward=r.get("reward/mean"),
+        ))  # fmt: skip
+    return steps, dict(total_s=total, run_dir=str(run_dir))
+
+
+def summarize(steps: list[dict], warmup: int, baseline: dict) -> dict:
+    timed = steps[warmup:] or steps
+    med = lambda key: statistics.median([s[key] for s in timed if s.get(key) is not None] or [float("nan")])  # noqa: E731
+    rollout_rate = statistics.median(
+        [s["rollout_tokens"] / s["rollout_s"] for s in timed if s.get("rollout_tokens") and s.get("rollout_s")]
+        or [float("nan")]
+    )
+    out = dict(
+        bench="rl_system", steps_timed=len(timed), wall_s=med("wall_s"), rollout_s=med("rollout_s"),
+        train_s=med("train_s"), publish_s=med("publish_s"), load_s=med("load_s"), verify_s=med("verify_s"),
+        gpu_busy=med("gpu_busy"), rollout_tokens_per_s=rollout_rate, train_tokens_per_s=med("train_tokens_per_s"),
+        mfu=med("mfu"), peak_memory_gib=med("peak_memory_gib"), mismatch_kl=med("mismatch_kl"),
+        vllm_alone_tokens_per_s=baseline.get("tokens_per_s"),
+    )  # fmt: skip
+    if baseline.get("tokens_per_s"):
+        out["rollout_vs_vllm"] = rollout_rate / baseline["tokens_per_s"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-1.7b")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (compile, graphs)")
+    p.add_argument("--rollouts", type=int, default=256, help="samples per step (orchestrator.batch_size)")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--off-policy", type=int, default=0, help="orchestrator.max_off_policy_steps")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="vLLM alone first")
+    p.add_argument("--name", default="rl_system")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/prime-rl-bench"))
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more rl flags (last)")
+    args = p.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = build_model(args.shape, args.workdir)
+    baseline = run_baseline(args, model_dir) if args.baseline else {}
+    print(json.dumps(dict(bench="vllm_alone", **baseline)), flush=True)
+    steps, run = run_rl(args, model_dir)
+    for s in steps:
+        print(json.dumps(dict(bench="rl_system_step", **s)), flush=True)
+    summary = summarize(steps, args.warmup, baseline) if steps else {}
+    print(json.dumps(dict(**summary, **run, args=" ".join(sys.argv[1:]))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
