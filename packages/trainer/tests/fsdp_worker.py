@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from prime_rl.common.config import load_config
 from prime_rl.common.config.trainer import SFTConfig
 from prime_rl.trainer.data import build_data_loader
+from prime_rl.trainer.memory_plan import resolve_memory
 from prime_rl.trainer.model import build_training_model
 from prime_rl.trainer.models import load_model_config
 from prime_rl.trainer.optim import build_optimizer, clip_grad_norm
@@ -32,6 +33,7 @@ def main(model_dir: str, out: str, dp_replicate: int, chunk: str) -> None:
     vocab = load_model_config(model_dir).vocab_size
     loader = build_data_loader(cfg.data, None, vocab, world.rank, dims.dp)
     torch.manual_seed(0)
+    cfg.model = resolve_memory(cfg.model, cfg.data.seq_len, world.device)  # as sft does
     model = build_training_model(cfg.model, dims, dims.build_mesh("cpu"), world.device)
     params = list(model.parameters())
     optimizer = build_optimizer(cfg.optim, params)

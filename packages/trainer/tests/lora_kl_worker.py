@@ -14,6 +14,7 @@ from prime_rl.common.config.rl_trainer import FakeRLDataConfig
 from prime_rl.common.config.trainer import ModelConfig
 from prime_rl.trainer.loop import to_host
 from prime_rl.trainer.lora import BaseModelView, lora_modules, set_full
+from prime_rl.trainer.memory_plan import resolve_memory
 from prime_rl.trainer.model import build_training_model
 from prime_rl.trainer.models import load_model_config
 from prime_rl.trainer.parallel import ParallelDims
@@ -34,6 +35,7 @@ def main(model_dir: str, out: str) -> None:
     cfg = ModelConfig(
         name=model_dir, fused_lm_head_token_chunk_size=16, lora={"rank": 4, "target_modules": ["q_proj", "down_proj"]}
     )
+    cfg = resolve_memory(cfg, 64, world.device)  # as the RL trainer does
     torch.manual_seed(0)
     policy = build_training_model(cfg, dims, mesh, world.device)
     gen = torch.Generator().manual_seed(1)

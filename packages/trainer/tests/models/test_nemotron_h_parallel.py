@@ -52,9 +52,11 @@ def _run(out: Path, nproc: int, variants: list[dict]) -> dict:
 def single(model_dir, tmp_path_factory):
     return _run(tmp_path_factory.mktemp("single") / "out.pt", 1, [
         {"name": "plain", "model_dir": model_dir, "flags": PLAIN},
-        {"name": "ac_full", "model_dir": model_dir, "flags": ["--model.ac-offloading", "None", "--model.offload", "none"]},
+        {"name": "ac_full", "model_dir": model_dir, "flags": ["--model.ac-offloading", "None", "--model.offload", "none",
+                                                               "--model.ac.mode", "full"]},
         {"name": "ac_selective", "model_dir": model_dir, "flags": ["--model.ac.mode", "selective",
-                                                                    "--model.ac-offloading", "None"]},
+                                                                    "--model.ac-offloading", "None",
+                                                                    "--model.offload", "optimizer"]},
     ])  # fmt: skip
 
 
@@ -62,7 +64,8 @@ def single(model_dir, tmp_path_factory):
 def pair(model_dir, tmp_path_factory):
     return _run(tmp_path_factory.mktemp("pair") / "out.pt", 2, [
         {"name": "fsdp2_ac", "model_dir": model_dir, "flags": ["--model.ep", "1", "--model.ac.mode", "selective",
-                                                                "--model.ac-offloading", "None"]},
+                                                                "--model.ac-offloading", "None",
+                                                                "--model.offload", "optimizer"]},
         {"name": "ep2", "model_dir": model_dir, "flags": PLAIN},  # ep auto -> 2 (8 experts)
     ])  # fmt: skip
 

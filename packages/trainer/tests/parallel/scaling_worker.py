@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from prime_rl.common.config import load_config
 from prime_rl.common.config.trainer import SFTConfig
 from prime_rl.trainer.data import build_data_loader
+from prime_rl.trainer.memory_plan import resolve_memory
 from prime_rl.trainer.model import build_training_model
 from prime_rl.trainer.models import load_model_config
 from prime_rl.trainer.optim import build_optimizer, clip_grad_norm
@@ -36,6 +37,7 @@ def run_variant(world, model_dir: str, flags: list[str]) -> dict:
     dims = resolve_parallel_dims(cfg.model, world.world_size, arch)
     loader = build_data_loader(cfg.data, None, arch.vocab_size, dims.dp_rank(world.rank), dims.dp)
     torch.manual_seed(0)
+    cfg.model = resolve_memory(cfg.model, cfg.data.seq_len, world.device)  # as sft does
     model = build_training_model(cfg.model, dims, dims.build_mesh("cpu"), world.device)
     params = list(model.parameters())
     full = cfg.model.offload == "full"

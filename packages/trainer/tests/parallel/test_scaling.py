@@ -21,6 +21,7 @@ from prime_rl.trainer.parallel.expert import check_dispatch, resolve_ep
 
 WORKER = Path(__file__).with_name("scaling_worker.py")
 PLAIN = ["--model.ac", "None", "--model.ac-offloading", "None", "--model.offload", "none"]
+OPTIM_OFFLOAD = ["--model.offload", "optimizer"]  # the default before "auto": these variants keep testing it
 FULLGRAPH = ["--model.compile", "--model.compile.fullgraph", "true"]
 
 
@@ -50,16 +51,18 @@ def single(models, tmp_path_factory):
         {"name": "dense", "model_dir": d, "flags": PLAIN},
         {"name": "moe", "model_dir": m, "flags": PLAIN},
         {"name": "glm", "model_dir": models["glm"], "flags": PLAIN},
-        {"name": "ac_full", "model_dir": d, "flags": ["--model.ac-offloading", "None", "--model.offload", "none"]},
+        {"name": "ac_full", "model_dir": d, "flags": ["--model.ac-offloading", "None", "--model.offload", "none",
+                                                       "--model.ac.mode", "full"]},
         {"name": "ac_selective", "model_dir": d, "flags": ["--model.ac.mode", "selective", "--model.ac.freq", "2",
-                                                            "--model.ac-offloading", "None"]},
-        {"name": "ac_offloading", "model_dir": d, "flags": ["--model.ac", "None"]},  # default offload=optimizer
+                                                            "--model.ac-offloading", "None", *OPTIM_OFFLOAD]},
+        {"name": "ac_offloading", "model_dir": d, "flags": ["--model.ac", "None", *OPTIM_OFFLOAD,
+                                                             "--model.ac-offloading.max-inflight-activations", "5"]},
         {"name": "full_offload", "model_dir": d, "flags": [*PLAIN, "--model.offload", "full"]},
         {"name": "sign_sgd", "model_dir": d, "flags": [*PLAIN, "--optim.type", "sign_sgd", "--optim.lr", "1e-3"]},
         # compiled references for the fullgraph pairs (inductor's fusions round bf16 differently from eager)
         {"name": "moe_fullgraph", "model_dir": m, "flags": [*PLAIN, *FULLGRAPH]},
         {"name": "dense_ac_fullgraph", "model_dir": d, "flags": ["--model.ac-offloading", "None", "--model.offload",
-                                                                 "none", *FULLGRAPH]},
+                                                                 "none", "--model.ac.mode", "full", *FULLGRAPH]},
         {"name": "sign_sgd_full_offload", "model_dir": d,
          "flags": [*PLAIN, "--optim.type", "sign_sgd", "--optim.lr", "1e-3", "--model.offload", "full"]},
     ])  # fmt: skip
@@ -73,13 +76,15 @@ def pair(models, tmp_path_factory):
         {"name": "ep2", "model_dir": m, "flags": [*PLAIN, "--model.ep", "2"]},
         {"name": "glm_ep2", "model_dir": models["glm"], "flags": [*PLAIN, "--model.ep", "2"]},
         {"name": "ep2_cp2_ac", "model_dir": m, "flags": ["--model.cp", "2", "--model.ac.mode", "selective",
-                                                         "--model.ac-offloading", "None"]},  # ep auto -> 2
-        {"name": "hsdp_ac", "model_dir": d, "flags": ["--model.dp-replicate", "2", "--model.ac-offloading", "None"]},
+                                                         "--model.ac-offloading", "None", *OPTIM_OFFLOAD]},  # ep auto -> 2
+        {"name": "hsdp_ac", "model_dir": d, "flags": ["--model.dp-replicate", "2", "--model.ac-offloading", "None",
+                                                       "--model.ac.mode", "full", *OPTIM_OFFLOAD]},
         # fullgraph where the graph cannot be one piece: EP dispatch (compiled around the experts), and
         # CP under AC (the full sequence is built by a pre-hook, outside the checkpointed block)
         {"name": "ep2_fullgraph", "model_dir": m, "flags": [*PLAIN, "--model.ep", "2", *FULLGRAPH]},
         {"name": "cp2_ac_fullgraph", "model_dir": d, "flags": ["--model.cp", "2", "--model.ac-offloading", "None",
-                                                               "--model.offload", "none", *FULLGRAPH]},
+                                                               "--model.offload", "none", "--model.ac.mode", "full",
+                                                               *FULLGRAPH]},
     ])  # fmt: skip
 
 
@@ -189,8 +194,8 @@ def test_config_knobs():
                                   "--model.ac-offloading", "None", "--model.offload", "full"])  # fmt: skip
     assert cfg.model.ac is None and cfg.model.ac_offloading is None and cfg.model.offload == "full"
     cfg = load_config(SFTConfig, ["--model.name", "m", "--data.type", "fake"])
-    assert cfg.model.ep == "auto" and cfg.model.cp == 1 and cfg.model.offload == "optimizer"
-    assert cfg.model.ac.mode == "full" and cfg.model.ac_offloading.max_inflight_activations == 5
+    assert cfg.model.ep == "auto" and cfg.model.cp == 1 and cfg.model.offload == "auto"
+    assert cfg.model.ac == "auto" and cfg.model.ac_offloading == "auto"
     assert cfg.model.moe.dispatch.type == "torch"
 
 

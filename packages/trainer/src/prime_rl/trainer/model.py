@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from prime_rl.common.config.trainer import ModelConfig
 from prime_rl.kernels import fused_logprobs_entropy, fused_nll_sum, vanilla_logprobs_entropy
 from prime_rl.trainer.lora import apply_lora, init_lora_weights, is_lora_param
+from prime_rl.trainer.memory_plan import require_resolved
 from prime_rl.trainer.models import PackedSeqs, build_model, load_hf_weights
 from prime_rl.trainer.parallel import ParallelDims, parallelize_model
 
@@ -62,6 +63,7 @@ class CausalLM(nn.Module):
 
 
 def build_training_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device) -> CausalLM:
+    require_resolved(cfg, "build_training_model")
     # fp32 masters, except under full offload: the masters live on CPU, the device keeps bf16 weights
     dtype = torch.bfloat16 if cfg.offload == "full" else torch.float32
     # LoRA: the frozen base is never stepped, so it is stored in bf16, what compute casts it to anyway (same

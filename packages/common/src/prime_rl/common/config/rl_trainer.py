@@ -23,6 +23,10 @@ from prime_rl.common.config.trainer import (
     SchedulerConfig,
 )
 
+AUTO_MICRO_BATCH_TOKENS = 8192
+"""`data.micro_batch_tokens = "auto"` gives forwards of at least this many tokens: on an H200 (Qwen3-1.7B shape)
+8k-token forwards ran at 33k tokens/s where one 2k-token row per forward ran at 7-12k (BENCHMARKS.md, issue 29)."""
+
 
 class FakeRLDataConfig(BaseConfig):
     """Random rows instead of the orchestrator: benchmark the trainer alone."""
@@ -42,6 +46,10 @@ class RLDataConfig(BaseConfig):
 
     seq_len: int = Field(2048, ge=2)
     """Tokens per packed row (fake data; orchestrator rows carry their own length)."""
+    micro_batch_tokens: int | Literal["auto"] | None = "auto"
+    """Tokens per forward pass: each received row is trimmed after its last loss token's sample and consecutive
+    rows of one temperature are concatenated up to this budget (a longer row is its own forward); "auto" =
+    max(seq_len, 8192); None = one forward per received row, untrimmed."""
     host: str = "127.0.0.1"
     """Host of the orchestrator's ZeroMQ batch socket."""
     port: int = Field(29600, ge=1, le=65535)
@@ -50,6 +58,22 @@ class RLDataConfig(BaseConfig):
     """Seconds to wait for the next batch before failing."""
     fake: FakeRLDataConfig | None = None
     """Fake data for benchmarks (`--data.fake`); None reads batches from the orchestrator."""
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> RLDataConfig:
+        if isinstance(self.micro_batch_tokens, int) and self.micro_batch_tokens < 2:
+            raise ValueError(
+                f'data.micro_batch_tokens={self.micro_batch_tokens} must be >= 2, "auto" (max(seq_len, 8192)) or None '
+                "(one forward per received row)"
+            )
+        return self
+
+    @property
+    def tokens_per_forward(self) -> int | None:
+        """The resolved token budget of one forward; None: one forward per received row."""
+        if self.micro_batch_tokens == "auto":
+            return max(self.seq_len, AUTO_MICRO_BATCH_TOKENS)
+        return self.micro_batch_tokens
 
 
 class KLConfig(BaseConfig):

@@ -184,9 +184,10 @@ class ModelConfig(BaseConfig):
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (re-gathered in backward); false keeps them: faster, more memory."""
 
-    offload: Literal["none", "optimizer", "full"] = "optimizer"
+    offload: Literal["auto", "none", "optimizer", "full"] = "auto"
     """CPU offload: "optimizer" keeps optimizer state on CPU between steps; "full" keeps fp32 masters, gradients
-    and optimizer state on CPU and steps there (AdamW or SignSGD; disables gradient clipping); "none" disables it."""
+    and optimizer state on CPU and steps there (AdamW or SignSGD; disables gradient clipping); "none" disables it;
+    "auto" picks at start-up from the parameter count, tokens per forward and free GPU memory (CPU: "none")."""
 
     ep: int | Literal["auto"] = "auto"
     """Expert-parallel degree (must divide num_experts); "auto": largest <= 8 dividing the FSDP island and experts."""
@@ -194,11 +195,13 @@ class ModelConfig(BaseConfig):
     cp: int = Field(1, ge=1)
     """Context-parallel (Ulysses) degree: shards each sequence over cp ranks; must divide the attention heads."""
 
-    ac: ACConfig | None = ACConfig()
-    """Activation checkpointing; "None" turns it off."""
+    ac: ACConfig | Literal["auto"] | None = "auto"
+    """Activation checkpointing: a `[model.ac]` table (or `--model.ac` for full AC) turns it on, "None" off;
+    "auto" turns full AC on only when the memory plan needs it (never on CPU)."""
 
-    ac_offloading: ACOffloadingConfig | None = ACOffloadingConfig()
-    """Offload tensors saved for backward to CPU; "None" turns it off."""
+    ac_offloading: ACOffloadingConfig | Literal["auto"] | None = "auto"
+    """Offload tensors saved for backward to CPU; "None" turns it off; "auto" turns it on only when the memory
+    plan offloads everything else too (offload = "full")."""
 
     moe: MoEConfig = MoEConfig()
     """MoE dispatch / compute settings (used when the model has experts)."""

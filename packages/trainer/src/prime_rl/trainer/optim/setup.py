@@ -15,6 +15,7 @@ import torch
 
 from prime_rl.common.config.trainer import ModelConfig, OptimizerConfig, SchedulerConfig
 from prime_rl.trainer.ckpt import CheckpointManager
+from prime_rl.trainer.memory_plan import require_resolved
 from prime_rl.trainer.optim.full_offload import FullOffloadOptimizer
 from prime_rl.trainer.optim.offload import OptimizerOffload
 from prime_rl.trainer.optim.optimizer import build_optimizer, clip_grad_norm
@@ -65,6 +66,7 @@ def build_optimization(
     device: torch.device,
     logger: logging.Logger,
 ) -> Optimization:
+    require_resolved(model_cfg, "build_optimization")
     params = [p for p in model.parameters() if p.requires_grad]
     full_offload = model_cfg.offload == "full"
     if full_offload:

@@ -32,6 +32,12 @@ class RLMicroBatch:
     advantages: torch.Tensor  # (T,) fp32, of token t+1
     inference_logprobs: torch.Tensor | None  # (T,) fp32, of token t+1; None = on-policy (fake data)
     temperature: float
+    num_real_tokens: int | None = None
+    """Positions that belong to samples (not padding) in the whole forward; None: all of them."""
+
+    @property
+    def real_tokens(self) -> int:
+        return self.input_ids.shape[-1] if self.num_real_tokens is None else self.num_real_tokens
 
     @property
     def num_loss_tokens(self) -> int:
@@ -63,6 +69,7 @@ class RLMicroBatch:
             cut(self.advantages),
             cut(self.inference_logprobs),
             self.temperature,
+            self.num_real_tokens,
         )
 
     def to(self, device: torch.device) -> RLMicroBatch:
@@ -75,6 +82,7 @@ class RLMicroBatch:
             move(self.advantages),
             move(self.inference_logprobs),
             self.temperature,
+            self.num_real_tokens,
         )
 
 

@@ -30,11 +30,13 @@ from prime_rl.common.logging import setup_logger
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.loop import Trainer, to_host, train_loop
 from prime_rl.trainer.lora import BaseModelView, check_lora, log_lora, training_flops_per_token
+from prime_rl.trainer.memory_plan import resolve_memory
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import PackedSeqs, load_model_config
 from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
+from prime_rl.trainer.rl.batching import TokenBudgetSource
 from prime_rl.trainer.rl.data import FakeSource, OrchestratorSource, RLMicroBatch
 from prime_rl.trainer.rl.loss import LossSettings, rl_loss, segment_sum
 from prime_rl.trainer.rl.publish import build_publisher
@@ -67,10 +69,13 @@ class RLObjective:
     ) -> dict:
         """No host sync: every statistic stays on the device until the loop reads them all at once."""
         dims, world = self.dims, self.world
+        # tokens of samples (padding excluded) and positions computed; every CP rank sees the whole forward
+        real = sum(mb.real_tokens for mb in batches) / dims.cp
+        computed = sum(mb.input_ids.shape[-1] for mb in batches) / dims.cp
         if dims.cp_enabled:  # each CP rank takes its contiguous slice of every micro-batch
             batches = [mb.shard(dims.cp_rank(world.rank), dims.cp) for mb in batches]
         # the step's global counts, from the CPU copies of the masks (no device sync)
-        local = [sum(mb.num_loss_tokens for mb in batches), sum(mb.num_loss_samples for mb in batches)]
+        local = [sum(mb.num_loss_tokens for mb in batches), sum(mb.num_loss_samples for mb in batches), real, computed]
         counts = torch.tensor([float(c) for c in local], dtype=torch.float64, device=world.device)
         dist.all_reduce(counts)
         loss_tokens, samples = counts[0].clamp(min=1.0), counts[1].clamp(min=1.0)
@@ -81,7 +86,6 @@ class RLObjective:
             denominator = samples * float(self.max_len)
         loss_scale = (denominator / world.world_size).float()
         sums = torch.zeros(6, dtype=torch.float64, device=world.device)
-        tokens = 0
         for i, mb in enumerate(batches):
             if before_last is not None and i == len(batches) - 1:
                 before_last()
@@ -117,7 +121,6 @@ class RLObjective:
                     stats.get("kl_ref", torch.zeros((), device=world.device)).double(),
                 ]
             )
-            tokens += mb.input_ids.numel()
         dist.all_reduce(sums)
         mean = sums / loss_tokens
         out = {
@@ -128,7 +131,8 @@ class RLObjective:
             "masked/high_fraction": mean[4],
             "loss/tokens": counts[0],
             "loss/samples": counts[1],
-            "tokens": tokens * world.world_size // dims.cp,  # every CP rank counted its slice of the same rows
+            "tokens": counts[2],  # real tokens: what perf/throughput counts
+            "perf/padding_fraction": 1.0 - counts[2] / counts[3].clamp(min=1.0),
         }
         if self.ref_model is not None:
             out["kl_ref"] = mean[5]
@@ -217,6 +221,16 @@ def train(cfg: RLTrainerConfig) -> None:
         close_world()
         sys.exit(2)
 
+    source = TokenBudgetSource(source, cfg.data.tokens_per_forward, dims.cp)
+    # a row longer than the budget is its own forward: the plan covers the longer of the two
+    tokens = max(cfg.data.tokens_per_forward or 0, cfg.data.seq_len)
+    reference = cfg.loss.kl is not None and cfg.model.lora is None  # a frozen fp32 copy of the weights
+    model_cfg = resolve_memory(
+        cfg.model, tokens, world.device, shard=dims.dp_shard, cp=dims.cp,
+        optimizer_bytes=8 if cfg.optim.type == "adamw" else 0, extra_bytes_per_param=4.0 if reference else 0.0,
+        logger=logger if world.is_main else None,
+    )  # fmt: skip
+    cfg = cfg.model_copy(update={"model": model_cfg})
     torch.manual_seed(cfg.seed)
     mesh = dims.build_mesh(world.device.type)
     model = build_training_model(cfg.model, dims, mesh, world.device)

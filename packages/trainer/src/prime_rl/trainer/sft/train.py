@@ -31,6 +31,7 @@ from prime_rl.trainer.data import DataLoader, MicroBatch, build_data_loader
 from prime_rl.trainer.logs import redirect_rank_output
 from prime_rl.trainer.loop import Trainer, to_host, train_loop
 from prime_rl.trainer.lora import check_lora, export_lora, log_lora, training_flops_per_token
+from prime_rl.trainer.memory_plan import resolve_memory
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import PackedSeqs, load_model_config
 from prime_rl.trainer.optim.setup import build_optimization
@@ -142,6 +143,11 @@ def train(cfg: SFTConfig) -> None:
         f"micro-batches/step of {cfg.data.micro_batch_size} x {cfg.data.seq_len} tokens"
     )
 
+    model_cfg = resolve_memory(
+        cfg.model, cfg.data.micro_batch_size * cfg.data.seq_len, world.device, shard=dims.dp_shard, cp=dims.cp,
+        optimizer_bytes=8 if cfg.optim.type == "adamw" else 0, logger=logger if world.is_main else None,
+    )  # fmt: skip
+    cfg = cfg.model_copy(update={"model": model_cfg})
     torch.manual_seed(cfg.seed)
     mesh = dims.build_mesh(world.device.type)
     model = build_training_model(cfg.model, dims, mesh, world.device)
