@@ -22,6 +22,7 @@ Prints one JSON line per step and a summary line last (rollout tok/s against vLL
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -34,6 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer import make_model_dir  # noqa: E402 - benchmarks/trainer.py: random bf16 weights of a shape
+
+from prime_rl.common.vllm_compat import engine_env_defaults  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOAD_LINE = re.compile(r"loaded weights version (\d+) from .*: verify ([0-9.]+) s, load ([0-9.]+) s")
@@ -89,7 +92,8 @@ def run_baseline(args: argparse.Namespace, model_dir: Path) -> dict:
     prompts_file.write_text(json.dumps(arithmetic_prompts(args.rollouts // args.group_size)))
     cmd = [sys.executable, "-c", BASELINE, str(model_dir), str(args.gpu_memory_utilization), str(args.seq_len),
            str(args.group_size), str(args.temperature), str(args.max_tokens), str(prompts_file)]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    env = {**os.environ, **engine_env_defaults(importlib.util.find_spec("flashinfer") is not None)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**env, "VLLM_LOGGING_LEVEL": "WARNING"})
     for line in out.stdout.splitlines():
         if line.startswith("BASELINE "):
             return json.loads(line.removeprefix("BASELINE "))

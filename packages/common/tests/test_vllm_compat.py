@@ -28,3 +28,8 @@ def test_each_release_tries_its_own_layout_first():
     assert old[0].entry == "vllm.entrypoints.openai.api_server" and not old[0].weight_version_label
     assert new[0].entry == "vllm.entrypoints.launchers.api_server.entry" and new[0].weight_version_label
     assert set(old) == set(new)  # a release between them falls back to the other layout
+
+
+def test_without_flashinfer_the_engine_is_told_not_to_import_it():
+    assert vc.engine_env_defaults(has_flashinfer=False) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert vc.engine_env_defaults(has_flashinfer=True) == {}

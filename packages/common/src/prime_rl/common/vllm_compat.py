@@ -38,6 +38,16 @@ METRIC_GENERATED = "vllm:generation_tokens_total"
 METRIC_PREEMPTED = "vllm:num_preemptions_total"
 
 
+def engine_env_defaults(has_flashinfer: bool) -> dict[str, str]:
+    """Environment a vLLM engine needs on this install (set only where the user set nothing).
+
+    Without the `flashinfer` package (it is not in the GPU bundle), vLLM 0.26's V2 model runner builds its
+    sampler with ``flashinfer_sampler_supported()``, which imports FlashInfer unless
+    ``VLLM_USE_FLASHINFER_SAMPLER=0``: the engine dies at start-up with "No module named 'flashinfer'".
+    RL never samples through FlashInfer anyway: processed logprobs need the native sampler."""
+    return {} if has_flashinfer else {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
 @dataclass(frozen=True)
 class LauncherLayout:
     """Where one vLLM release keeps the pieces prime-rl builds its server from."""

@@ -19,7 +19,7 @@ from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.vllm_compat import PROCESSED_LOGPROBS
 from prime_rl.inference.control import Controller, ControlThread, beat_forever
 from prime_rl.inference.lora import AdapterLoader, apply_lora_args
-from prime_rl.inference.vllm_api import VLLMLauncher, load_launcher
+from prime_rl.inference.vllm_api import VLLMLauncher, apply_engine_env, load_launcher
 from prime_rl.inference.weights.manifest import Manifest
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ async def serve(config: InferenceConfig, *, port: int | None = None, control_por
     logger.info("vLLM %s", launcher.version)
     for key, value in config.env_vars.items():
         os.environ[key] = value
+    apply_engine_env()
     args = build_vllm_args(config, port=port, launcher=launcher)
     listen_address, sock = launcher.setup_server(args, reuse_port=False)
     control_port = config.server.resolved_control_port if control_port is None else control_port

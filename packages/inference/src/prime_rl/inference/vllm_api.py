@@ -7,7 +7,9 @@ imports and refuses a vLLM outside the supported range with one line, before an 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,13 @@ class VLLMLauncher:
     build_and_serve: Callable[..., Any]
     weight_version_label: bool
     """``AsyncLLM.update_weight_version`` exists (the controller labels tokens with the served version)."""
+
+
+def apply_engine_env() -> None:
+    """``vllm_compat.engine_env_defaults`` into this process's environment (engine processes inherit it)."""
+    for key, value in vc.engine_env_defaults(importlib.util.find_spec("flashinfer") is not None).items():
+        if os.environ.setdefault(key, value) == value:
+            logger.info("%s=%s (vllm_compat: %s)", key, value, "flashinfer is not installed")
 
 
 def load_launcher() -> VLLMLauncher:
