@@ -12,7 +12,8 @@ Design decisions:
   (libzmq 4.3 has the peer only in its draft API), and the accepted fd is closed by the time the event is
   read. The kernel still lists the closed connection (TIME_WAIT, 60 s) in ``/proc/net/tcp``: the peers of
   connections to our port that ended since the last drain are named; "?" where that cannot be read
-  (not Linux, ipc://). A legitimate client that reconnected in the same instant would be named beside it.
+  (not Linux, ipc://). The closed connections are re-read once a second, so a legitimate client whose
+  connection closed within that second would be named beside it.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class RefusalLog:
         )
         self._port = int(endpoint.rsplit(":", 1)[1]) if endpoint.startswith("tcp://") else None
         self._seen = self._ended()
+        self._scanned = time.monotonic()
         self._last_logged: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
@@ -94,10 +96,12 @@ class RefusalLog:
             if event["event"] in _REFUSED_EVENTS:
                 reasons.append(_WHY.get(event["value"], _REFUSED_EVENTS[event["event"]]))
         if not reasons:
+            if time.monotonic() - self._scanned > 1.0:  # closed legitimate connections are not named later
+                self._seen, self._scanned = self._ended(), time.monotonic()
             return
         self.num_refused += len(reasons)
         ended = self._ended()
-        new, self._seen = ended - self._seen, ended
+        new, self._seen, self._scanned = ended - self._seen, ended, time.monotonic()
         hosts = sorted({peer.rsplit(":", 1)[0] for peer in new}) or ["?"]
         now = time.monotonic()
         for host in hosts:
