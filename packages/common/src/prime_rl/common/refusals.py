@@ -12,8 +12,8 @@ Design decisions:
   (libzmq 4.3 has the peer only in its draft API), and the accepted fd is closed by the time the event is
   read. The kernel still lists the closed connection (TIME_WAIT, 60 s) in ``/proc/net/tcp``: the peers of
   connections to our port that ended since the last drain are named; "?" where that cannot be read
-  (not Linux, ipc://). The closed connections are re-read once a second, so a legitimate client whose
-  connection closed within that second would be named beside it.
+  (not Linux, ipc://). Closed connections are re-read at least once a second and those closed in the
+  last 2 s are named, so a legitimate client whose connection closed in that window is named beside it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ logger = logging.getLogger("prime_rl.common.transport")
 _REFUSED_EVENTS = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed",
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
 }
 _WHY = {
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "the peer has no run secret",
@@ -76,17 +75,23 @@ class RefusalLog:
         self.interval_s = interval_s
         self.num_refused = 0
         """Handshakes refused since the socket was bound."""
-        self.monitor = socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        )
+        # Not EVENT_HANDSHAKE_FAILED_NO_DETAIL: any peer that hangs up mid-handshake (a port probe, a client
+        # closing early) raises it. A peer without the secret fails the protocol (no CURVE: mechanism
+        # mismatch; another secret: cryptographic error).
+        self.monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self._port = int(endpoint.rsplit(":", 1)[1]) if endpoint.startswith("tcp://") else None
-        self._seen = self._ended()
-        self._scanned = time.monotonic()
+        self._seen: dict[str, float] = {}
+        """Closed connections to our port -> when first seen (monotonic)."""
+        self._scanned = -float("inf")
+        self._scan()
         self._last_logged: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
-    def _ended(self) -> set[str]:
-        return ended_peers(self._port) if self._port is not None else set()
+    def _scan(self) -> None:
+        now = time.monotonic()
+        ended = ended_peers(self._port) if self._port is not None else set()
+        self._seen = {peer: self._seen.get(peer, now) for peer in ended}
+        self._scanned = now
 
     def drain(self) -> None:
         """Log the refusals the monitor reported since the last call (never blocks)."""
@@ -96,19 +101,21 @@ class RefusalLog:
             if event["event"] in _REFUSED_EVENTS:
                 reasons.append(_WHY.get(event["value"], _REFUSED_EVENTS[event["event"]]))
         if not reasons:
-            if time.monotonic() - self._scanned > 1.0:  # closed legitimate connections are not named later
-                self._seen, self._scanned = self._ended(), time.monotonic()
+            if time.monotonic() - self._scanned > 1.0:  # so a legitimate close long ago is not named later
+                self._scan()
             return
         self.num_refused += len(reasons)
-        ended = self._ended()
-        new, self._seen, self._scanned = ended - self._seen, ended, time.monotonic()
-        hosts = sorted({peer.rsplit(":", 1)[0] for peer in new}) or ["?"]
+        self._scan()
         now = time.monotonic()
+        # Closed within the last 2 s: the refused peer's connection closed before its event was read.
+        recent = sorted(peer for peer, seen in self._seen.items() if now - seen < 2.0)
+        hosts = sorted({peer.rsplit(":", 1)[0] for peer in recent}) or ["?"]
         for host in hosts:
             self._suppressed[host] = self._suppressed.get(host, 0) + len(reasons)
-            if now - self._last_logged.get(host, -float("inf")) < self.interval_s:
-                continue
-            peers = ", ".join(sorted(p for p in new if p.startswith(host + ":"))) or host
+            last = max(self._last_logged.values(), default=-float("inf")) if host == "?" else None
+            if now - (last if last is not None else self._last_logged.get(host, -float("inf"))) < self.interval_s:
+                continue  # an unknown origin is folded into the lines of known ones
+            peers = ", ".join(p for p in recent if p.startswith(host + ":")) or host
             logger.warning(
                 "refused a connection to %s from %s: %s (%d refused from %s since the last such line; at most one "
                 "line per %.0fs)",
