@@ -1,8 +1,10 @@
 """The closed control plane: run-secret sockets refuse peers without the secret (issue #17 probes)."""
 
+import logging
 import os
 import stat
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -65,8 +67,9 @@ def test_a_pull_socket_without_the_secret_cannot_steal_a_batch(secret, tmp_path,
 
 
 @pytest.mark.parametrize("client_secret", ["none", "other"])
-def test_a_forged_control_request_never_reaches_the_handler(secret, tmp_path, client_secret):
-    """Probe: an unauthenticated LoadWeightsRequest was accepted mid-run."""
+def test_a_forged_control_request_never_reaches_the_handler(secret, tmp_path, client_secret, caplog):
+    """Probe: an unauthenticated LoadWeightsRequest was accepted mid-run; later, a refused one left no log line.
+    The refusal is logged once with its origin and reason, although the forger retried several times."""
     handled = []
 
     def handler(message, arrays):
@@ -79,9 +82,17 @@ def test_a_forged_control_request_never_reaches_the_handler(secret, tmp_path, cl
     thread.start()
     try:
         forger_key = None if client_secret == "none" else RunSecret.create(tmp_path / "other.secret")
-        with ControlClient(server.endpoint, timeout_s=0.5, secret=forger_key) as forger:
-            with pytest.raises(TimeoutError):
-                forger.request(wire.LoadWeightsRequest(path="/tmp/evil", version=99))
+        with caplog.at_level(logging.WARNING, logger="prime_rl.common.transport"):
+            for _ in range(2):  # two attempts, one log line
+                with ControlClient(server.endpoint, timeout_s=0.5, secret=forger_key) as forger:
+                    with pytest.raises(TimeoutError):
+                        forger.request(wire.LoadWeightsRequest(path="/tmp/evil", version=99))
+                time.sleep(0.3)  # the server drains its monitor every poll (0.1 s)
+        refused = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+        why = "has no run secret" if client_secret == "none" else "has a wrong run secret"
+        assert len(refused) == 1, refused  # rate-limited: at most one line per origin per minute
+        assert f"refused a connection to {server.endpoint} from 127.0.0.1:" in refused[0] and why in refused[0]
+        assert server.refusals.num_refused >= 2
         with ControlClient(server.endpoint, timeout_s=5.0, secret=secret) as client:
             assert client.request(wire.PauseRequest(mode="keep")).ok
         assert [type(m).__name__ for m, _ in handled] == ["PauseRequest"]

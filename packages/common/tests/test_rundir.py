@@ -100,3 +100,29 @@ def test_discard_after_sets_aside_everything_newer_than_the_resume_point(tmp_pat
     assert run.discard_after(4)[0].name == "step_5.discarded-1.1"  # never overwrites an earlier discard
     run.discard_after(None)  # a fresh start keeps nothing a component could pick up
     assert run.checkpoint_steps() == [] and run.broadcast_steps() == []
+
+
+def test_discard_after_drops_metrics_rows_past_the_resume_point(tmp_path):
+    """Probe: after a resume at step 4, metrics.jsonl held step 5 twice (the dead attempt's and the new)."""
+    import json
+
+    from prime_rl.common.monitor import FileMonitor, read_metrics
+
+    run = RunDir(tmp_path, "r")
+    run.start_attempt()
+    with FileMonitor(run) as monitor:
+        for step in range(1, 6):
+            monitor.log(step, {"reward/mean": step / 10})
+        monitor.log(4, {"eval/pass@1": 0.5})  # an eval of step 4 that finished after step 5
+    with open(run.metrics_path, "ab") as f:
+        f.write(b'{"step":6,"reward/me')  # the writer was killed mid-line
+    aside = run.discard_after(4)[-1]
+    assert aside.name == "metrics.jsonl.discarded-1"
+    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()[:1]] == [5]
+    with FileMonitor(run) as monitor:  # the resumed run logs step 5 again
+        monitor.log(5, {"reward/mean": 0.55})
+    rows = read_metrics(run.metrics_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 4, 5] and rows[-1]["reward/mean"] == 0.55
+    assert run.discard_after(5) == []  # nothing past the resume point: the file is left alone
+    run.discard_after(None)  # a fresh start keeps no rows
+    assert read_metrics(run.metrics_path) == []

@@ -197,3 +197,25 @@ def test_heartbeat_reports_an_engine_core_that_stops_answering(tmp_path):
     assert serving.phase == "serving" and serving.overdue_s(now=serving.time) < 0
     assert stuck.phase == "engine core not answering for 0s" and stuck.overdue_s(now=stuck.time) >= 0
     assert dead.phase == "engine errored" and dead.overdue_s(now=dead.time) >= 0
+
+
+def test_a_random_bytes_weight_file_is_refused_naming_the_file_the_check_and_the_serving_version(tmp_path):
+    """Probe: the reply was "OverflowError: cannot fit 'int' into an index-sized integer" with weight_version=0
+    while version 27 served."""
+    import random
+
+    good, bad = _step(tmp_path, 27), _step(tmp_path, 28)
+    (tmp_path / "step_28" / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
+    engine = FakeEngine()
+    controller = _controller(engine, model_dir="/model")
+
+    async def run():
+        assert (await controller.handle(LoadWeightsRequest(path=good, version=27), "10.0.0.7")).ok
+        engine.calls.clear()
+        return await controller.handle(LoadWeightsRequest(path=bad, version=28), "10.0.0.7")
+
+    reply = asyncio.run(run())
+    assert not reply.ok and reply.weight_version == 27
+    assert f"{bad}/model.safetensors is not a safetensors file" in reply.error
+    assert "(check: header length <= file size - 8)" in reply.error and "version 27 serves on" in reply.error
+    assert engine.calls == []  # refused before any worker saw it

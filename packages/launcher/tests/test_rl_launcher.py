@@ -243,6 +243,40 @@ def test_status_is_final_when_the_launcher_is_stopped(model_dir, tmp_path):
     assert os.path.exists(tmp_path / "r" / "control.secret")
 
 
+def test_rl_marks_the_attempt_of_a_sigkilled_launcher_failed(model_dir, tmp_path):
+    """Probe: a SIGKILLed launcher left attempt_1/STATUS at "running"; the next `rl` settles it as failed."""
+    import json
+    import signal
+    import socket
+
+    from prime_rl.common.rundir import RunDir
+    from prime_rl.launcher.dashboard.status import write_status
+
+    run = RunDir(tmp_path, "r")
+    run.start_attempt()
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    write_status(run.root, "running", pid=killed.pid, host=socket.gethostname())  # what the killed one left
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prime_rl.launcher.rl", "--model.name", str(model_dir), "--output-dir", str(tmp_path),
+         "--run.name", "r", "--inference.server.port", "18556"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    status = tmp_path / "r" / "logs" / "attempt_2" / "STATUS"
+    deadline = time.monotonic() + 30
+    try:
+        while not status.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the launcher never wrote STATUS"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    first = json.loads((tmp_path / "r" / "logs" / "attempt_1" / "STATUS").read_text())
+    assert first["state"] == "failed" and f"pid {killed.pid}" in first["reason"], first
+    assert "died without a final status" in first["reason"]
+
+
 def test_resume_latest_is_resolved_once_for_both_components(model_dir, tmp_path):
     """Probe: "latest" resolved by each component resumed them at steps 8 and 4 (then hung)."""
     from prime_rl.common.rundir import RunDir

@@ -316,10 +316,11 @@ def _write_beat(directory: Path, component: str, rank: int, phase: str, age_s: f
     (directory / f"{component}-{rank}.json").write_text(json.dumps(asdict(beat)))
 
 
-def test_verdict_names_the_most_overdue_and_lists_those_near_their_deadline(tmp_path):
-    """A trainer waiting for a stuck orchestrator's batch entered its phase first and is overdue first; the
-    orchestrator, a second short of its own deadline, is in the verdict too. Per-step subdirectories (SLURM)
-    are read and named; a process far from its deadline is not listed."""
+def test_verdict_names_the_stalled_process_not_the_one_waiting_on_it(tmp_path):
+    """Probe: for a hanging reward the verdict named the trainer's 'step' (only waiting for the batch; it entered
+    its phase first, so it is overdue first) and listed the orchestrator's 'rollouts' last. The orchestrator, a
+    second short of its own deadline, is named; the trainer is listed as waiting on it. Per-step subdirectories
+    (SLURM) are read and named; a process far from its deadline is not listed."""
     from prime_rl.launcher.supervisor import find_stall
 
     beats = tmp_path / "heartbeats"
@@ -329,10 +330,27 @@ def test_verdict_names_the_most_overdue_and_lists_those_near_their_deadline(tmp_
     (tmp_path / "orchestrator.log").write_text("step 2 | reward 0.1\n")
     verdict = find_stall(beats, 0.0, lambda beat, group: tmp_path / f"{group}.log")
     assert verdict is not None
-    assert verdict.startswith("watchdog: trainer rank 0 (pid 4242, trainer-node0) stalled in phase 'step' at step 3")
-    assert "near or past their deadlines too: orchestrator rank 0 (orchestrator) in 'rollouts' for 29s" in verdict
+    assert verdict.startswith(
+        "watchdog: orchestrator rank 0 (pid 4242, orchestrator) stalled in phase 'rollouts' at step 3"
+    )
+    assert "last log line: step 2 | reward 0.1" in verdict
+    assert verdict.endswith(
+        "near or past their deadlines too: trainer rank 0 (trainer-node0) in 'step' for 32s "
+        "(deadline 30s, waiting on orchestrator)"
+    )
     assert "inference" not in verdict
     assert find_stall(beats, time.time() + 1, lambda beat, group: "") is None  # an earlier job's beats
+
+
+def test_verdict_names_the_most_overdue_when_none_waits_on_another(tmp_path):
+    """An orchestrator in 'waiting for policy' waits on the trainer: the trainer's stuck 'step' is named."""
+    from prime_rl.launcher.supervisor import find_stall
+
+    _write_beat(tmp_path / "hb", "orchestrator", 0, "waiting for policy", age_s=40, deadline_s=30)
+    _write_beat(tmp_path / "hb", "trainer", 0, "step", age_s=29, deadline_s=30)
+    verdict = find_stall(tmp_path / "hb", 0.0, lambda beat, group: "")
+    assert verdict is not None and verdict.startswith("watchdog: trainer rank 0 ")
+    assert "orchestrator rank 0 in 'waiting for policy'" in verdict
 
 
 def test_verdict_lists_at_most_a_few_of_many_stuck_ranks(tmp_path):

@@ -132,3 +132,42 @@ def test_running_status_of_a_vanished_launcher_reads_failed(tmp_path: Path) -> N
     assert state == "failed" and "is gone" in reason
     write_status(run, "running", pid=int(dead.stdout), host="another-node")  # cannot tell from here
     assert read_status(run)[0] == "running"
+
+
+def test_a_running_status_whose_pid_was_reused_reads_failed(tmp_path: Path) -> None:
+    """A SIGKILLed launcher's pid may be carried by another process later: the start time tells them apart."""
+    import json
+    import socket
+
+    from prime_rl.launcher.dashboard.status import read_status
+
+    run = make_run(tmp_path, "r", steps=1)
+    path = write_status(run, "running", pid=os.getpid(), host=socket.gethostname())
+    status = json.loads(path.read_text())
+    assert isinstance(status["pid_start"], int) and read_status(run)[0] == "running"
+    path.write_text(json.dumps({**status, "pid_start": status["pid_start"] - 1}))  # same pid, another process
+    state, reason = read_status(run)
+    assert state == "failed" and "is gone" in reason
+
+
+def test_the_dead_launchers_attempt_status_is_settled_as_failed(tmp_path: Path) -> None:
+    """Probe: a SIGKILLed launcher left attempt_N/STATUS at "running" for every reader that reads the file."""
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from prime_rl.launcher.dashboard.status import settle_dead_status
+
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    path = write_status(tmp_path, "running", pid=launcher.pid, host=socket.gethostname())
+    assert settle_dead_status(path) is None  # alive: untouched
+    assert json.loads(path.read_text())["state"] == "running"
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    reason = settle_dead_status(path)
+    assert reason is not None and f"pid {launcher.pid}" in reason and "died without a final status" in reason
+    settled = json.loads(path.read_text())
+    assert settled["state"] == "failed" and settled["reason"] == reason
+    assert settle_dead_status(path) is None  # already final

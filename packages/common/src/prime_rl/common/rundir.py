@@ -23,11 +23,13 @@ Design decisions:
 - ``discard_after(step)`` renames what a dead attempt left beyond the resume point (newer
   checkpoint steps, complete or not, and newer weight broadcasts) to ``*.discarded-<n>`` so no component can
   load it (a broadcast newer than the resumed trainer would be served as a future policy), without
-  deleting anything a person may still want.
+  deleting anything a person may still want. The rows of ``metrics.jsonl`` past that step go the same
+  way (to ``metrics.jsonl.discarded-<n>``): the resumed run logs those steps again, each once.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -194,6 +196,8 @@ class RunDir:
         for s in self.broadcast_steps():
             if step is None or s > step:
                 moved.append(_rename_aside(self.broadcast_dir(s), attempt))
+        if (aside := _drop_metrics_after(self.metrics_path, step, attempt)) is not None:
+            moved.append(aside)
         return moved
 
     @property
@@ -227,6 +231,42 @@ def _rename_aside(path: Path, attempt: int) -> Path:
         target = path.with_name(f"{path.name}.discarded-{attempt}.{n}")
     os.rename(path, target)
     return target
+
+
+def _drop_metrics_after(path: Path, step: int | None, attempt: int) -> Path | None:
+    """Move the rows of metrics.jsonl newer than ``step`` (all for None) to ``metrics.jsonl.discarded-<n>``.
+
+    The resumed run logs those steps again: left in place, each would be in the file twice. An unterminated
+    last line (a writer killed mid-line) goes too, or the next row would be glued to it. Returns where the
+    dropped rows went, None when nothing was dropped. Nothing writes the file while the launcher calls this.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    kept, dropped = [], []
+    *lines, tail = data.split(b"\n")
+    for line in lines:
+        try:
+            row_step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            row_step = None  # not a row: kept as it was (readers skip it)
+        newer = isinstance(row_step, int) and (step is None or row_step > step)
+        (dropped if newer else kept).append(line + b"\n")
+    if tail:
+        dropped.append(tail + b"\n")
+    if not dropped:
+        return None
+    aside = path.with_name(f"{path.name}.discarded-{attempt}")
+    n = 0
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.discarded-{attempt}.{n}")
+    aside.write_bytes(b"".join(dropped))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(b"".join(kept))
+    os.replace(tmp, path)  # a reader sees the old file or the new one, never half of it
+    return aside
 
 
 def _check_step(step: int) -> int:

@@ -24,7 +24,8 @@ Design decisions:
   ZeroMQ CURVE, keys derived from ``PRIME_RL_SECRET_FILE``, which the launcher sets). Without a secret
   a socket may only bind loopback; binding another interface without one is refused. Receivers and
   control servers record the peer address of the last message (``last_origin``) so handlers can log
-  who asked for a weight load or a pause.
+  who asked for a weight load or a pause. A control server logs the peers it refused for want of the
+  secret (``prime_rl.common.refusals``), one line per origin per minute at most.
 
 Left out: an asyncio server and receiver (run ``ControlServer.serve_forever`` / ``Receiver.recv`` in a
 thread).
@@ -47,6 +48,7 @@ import zmq
 import zmq.asyncio
 
 from prime_rl.common.auth import SECRET_ENV, RunSecret, is_loopback
+from prime_rl.common.refusals import RefusalLog
 from prime_rl.common.wire import (
     MESSAGE_TYPES,
     ControlReply,
@@ -437,9 +439,13 @@ class ControlServer(_Socket):
         self.num_rejected = 0
         """Requests refused (malformed, other schema version) or whose handler raised."""
         super().__init__(zmq.REP, endpoint, bind, context, linger_s, secret)
+        self.refusals = RefusalLog(self._socket, self.endpoint) if self.secret is not None and bind else None
+        """Logs peers refused for want of the run secret (they never reach a handler)."""
 
     def serve_once(self, handler: Handler, timeout_s: float | None = None) -> bool:
         """Handle one request if one arrives within ``timeout_s``; return whether one was handled."""
+        if self.refusals is not None:
+            self.refusals.drain()
         if not self._socket.poll(_ms(timeout_s), zmq.POLLIN):
             return False
         frames = self._socket.recv_multipart(copy=False)
@@ -461,6 +467,12 @@ class ControlServer(_Socket):
                 )
         self._socket.send_multipart(encode_frames(reply), copy=False)
         return True
+
+    def close(self) -> None:
+        if self.refusals is not None:
+            self._socket.disable_monitor()
+            self.refusals.close()
+        super().close()
 
     def serve_forever(self, handler: Handler, stop: threading.Event, poll_s: float = 0.1) -> None:
         """Serve until ``stop`` is set (checked every ``poll_s``)."""

@@ -35,7 +35,25 @@ def safetensors_layout(file: Path) -> tuple[int, dict[str, dict]]:
         if len(raw) != 8:
             raise ValueError(f"{file} is not a safetensors file (shorter than 8 bytes)")
         (header_len,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(header_len))
+        size = os.fstat(f.fileno()).st_size
+        if header_len > size - 8:  # random bytes read as a length: read(huge) raised OverflowError
+            raise ValueError(
+                f"{file} is not a safetensors file: its first 8 bytes give a header of {header_len} bytes, "
+                f"but only {size - 8} follow (check: header length <= file size - 8)"
+            )
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file} has a corrupt safetensors header (check: the header is UTF-8 JSON): {e}") from e
+    if not isinstance(header, dict) or not all(
+        isinstance(v, dict) and {"dtype", "shape", "data_offsets"} <= v.keys()
+        for k, v in header.items()
+        if k != "__metadata__"
+    ):
+        raise ValueError(
+            f"{file} has a corrupt safetensors header (check: a JSON object of tensors with dtype, shape and "
+            "data_offsets)"
+        )
     return 8 + header_len, header
 
 

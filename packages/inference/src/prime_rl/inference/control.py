@@ -140,9 +140,13 @@ class Controller:
                 return await self._init_nixl(request)
             if isinstance(request, NixlWeightsRequest):
                 return await self._nixl(request)
-        except WeightUpdateError as e:
-            logger.error("%s", e)
-            return self._reply(False, str(e))
+        except WeightUpdateError as e:  # refused before any worker saw it: the served weights are untouched
+            error = f"{e}; the update is refused and version {self.weight_version} serves on"
+            logger.error("%s", error)
+            return self._reply(False, error)
+        except Exception as e:  # a reply with the serving version, never the transport's bare traceback text
+            logger.exception("%s from %s failed", type(request).__name__, origin)
+            return self._reply(False, f"{type(request).__name__} failed: {type(e).__name__}: {e}")
         return self._reply(False, f"{type(request).__name__} is not a control request an inference server handles")
 
     def _reply(self, ok: bool, error: str | None = None) -> ControlReply:

@@ -43,7 +43,7 @@ from prime_rl.common.transport import ControlClient
 from prime_rl.common.vllm_compat import installed_vllm_version, unsupported_reason
 from prime_rl.common.weight_checksum import safetensors_layout
 from prime_rl.common.wire import HealthReply, HealthRequest
-from prime_rl.launcher.dashboard.status import write_status
+from prime_rl.launcher.dashboard.status import settle_dead_status, write_status
 from prime_rl.launcher.supervisor import Component, Supervisor
 
 log = logging.getLogger("prime_rl.launcher")
@@ -330,7 +330,7 @@ def build_components(
     nproc = cfg.deployment.num_train_gpus
     torchrun_log_dir = run_dir.trainer_log_dir()
     trainer_cmd = [
-        py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+        py, "-m", "prime_rl.launcher.torchrun_loopback", "--nproc-per-node", str(nproc),  # torchrun, store on 127.0.0.1
         "--local-ranks-filter", "0", "-m", "prime_rl.trainer.rl.train", "@", str(configs["trainer"]),
     ]  # fmt: skip
     return [
@@ -401,6 +401,8 @@ def main(argv: list[str] | None = None) -> None:
     if version is not None and (reason := unsupported_reason(version)) is not None:
         sys.stderr.write(f"rl: error: {reason}\n")
         sys.exit(2)
+    if dead := settle_dead_status(run_dir.latest_logs / "STATUS"):  # a SIGKILLed launcher wrote no final state
+        log.warning("the previous attempt (%s) is marked failed: %s", run_dir.latest_logs.resolve().name, dead)
     run_dir.start_attempt()
     if (warning := check_disk(cfg, run_dir.root)) is not None:
         log.warning("%s", warning)

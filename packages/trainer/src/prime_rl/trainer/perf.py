@@ -76,7 +76,9 @@ class StepTimer:
 def perf_metrics(
     num_tokens: int, step_time: float, world_size: int, flops_per_token: float, device: torch.device
 ) -> dict[str, float]:
-    """num_tokens: tokens processed by all ranks in the step."""
+    """num_tokens: tokens processed by all ranks in the step, as the objective counts them: RL counts real
+    tokens (positions of samples up to each row's last loss sample; padding and trimmed tails excluded), SFT every
+    position of its packed rows. `perf/throughput` is num_tokens / step_time."""
     throughput = num_tokens / step_time
     peak = peak_flops(device)
     mfu = throughput / world_size * flops_per_token / peak if peak else 0.0

@@ -16,8 +16,8 @@ Design decisions:
   broadcast / health) is a separate ZeroMQ endpoint speaking ``prime_rl.common.wire`` messages.
 - Closed by default: both listen on loopback. The control endpoint authenticates with the run secret
   (``PRIME_RL_SECRET_FILE``, ``prime_rl.common.auth``) and refuses to bind another interface without
-  one; the HTTP API on another interface needs ``server.api_key`` (vLLM's ``--api-key``: every /v1 call
-  must carry ``Authorization: Bearer <key>``).
+  one; the HTTP API on another interface needs ``server.api_key`` (vLLM's ``--api-key``: every call but
+  /health, /ping and /metrics must carry ``Authorization: Bearer <key>``; ``prime_rl.inference.http_auth``).
 - ``[router]`` with ``replicas > 1`` starts that many independent servers on this node behind one
   ``vllm-router`` endpoint (``server.port``); replica ``i`` serves HTTP on ``server.port + 1 + i`` and
   control on ``control_port + i``. Weight updates must be sent to every replica's control endpoint.
@@ -61,7 +61,7 @@ class ServerConfig(BaseConfig):
     """Port of the ZeroMQ control endpoint; None means ``port + 100``."""
 
     api_key: str | None = None
-    """Bearer token every /v1 HTTP request must carry (vLLM --api-key); required when host is not loopback."""
+    """Bearer token every HTTP request but /health, /ping, /metrics must carry; required when host is not loopback."""
 
     @model_validator(mode="after")
     def _open_http_needs_a_key(self) -> ServerConfig:

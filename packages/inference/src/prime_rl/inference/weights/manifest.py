@@ -9,13 +9,12 @@ refused update never touches the workers.
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from prime_rl.common.weight_checksum import safetensors_layout
 from prime_rl.common.wire import DTYPE_ITEMSIZE
 
 # safetensors dtype codes -> torch dtype names (the names used in wire.TensorSpec.dtype).
@@ -61,15 +60,10 @@ class Spec:
 
 def read_safetensors_header(file: Path) -> dict[str, Spec]:
     """Tensor specs of one safetensors file, from its JSON header (no tensor data is read)."""
-    with open(file, "rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) != 8:
-            raise WeightUpdateError(f"{file} is not a safetensors file (shorter than 8 bytes)")
-        (header_len,) = struct.unpack("<Q", raw_len)
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise WeightUpdateError(f"{file} has a corrupt safetensors header: {e}") from e
+    try:
+        _, header = safetensors_layout(file)
+    except ValueError as e:  # names the file and the check that failed
+        raise WeightUpdateError(str(e)) from e
     specs = {}
     for name, info in header.items():
         if name == "__metadata__":

@@ -68,7 +68,7 @@ def verify_weights_dir(path: str | os.PathLike[str], check_finite: bool = True) 
         try:
             start, header = safetensors_layout(file)
         except (ValueError, UnicodeDecodeError) as e:
-            raise WeightUpdateError(f"{file} has a corrupt safetensors header: {e}") from e
+            raise WeightUpdateError(str(e)) from e  # names the file and the check that failed
         data_end = 0
         for name, info in header.items():
             if name == "__metadata__":

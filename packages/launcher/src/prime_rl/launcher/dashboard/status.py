@@ -74,7 +74,11 @@ def read_status(run_dir: Path) -> tuple[str, str] | None:
 
 
 def _launcher_gone(status: dict) -> bool:
-    """A "running" status whose launcher process, on this very host, no longer exists."""
+    """A "running" status whose launcher process, on this very host, no longer exists.
+
+    The pid alone is not enough: after a SIGKILL (or a reboot) another process may carry it, so a status
+    that records the launcher's start time (``pid_start``) is gone once that pid started at another time.
+    """
     pid, host = status.get("pid"), status.get("host")
     if not isinstance(pid, int) or host != socket.gethostname():
         return False  # written elsewhere (SLURM): this machine cannot tell
@@ -83,8 +87,41 @@ def _launcher_gone(status: dict) -> bool:
     except ProcessLookupError:
         return True
     except PermissionError:
-        return False
-    return False
+        pass
+    started = status.get("pid_start")
+    return isinstance(started, int) and process_start(pid) not in (None, started)
+
+
+def process_start(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22); None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(b")") + 2 :].split()[19])  # field 2 (the command) may hold spaces
+
+
+def settle_dead_status(path: Path) -> str | None:
+    """Rewrite a "running" STATUS file (``logs/attempt_<n>/STATUS``) whose launcher is gone as "failed".
+
+    ``rl`` calls it on the previous attempt before starting the next, so that attempt reads dead to every
+    reader, not only to those that check the launcher's pid. Returns the reason written, None if untouched.
+    """
+    try:
+        status = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(status, dict) or status.get("state") != "running" or not _launcher_gone(status):
+        return None
+    reason = (
+        f"the launcher (pid {status['pid']} on {status['host']}) died without a final status "
+        "(SIGKILL, OOM killer or a lost node)"
+    )
+    tmp = Path(path).with_name(f".STATUS.{os.getpid()}")
+    tmp.write_text(json.dumps({**status, "state": "failed", "reason": reason, "settled": time.time()}) + "\n")
+    os.replace(tmp, path)
+    return reason
 
 
 def read_status_file(run_dir: Path) -> str | None:
@@ -101,6 +138,8 @@ def write_status(run_dir: Path, state: str, reason: str = "", **extra: object) -
     """
     if state not in STATES:
         raise ValueError(f"state={state!r} is not one of {STATES}; pick one of those")
+    if isinstance(pid := extra.get("pid"), int) and extra.get("host") == socket.gethostname():
+        extra.setdefault("pid_start", process_start(pid))  # a reused pid is not mistaken for the launcher
     path = Path(run_dir) / STATUS_FILES[0]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".STATUS.{os.getpid()}")

@@ -3,12 +3,14 @@
     torchrun --nproc-per-node 8 -m prime_rl.trainer.rl.train @ train.toml [--data.fake --max-steps 4]
 
 The loop is `prime_rl.trainer.loop.train_loop`, shared with `sft`; what is RL's own is the batch source
-(the orchestrator's packed rollouts over ZeroMQ, or fake rows) and the objective: per micro-batch,
+(the orchestrator's packed rollouts over ZeroMQ, or fake rows, regrouped into forwards of about
+`data.micro_batch_tokens` tokens by `prime_rl.trainer.rl.batching`) and the objective: per forward,
 logprobs + entropy through the fused LM head at the rollout temperature and the importance-ratio loss
 (normalized by the step's global count of loss tokens). After step s (0-based; its batch was sampled
 with policy versions >= s - max_off_policy_steps) the weights are published as policy version s + 1
 (`prime_rl.trainer.rl.publish`: filesystem in the background, nccl, nixl) and metrics.jsonl gets loss,
-entropy, mismatch_kl, masked fractions, throughput, MFU, peak memory, publish and wall time at step s + 1.
+entropy, mismatch_kl, masked fractions, throughput (real tokens, padding excluded; `perf/padding_fraction` is
+the share of computed positions that were padding), MFU, peak memory, publish and wall time at step s + 1.
 """
 
 from __future__ import annotations

@@ -1,0 +1,79 @@
+"""`offload` / `ac` = "auto": the plan as a pure function (roomy GPU, tight GPU, CPU, explicit choices, the H200
+calibration), and its resolution into a ModelConfig on CPU."""
+
+import logging
+
+import pytest
+import torch
+
+from prime_rl.common.config.trainer import ACConfig, ModelConfig
+from prime_rl.trainer.memory_plan import Footprint, GiB, peak_bytes, plan_memory, require_resolved, resolve_memory
+
+
+def _qwen3(layers: int, hidden: int, heads: int, kv: int, intermediate: int, vocab: int = 151936) -> Footprint:
+    per_layer = 2 * hidden * heads * 128 + 2 * hidden * kv * 128 + 3 * hidden * intermediate + 2 * hidden + 256
+    n = layers * per_layer + vocab * hidden + hidden
+    return Footprint(n, n, layers, hidden, intermediate, vocab, tied=True)
+
+
+QWEN3_1_7B = _qwen3(28, 2048, 16, 8, 6144)
+QWEN3_4B = _qwen3(36, 2560, 32, 8, 9728)
+
+
+def _levers(plan) -> tuple:
+    return plan.offload, plan.ac, plan.ac_offloading
+
+
+def test_estimate_matches_the_h200_measurements():
+    """Qwen3-1.7B seq 8192, no AC, no offload: 38.8 GiB; Qwen3-4B, full AC: 64.7 GiB (torchtitan)."""
+    assert QWEN3_1_7B.num_params == pytest.approx(1.72e9, rel=1e-2)
+    assert peak_bytes(QWEN3_1_7B, 8192, "none", False, False) / GiB == pytest.approx(38.8, rel=0.03)
+    assert peak_bytes(QWEN3_4B, 8192, "none", True, False) / GiB == pytest.approx(64.7, rel=0.03)
+
+
+def test_roomy_gpu_gets_no_ac_and_no_offload():
+    plan = plan_memory(QWEN3_1_7B, 8192, 98 * GiB)
+    assert _levers(plan) == ("none", False, False) and plan.fits
+
+
+def test_levers_engage_in_order_as_memory_gets_tight():
+    order = [_levers(plan_memory(QWEN3_1_7B, 8192, free * GiB)) for free in (60, 40, 30, 12)]
+    assert order == [("none", False, False), ("none", True, False), ("optimizer", True, False), ("full", True, True)]
+    assert plan_memory(QWEN3_4B, 8192, 80 * GiB).ac  # 4B without AC needs ~83 GiB
+    assert not plan_memory(QWEN3_4B, 8192, 139 * GiB).ac
+
+
+def test_nothing_fits_takes_the_last_lever_and_says_so():
+    plan = plan_memory(QWEN3_4B, 65536, 4 * GiB)
+    assert _levers(plan) == ("full", True, True) and not plan.fits
+
+
+def test_cpu_takes_the_fastest_plan():
+    assert _levers(plan_memory(QWEN3_4B, 65536, None)) == ("none", False, False)
+
+
+def test_explicit_choices_are_kept():
+    plan = plan_memory(QWEN3_1_7B, 8192, 30 * GiB, offload="none")  # only AC (and its offloading) may move
+    assert _levers(plan) == ("none", True, True) and not plan.fits
+    plan = plan_memory(QWEN3_1_7B, 8192, 30 * GiB, ac=False)  # no AC: offload what it must
+    assert plan.offload in ("optimizer", "full") and not plan.ac
+    assert plan_memory(QWEN3_1_7B, 8192, 12 * GiB, ac_offloading=False).ac_offloading is False
+
+
+def test_sharding_and_tokens_move_the_plan():
+    assert plan_memory(QWEN3_1_7B, 8192, 30 * GiB, shard=8).offload == "none"  # state / 8
+    assert plan_memory(QWEN3_1_7B, 32768, 60 * GiB).ac  # 4x the activations
+
+
+def test_resolve_on_cpu_turns_auto_into_none(tiny_model_dir, caplog):
+    cfg = ModelConfig(name=str(tiny_model_dir))
+    assert (cfg.offload, cfg.ac, cfg.ac_offloading) == ("auto", "auto", "auto")
+    with pytest.raises(ValueError, match='"auto" must be resolved first'):
+        require_resolved(cfg, "build_training_model")
+    with caplog.at_level(logging.INFO):
+        out = resolve_memory(cfg, 2048, torch.device("cpu"), logger=logging.getLogger("plan"))
+    assert (out.offload, out.ac, out.ac_offloading) == ("none", None, None)
+    assert "memory plan:" in caplog.text and "CPU -> offload none, ac none" in caplog.text
+    explicit = ModelConfig(name=str(tiny_model_dir), offload="optimizer", ac=ACConfig(mode="selective"))
+    out = resolve_memory(explicit, 2048, torch.device("cpu"))
+    assert out.offload == "optimizer" and out.ac.mode == "selective" and out.ac_offloading is None
