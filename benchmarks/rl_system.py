@@ -9,7 +9,9 @@ vLLM's own generation rate on the same GPU share, prompts and sampling settings,
    and `max_model_len`, the arithmetic environment's prompts rendered by the chat template, `n = group_size`,
    `logprobs = 0` and the run's temperature: generated tokens / seconds over a second, timed call.
 3. `rl` on one GPU (`num_infer_gpus = 0`: inference shares the trainer's GPU), synchronous by default, for
-   `--steps` steps; everything else at its default unless `--extra` says otherwise. Per step it reads
+   `--steps` steps; everything else at its default unless `--extra` says otherwise, but for
+   `filter_zero_advantage = false`: random weights score 0 on every task, and the trainer must still train
+   on the whole batch (zero advantages cost the same compute as any others). Per step it reads
    metrics.jsonl (trainer and orchestrator rows) and the inference log's weight loads:
    rollout = the orchestrator collecting the step's groups, train = the trainer's step (forward, backward,
    optimizer), publish = the loop blocked publishing (+ the background write), load = inference paused
@@ -43,23 +45,36 @@ LOAD_LINE = re.compile(r"loaded weights version (\d+) from .*: verify ([0-9.]+) 
 
 BASELINE = r"""
 import json, sys, time
-from transformers import AutoTokenizer
-from vllm import LLM, SamplingParams
-model, util, max_len, n, temperature, max_tokens, prompts_file = sys.argv[1:8]
-tok = AutoTokenizer.from_pretrained(model)
-prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-           for p in json.load(open(prompts_file))]
-llm = LLM(model=model, gpu_memory_utilization=float(util), max_model_len=int(max_len), dtype="bfloat16",
-          logprobs_mode="processed_logprobs")
-params = SamplingParams(n=int(n), temperature=float(temperature), max_tokens=int(max_tokens), logprobs=0,
-                        top_p=1.0, top_k=-1, min_p=0.0)
-llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up: CUDA graphs, allocator
-start = time.perf_counter()
-outs = llm.generate(prompts, params, use_tqdm=False)
-elapsed = time.perf_counter() - start
-tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-print("BASELINE " + json.dumps(dict(tokens=tokens, seconds=elapsed, tokens_per_s=tokens / elapsed)))
+
+
+def main():
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    model, util, max_len, n, temperature, max_tokens, prompts_file = sys.argv[1:8]
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+               for p in json.load(open(prompts_file))]
+    llm = LLM(model=model, gpu_memory_utilization=float(util), max_model_len=int(max_len), dtype="bfloat16",
+              logprobs_mode="processed_logprobs")
+    params = SamplingParams(n=int(n), temperature=float(temperature), max_tokens=int(max_tokens), logprobs=0,
+                            top_p=1.0, top_k=-1, min_p=0.0)
+    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up: CUDA graphs, allocator
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    print("BASELINE " + json.dumps(dict(tokens=tokens, seconds=elapsed, tokens_per_s=tokens / elapsed)), flush=True)
+
+
+if __name__ == "__main__":  # vLLM starts its engine in a new process that re-imports this file
+    main()
 """
+
+
+def note(message: str) -> None:
+    """Progress on stderr (the JSON results stay alone on stdout)."""
+    print(f"[rl_system {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def build_model(shape: str, workdir: Path) -> Path:
@@ -90,14 +105,23 @@ def arithmetic_prompts(count: int) -> list[str]:
 def run_baseline(args: argparse.Namespace, model_dir: Path) -> dict:
     prompts_file = args.workdir / "prompts.json"
     prompts_file.write_text(json.dumps(arithmetic_prompts(args.rollouts // args.group_size)))
-    cmd = [sys.executable, "-c", BASELINE, str(model_dir), str(args.gpu_memory_utilization), str(args.seq_len),
+    script = args.workdir / "vllm_alone.py"
+    script.write_text(BASELINE)
+    cmd = [sys.executable, str(script), str(model_dir), str(args.gpu_memory_utilization), str(args.seq_len),
            str(args.group_size), str(args.temperature), str(args.max_tokens), str(prompts_file)]  # fmt: skip
     env = {**os.environ, **engine_env_defaults(importlib.util.find_spec("flashinfer") is not None)}
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**env, "VLLM_LOGGING_LEVEL": "WARNING"})
+    log = args.workdir / "vllm_alone.log"
+    with open(log, "w") as f:
+        try:
+            out = subprocess.run(
+                cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=env, timeout=args.baseline_timeout
+            )
+        except subprocess.TimeoutExpired:
+            return dict(error=f"vLLM alone took over {args.baseline_timeout} s; see {log}")
     for line in out.stdout.splitlines():
         if line.startswith("BASELINE "):
             return json.loads(line.removeprefix("BASELINE "))
-    return dict(error=f"baseline exited {out.returncode}: {out.stderr[-2000:]}")
+    return dict(error=f"baseline exited {out.returncode}; see {log}")
 
 
 def rl_config(args: argparse.Namespace, model_dir: Path) -> Path:
@@ -117,6 +141,8 @@ num_infer_gpus = 0
 batch_size = {args.rollouts}
 group_size = {args.group_size}
 max_off_policy_steps = {args.off_policy}
+[orchestrator.advantage]
+filter_zero_advantage = false
 [orchestrator.sampling]
 temperature = {args.temperature}
 max_tokens = {args.max_tokens}
@@ -135,7 +161,8 @@ def run_rl(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(rl_config(args, model_dir)), *args.extra]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    with open(args.workdir / "rl.log", "w") as log:  # the launcher echoes orchestrator and trainer lines
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     total = time.perf_counter() - start
     if proc.returncode != 0:
         return [], dict(error=f"rl exited {proc.returncode}", run_dir=str(run_dir))
@@ -198,17 +225,22 @@ def main() -> None:
     p.add_argument("--off-policy", type=int, default=0, help="orchestrator.max_off_policy_steps")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="vLLM alone first")
+    p.add_argument("--baseline-timeout", type=float, default=300.0)
     p.add_argument("--name", default="rl_system")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/prime-rl-bench"))
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more rl flags (last)")
     args = p.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
+    note(f"building the {args.shape} model")
     model_dir = build_model(args.shape, args.workdir)
-    baseline = run_baseline(args, model_dir) if args.baseline else {}
-    print(json.dumps(dict(bench="vllm_alone", **baseline)), flush=True)
+    note(f"rl for {args.steps} steps (log: {args.workdir / 'rl.log'})")
     steps, run = run_rl(args, model_dir)
     for s in steps:
         print(json.dumps(dict(bench="rl_system_step", **s)), flush=True)
+    note("vLLM alone, same GPU share and prompts" if args.baseline else "no vLLM-alone baseline")
+    baseline = run_baseline(args, model_dir) if args.baseline else {}
+    print(json.dumps(dict(bench="vllm_alone", **baseline)), flush=True)
+    note("done")
     summary = summarize(steps, args.warmup, baseline) if steps else {}
     print(json.dumps(dict(**summary, **run, args=" ".join(sys.argv[1:]))), flush=True)
 
