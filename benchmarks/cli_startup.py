@@ -6,6 +6,10 @@ Each command runs `--repeats` times, each time in a fresh Python process, exactl
 does (the `[project.scripts]` entry of the package's pyproject.toml, imported from this checkout's
 `packages/*/src`); the wall time of the whole process is what a user waits for. The dry run resolves
 `examples/arithmetic/rl.toml` against a tiny model and writes its configs into a temporary directory.
+Bytecode: by default the children compile into a temporary `PYTHONPYCACHEPREFIX`, and one untimed run
+per command fills it first, so the numbers are those of an installed package (pip compiles .pyc files);
+`--no-bytecode-cache` times them with `PYTHONDONTWRITEBYTECODE=1` instead, as on the shared dev
+machine's environment, where every start compiles this checkout's sources again (about 50 ms of `rl`).
 Then one `python -X importtime` run of `rl --help` and of `sft --help` lists the modules that cost the
 most (cumulative, and self time), which is where to look when a number regresses.
 
@@ -24,7 +28,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,13 +50,22 @@ def script_argv(entry: str, name: str, args: list[str], python_flags: list[str] 
     return [sys.executable, *python_flags, "-c", code, *args]
 
 
-def child_env() -> dict[str, str]:
+def child_env(pycache: str | None) -> dict[str, str]:
+    """This checkout's packages first on the path; bytecode cached under ``pycache`` (None: not written)."""
     src = [str(p) for p in sorted(PACKAGES.glob("*/src"))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(src + [os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(src + [os.environ.get("PYTHONPATH", "")])}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if pycache is None:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    else:
+        env["PYTHONPYCACHEPREFIX"] = pycache
+    return env
 
 
 def time_command(argv: list[str], env: dict[str, str], repeats: int) -> list[float]:
     samples = []
+    subprocess.run(argv, env=env, capture_output=True)  # warm-up: fills the bytecode cache, untimed
     for _ in range(repeats):
         start = time.perf_counter()
         proc = subprocess.run(argv, env=env, capture_output=True, text=True)
@@ -82,22 +95,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--importtime-top", type=int, default=15)
+    parser.add_argument("--no-bytecode-cache", action="store_true", help="PYTHONDONTWRITEBYTECODE=1 in every child")
     args = parser.parse_args()
 
     scripts = entry_points()
-    env = child_env()
     with tempfile.TemporaryDirectory() as tmp:
+        env = child_env(None if args.no_bytecode_cache else f"{tmp}/pycache")
         # a tiny model for the dry run (its checks read config.json); numpy + tokenizers, no torch
-        subprocess.run(
-            [sys.executable, "-c", f"from prime_rl.common.testing import make_tiny_model; make_tiny_model({tmp!r} + '/model')"],
-            env=env,
-            check=True,
-        )
+        make_model = f"from prime_rl.common.testing import make_tiny_model; make_tiny_model({tmp!r} + '/model')"
+        subprocess.run([sys.executable, "-c", make_model], env=env, check=True)
         dry_run = [
             "@", str(ROOT / "examples/arithmetic/rl.toml"),
             "--model.name", f"{tmp}/model", "--output-dir", f"{tmp}/out", "--dry-run",
         ]  # fmt: skip
-        commands = {f"{name} --help": (name, ["--help"]) for name in ("rl", "sft", "trainer", "inference", "orchestrator")}
+        names = ("rl", "sft", "trainer", "inference", "orchestrator")
+        commands = {f"{name} --help": (name, ["--help"]) for name in names}
         commands["rl @ examples/arithmetic/rl.toml --dry-run"] = ("rl", dry_run)
 
         results = {}
@@ -118,11 +130,12 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "date": datetime.now(UTC).isoformat(timespec="seconds"),
                 "python": platform.python_version(),
                 "cpus": os.cpu_count(),
                 "loadavg_1m": round(load[0], 2),
                 "repeats": args.repeats,
+                "bytecode_cache": not args.no_bytecode_cache,
                 "commands": results,
                 "importtime": offenders,
             },

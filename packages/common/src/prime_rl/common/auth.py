@@ -34,9 +34,10 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import zmq
-import zmq.utils.z85
+if TYPE_CHECKING:
+    import zmq
 
 SECRET_ENV = "PRIME_RL_SECRET_FILE"
 """Environment variable naming the run secret file; set by the launcher for every process of a run."""
@@ -76,6 +77,8 @@ class RunSecret:
         return self._derive(b"http-api-key").hex()
 
     def _keypair(self, label: bytes) -> tuple[bytes, bytes]:
+        import zmq.utils.z85  # here, not at the top: config validation imports this module (`rl --help`)
+
         secret_key = zmq.utils.z85.encode(self._derive(label))
         return zmq.curve_public(secret_key), secret_key
 

@@ -27,9 +27,9 @@ import shutil
 import socket
 import subprocess
 import sys
-import urllib.request
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prime_rl.common.auth import SECRET_ENV, SECRET_FILE_NAME, RunSecret
 from prime_rl.common.config import ConfigError, ConfigWarning, parse_config, write_toml
@@ -39,12 +39,12 @@ from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.heartbeat import HEARTBEAT_DIR_ENV, STALL_TIMEOUT_ENV
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
-from prime_rl.common.transport import ControlClient
 from prime_rl.common.vllm_compat import installed_vllm_version, unsupported_reason
 from prime_rl.common.weight_checksum import safetensors_layout
-from prime_rl.common.wire import HealthReply, HealthRequest
 from prime_rl.launcher.dashboard.status import settle_dead_status, write_status
-from prime_rl.launcher.supervisor import Component, Supervisor
+
+if TYPE_CHECKING:
+    from prime_rl.launcher.supervisor import Component
 
 log = logging.getLogger("prime_rl.launcher")
 
@@ -295,6 +295,8 @@ def write_configs(cfg: RLConfig, run_dir: RunDir) -> dict[str, Path]:
 
 
 def _http_ok(url: str) -> bool:
+    import urllib.request  # here, like the ZeroMQ imports below: `rl --help` and --dry-run never need them
+
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200
@@ -304,6 +306,9 @@ def _http_ok(url: str) -> bool:
 
 def inference_ready(cfg: RLConfig, secret: RunSecret) -> bool:
     """HTTP health answers and every replica's control plane says it serves this run (its run id)."""
+    from prime_rl.common.transport import ControlClient  # numpy + ZeroMQ: only once a run starts
+    from prime_rl.common.wire import HealthReply, HealthRequest
+
     server = cfg.inference.server
     if not _http_ok(f"http://127.0.0.1:{server.port}/health"):
         return False
@@ -323,7 +328,9 @@ def inference_ready(cfg: RLConfig, secret: RunSecret) -> bool:
 
 def build_components(
     cfg: RLConfig, run_dir: RunDir, configs: dict[str, Path], infer_gpus, train_gpus, secret: RunSecret
-) -> list:
+) -> list[Component]:
+    from prime_rl.launcher.supervisor import Component  # ctypes, signals: only once a run starts
+
     logs = run_dir.attempt_logs_dir()
     py = sys.executable
     gpu_env = lambda gpus: {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}  # noqa: E731
@@ -403,6 +410,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if dead := settle_dead_status(run_dir.latest_logs / "STATUS"):  # a SIGKILLed launcher wrote no final state
         log.warning("the previous attempt (%s) is marked failed: %s", run_dir.latest_logs.resolve().name, dead)
+    from prime_rl.launcher.supervisor import Supervisor  # ctypes, signals: a run's, not --help's or --dry-run's
+
     run_dir.start_attempt()
     if (warning := check_disk(cfg, run_dir.root)) is not None:
         log.warning("%s", warning)
