@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prime_rl.common.env import SECRET_FILE_ENV
+
 if TYPE_CHECKING:
     import zmq
 
-SECRET_ENV = "PRIME_RL_SECRET_FILE"
-"""Environment variable naming the run secret file; set by the launcher for every process of a run."""
 SECRET_FILE_NAME = "control.secret"
 """File name of the secret inside the run directory."""
 SECRET_BYTES = 32
@@ -151,7 +151,7 @@ class RunSecret:
     @classmethod
     def from_env(cls) -> RunSecret | None:
         """The secret named by ``PRIME_RL_SECRET_FILE``, or None when it is unset."""
-        path = os.environ.get(SECRET_ENV)
+        path = os.environ.get(SECRET_FILE_ENV)
         return _load_cached(path) if path else None
 
 
@@ -181,5 +181,5 @@ if __name__ == "__main__":
         print(f"run secret in {sys.argv[1]} (run id {RunSecret.create(sys.argv[1]).run_id})")
     else:
         sys.exit(
-            f"usage: python -m prime_rl.common.auth [--http-key] <secret-file>  (then export {SECRET_ENV}=<secret-file>)"
+            f"usage: python -m prime_rl.common.auth [--http-key] <secret-file>  (then export {SECRET_FILE_ENV}=<secret-file>)"
         )

@@ -31,12 +31,18 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prime_rl.common.auth import SECRET_ENV, SECRET_FILE_NAME, RunSecret
+from prime_rl.common.auth import SECRET_FILE_NAME, RunSecret
 from prime_rl.common.config import ConfigError, ConfigWarning, parse_config, write_toml
 from prime_rl.common.config.deployment import SingleNodeDeployment, unknown_kv_connector
 from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl import RLConfig
-from prime_rl.common.heartbeat import HEARTBEAT_DIR_ENV, STALL_TIMEOUT_ENV
+from prime_rl.common.env import (
+    HEARTBEAT_DIR_ENV,
+    SECRET_FILE_ENV,
+    STALL_TIMEOUT_ENV,
+    STDOUT_IS_LOG_ENV,
+    TRAINER_LOG_DIR_ENV,
+)
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.vllm_compat import installed_vllm_version, unsupported_reason
@@ -353,16 +359,16 @@ def build_components(
             "orchestrator",
             [py, "-m", "prime_rl.orchestrator.entrypoint", "@", str(configs["orchestrator"])],
             logs / "orchestrator.log",
-            env={"PRIME_RL_STDOUT_IS_LOG": "1"},
+            env={STDOUT_IS_LOG_ENV: "1"},
             echo=True,
         ),
         Component(
             "trainer",
             trainer_cmd,
             logs / "trainer.log",
-            env={**gpu_env(train_gpus), "PRIME_RL_TRAINER_LOG_DIR": str(torchrun_log_dir), "OMP_NUM_THREADS": "1"}
+            env={**gpu_env(train_gpus), TRAINER_LOG_DIR_ENV: str(torchrun_log_dir), "OMP_NUM_THREADS": "1"}
             if train_gpus
-            else {"PRIME_RL_TRAINER_LOG_DIR": str(torchrun_log_dir), "CUDA_VISIBLE_DEVICES": ""},
+            else {TRAINER_LOG_DIR_ENV: str(torchrun_log_dir), "CUDA_VISIBLE_DEVICES": ""},
             finishes_run=True,
             echo=True,
         ),
@@ -426,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         ",".join(train_gpus) or "CPU",
     )
     secret = RunSecret.create(run_dir.root / SECRET_FILE_NAME)
-    os.environ[SECRET_ENV] = str(run_dir.root / SECRET_FILE_NAME)  # inherited by every component
+    os.environ[SECRET_FILE_ENV] = str(run_dir.root / SECRET_FILE_NAME)  # inherited by every component
     heartbeat_dir = run_dir.root / "heartbeats"
     os.environ[HEARTBEAT_DIR_ENV] = str(heartbeat_dir)
     os.environ[STALL_TIMEOUT_ENV] = str(cfg.stall_timeout)
