@@ -38,6 +38,12 @@ PROFILE_STEPS_ENV = "PRIME_RL_PROFILE_STEPS"
 """Set by a user, with ``PRIME_RL_PROFILE_DIR``: the 1-based steps to profile, comma-separated (default
 ``4,5``). Read by ``trainer/loop.py``."""
 
+HTTP_API_KEY_ENV = "PRIME_RL_HTTP_API_KEY"
+"""The Bearer key every HTTP route of an inference server but ``/health``, ``/ping``, ``/metrics`` requires.
+Set by ``inference/http_auth.guard_every_route`` from ``--api-key`` / ``VLLM_API_KEY`` inside the server
+process (vLLM's API-server processes inherit it); read by its ``GuardEveryRoute`` middleware, which
+Starlette builds without arguments."""
+
 SKIP_INSTALL_ENV = "PRIME_RL_SKIP_INSTALL"
 """Set by a user (``1``) on a SLURM submission: skip ``[slurm] install`` on the batch node. Read by
 ``base.sbatch.j2``."""
@@ -50,6 +56,7 @@ ALL = (
     TRAINER_LOG_DIR_ENV,
     PROFILE_DIR_ENV,
     PROFILE_STEPS_ENV,
+    HTTP_API_KEY_ENV,
     SKIP_INSTALL_ENV,
 )
 """Every variable above."""
