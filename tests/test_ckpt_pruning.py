@@ -20,7 +20,7 @@ from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.orchestrator.envs.reverse_text import ReverseTextEnv
-from prime_rl.orchestrator.orchestrator import Orchestrator, resolve_resume_step
+from prime_rl.orchestrator.orchestrator import Orchestrator
 from prime_rl.orchestrator.state import OrchestratorState, save_state
 from prime_rl.orchestrator.weights import NoInferenceControl
 
@@ -56,7 +56,7 @@ def test_resume_after_pruning(tmp_path):
     # both resume from step 3: the trainer continues with step 4, the orchestrator with batch 3
     rows = _train(model, tmp_path, "--max-steps", "4", "--ckpt.resume-step", "latest")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert resolve_resume_step(run_dir, "latest") == 3
+    assert run_dir.resolve_resume_step("latest", components=("orchestrator",)) == 3
     config = OrchestratorConfig(output_dir=tmp_path, run_name="run", ckpt={"resume_step": 3})
     orchestrator = Orchestrator(config, ReverseTextEnv(), None, NoInferenceControl(), lambda batches: None)
     assert orchestrator.step == 3 and orchestrator.scheduler.tasks_drawn == 6

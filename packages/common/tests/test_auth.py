@@ -11,7 +11,8 @@ import pytest
 import zmq
 
 from prime_rl.common import wire
-from prime_rl.common.auth import SECRET_ENV, AuthError, RunSecret, is_loopback
+from prime_rl.common.auth import AuthError, RunSecret, is_loopback
+from prime_rl.common.env import SECRET_FILE_ENV
 from prime_rl.common.transport import ControlClient, ControlServer, Receiver, Sender
 
 LOOPBACK = "tcp://127.0.0.1:0"
@@ -105,7 +106,7 @@ def test_a_forged_control_request_never_reaches_the_handler(secret, tmp_path, cl
 
 def test_sockets_take_the_secret_from_the_environment(secret, tmp_path, monkeypatch):
     path = tmp_path / "control.secret"
-    monkeypatch.setenv(SECRET_ENV, str(path))
+    monkeypatch.setenv(SECRET_FILE_ENV, str(path))
     with Receiver(LOOPBACK, timeout_s=5.0) as receiver:
         assert receiver.secret == secret
         with Sender(receiver.endpoint, timeout_s=5.0) as sender:

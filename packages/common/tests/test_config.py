@@ -10,6 +10,7 @@ import pytest
 from pydantic import ConfigDict, Field, model_validator
 
 from prime_rl.common.config import BaseConfig, ConfigError, ConfigWarning, load_config, parse_config, write_toml
+from prime_rl.common.config.cli_help import field_doc
 
 
 class AdamW(BaseConfig):
@@ -342,3 +343,21 @@ def test_a_validator_naming_a_full_path_blames_its_source():
     assert str(e.value) == (
         "orchestrator.batch_size is twelve; pick another (from --orchestrator.batch-size on the command line)"
     )
+
+
+def test_help_reads_docstrings_of_inherited_and_local_classes(capsys):
+    """Help texts are read from the source at --help time (not by pydantic at import): a field declared in a
+    base class keeps its base's docstring, and a config defined inside a function has its own."""
+
+    class Local(Model):
+        """A model defined in a function."""
+
+        extra_layers: int = 0
+        """layers added on top of the model's"""
+
+    with pytest.raises(SystemExit):
+        parse_config(Local, ["--help"], prog="sft")
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0) layers added on top of the model's" in out
+    assert "(default: 2048) tokens per micro-batch" in out  # declared in Model, documented there
+    assert field_doc(Local, "seq_len") == field_doc(Model, "seq_len") == "tokens per micro-batch"

@@ -3,7 +3,8 @@
 import json
 import time
 
-from prime_rl.common.heartbeat import HEARTBEAT_DIR_ENV, STALL_TIMEOUT_ENV, Heartbeat, last_line, read_beats
+from prime_rl.common.env import HEARTBEAT_DIR_ENV, STALL_TIMEOUT_ENV
+from prime_rl.common.heartbeat import Heartbeat, last_line, read_beats
 
 
 def test_a_beat_records_phase_step_and_deadline(tmp_path):

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from prime_rl.common.monitor import FileMonitor, MetricsTail, read_metrics, scan_metrics
+from prime_rl.common.monitor import FileMonitor, read_metrics, scan_metrics
 from prime_rl.common.rundir import RunDir
 
 
@@ -66,21 +66,3 @@ def test_reader_skips_partial_tail_and_reports_malformed_lines(tmp_path, caplog)
     assert scan.partial_tail == '{"step": 3, "a"'
     assert "m.jsonl:2 skipped" in caplog.text and "m.jsonl:4 skipped" in caplog.text
     assert 'step": 3' not in caplog.text  # the in-progress line is not an error
-
-
-def test_tail_returns_only_new_whole_lines(tmp_path):
-    path = tmp_path / "m.jsonl"
-    tail = MetricsTail(path)
-    assert tail.poll() == []
-    monitor = FileMonitor(path)
-    monitor.log(1, {"a": 1})
-    assert tail.poll() == [{"step": 1, "a": 1}]
-    with open(path, "a") as f:
-        f.write('{"step": 2,')
-    assert tail.poll() == []
-    with open(path, "a") as f:
-        f.write(' "a": 2}\n')
-    monitor.log(3, {})
-    assert tail.poll() == [{"step": 2, "a": 2}, {"step": 3}]
-    assert tail.poll() == []
-    monitor.close()

@@ -6,16 +6,17 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from prime_rl.inference.http_auth import API_KEY_ENV, MIDDLEWARE, GuardEveryRoute
+from prime_rl.common.env import HTTP_API_KEY_ENV
+from prime_rl.inference.http_auth import MIDDLEWARE, GuardEveryRoute
 
 PATHS = ("/tokenize", "/detokenize", "/invocations", "/v1/models", "/health", "/ping", "/metrics", "/anything")
 
 
 def _client(monkeypatch, key: str | None) -> TestClient:
     if key is None:
-        monkeypatch.delenv(API_KEY_ENV, raising=False)
+        monkeypatch.delenv(HTTP_API_KEY_ENV, raising=False)
     else:
-        monkeypatch.setenv(API_KEY_ENV, key)
+        monkeypatch.setenv(HTTP_API_KEY_ENV, key)
     ok = lambda request: PlainTextResponse("ok")  # noqa: E731
     app = Starlette(routes=[Route(p, ok, methods=["GET", "POST", "OPTIONS"]) for p in PATHS])
     app.add_middleware(GuardEveryRoute)  # how vLLM's --middleware adds it: the class, no arguments
@@ -46,7 +47,7 @@ def test_vllm_builds_its_app_with_the_guard(monkeypatch):
     from prime_rl.common.config.inference import InferenceConfig
     from prime_rl.inference.server import build_vllm_args
 
-    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(HTTP_API_KEY_ENV, raising=False)
     cfg = load_config(InferenceConfig, ["--model.name", "m", "--server.host", "0.0.0.0", "--server.api-key", "k"])
     args = build_vllm_args(cfg)
     assert MIDDLEWARE in args.middleware

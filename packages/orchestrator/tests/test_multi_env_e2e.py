@@ -227,7 +227,7 @@ def test_tool_env_and_faulty_env_mixed_in_workers(tmp_path, server):
 
 
 def test_eval_entrypoint_pass_at_k_and_samples(tmp_path, server):
-    from prime_rl.orchestrator.eval import main
+    from prime_rl.orchestrator.eval_entrypoint import main
 
     toml = tmp_path / "eval.toml"
     toml.write_text(
@@ -262,7 +262,7 @@ max_value = 20
 
 
 def test_eval_bad_environment_is_one_line(tmp_path, server, capsys):
-    from prime_rl.orchestrator.eval import main
+    from prime_rl.orchestrator.eval_entrypoint import main
 
     args = ["--output-dir", str(tmp_path), "--model.client.base-url", server.base_url]
     toml = tmp_path / "eval.toml"

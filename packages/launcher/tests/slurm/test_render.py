@@ -16,6 +16,7 @@ from prime_rl.common.auth import RunSecret
 from prime_rl.common.config import load_config, write_toml
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.config.trainer import SFTConfig
+from prime_rl.common.env import SECRET_FILE_ENV, STALL_TIMEOUT_ENV, TRAINER_LOG_DIR_ENV
 from prime_rl.common.net import free_port
 from prime_rl.launcher.slurm import load_job, render_job
 from prime_rl.launcher.slurm.__main__ import main
@@ -151,7 +152,7 @@ def test_sft_places_one_torchrun_per_node_with_rendezvous_on_the_head(tmp_path: 
             "@",
             str(tmp_path / "out" / "r" / "configs" / "trainer.toml"),
         ]
-        assert call["env"]["PRIME_RL_TRAINER_LOG_DIR"] == str(tmp_path / "out/r/logs/attempt_1/trainer/torchrun")
+        assert call["env"][TRAINER_LOG_DIR_ENV] == str(tmp_path / "out/r/logs/attempt_1/trainer/torchrun")
     assert (launcher / "job_77.exitcode").read_text().strip() == "0"
 
 
@@ -229,7 +230,7 @@ def test_rl_job_beats_per_step_with_the_run_stall_timeout(tmp_path: Path) -> Non
     launcher = dry_run(write_config(tmp_path, "rl", extra="", deployment="num_train_nodes = 1\nnum_infer_nodes = 1"),
                        "--stall-timeout", "123")  # fmt: skip
     script = (launcher / "rl.sbatch").read_text()
-    assert 'export PRIME_RL_STALL_TIMEOUT="123.0"' in script
+    assert f'export {STALL_TIMEOUT_ENV}="123.0"' in script
     assert f"HEARTBEAT_DIR={tmp_path / 'out' / 'r' / 'heartbeats'}" in script
     assert "\nstart_watchdog " in script
     inference = dry_run(write_config(tmp_path, "inference", deployment="num_infer_nodes = 1"))
@@ -408,7 +409,7 @@ def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path
     # loopback (authenticated), and the HTTP key reaches the router and the orchestrator.
     secret = tmp_path / "out" / "r" / "control.secret"
     assert (secret.stat().st_mode & 0o777) == 0o600
-    assert f'export PRIME_RL_SECRET_FILE="{secret.resolve()}"' in script
+    assert f'export {SECRET_FILE_ENV}="{secret.resolve()}"' in script
     assert arg_after(by_name["inference-node0"], "--server.control-host") == "0.0.0.0"
     http_key = RunSecret.load(secret).http_api_key
     assert arg_after(by_name["router"], "--api-key") == http_key == arg_after(orch, "--model.client.api-key")

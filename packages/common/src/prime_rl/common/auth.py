@@ -34,12 +34,13 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import zmq
-import zmq.utils.z85
+from prime_rl.common.env import SECRET_FILE_ENV
 
-SECRET_ENV = "PRIME_RL_SECRET_FILE"
-"""Environment variable naming the run secret file; set by the launcher for every process of a run."""
+if TYPE_CHECKING:
+    import zmq
+
 SECRET_FILE_NAME = "control.secret"
 """File name of the secret inside the run directory."""
 SECRET_BYTES = 32
@@ -76,6 +77,8 @@ class RunSecret:
         return self._derive(b"http-api-key").hex()
 
     def _keypair(self, label: bytes) -> tuple[bytes, bytes]:
+        import zmq.utils.z85  # here, not at the top: config validation imports this module (`rl --help`)
+
         secret_key = zmq.utils.z85.encode(self._derive(label))
         return zmq.curve_public(secret_key), secret_key
 
@@ -148,7 +151,7 @@ class RunSecret:
     @classmethod
     def from_env(cls) -> RunSecret | None:
         """The secret named by ``PRIME_RL_SECRET_FILE``, or None when it is unset."""
-        path = os.environ.get(SECRET_ENV)
+        path = os.environ.get(SECRET_FILE_ENV)
         return _load_cached(path) if path else None
 
 
@@ -178,5 +181,5 @@ if __name__ == "__main__":
         print(f"run secret in {sys.argv[1]} (run id {RunSecret.create(sys.argv[1]).run_id})")
     else:
         sys.exit(
-            f"usage: python -m prime_rl.common.auth [--http-key] <secret-file>  (then export {SECRET_ENV}=<secret-file>)"
+            f"usage: python -m prime_rl.common.auth [--http-key] <secret-file>  (then export {SECRET_FILE_ENV}=<secret-file>)"
         )

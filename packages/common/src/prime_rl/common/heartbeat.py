@@ -32,10 +32,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-HEARTBEAT_DIR_ENV = "PRIME_RL_HEARTBEAT_DIR"
-"""Directory heartbeats go to; set by the launcher for every process of a run."""
-STALL_TIMEOUT_ENV = "PRIME_RL_STALL_TIMEOUT"
-"""Default ``deadline_s`` (seconds) of a beat that names none; set by the launcher from its config."""
+from prime_rl.common.env import HEARTBEAT_DIR_ENV, STALL_TIMEOUT_ENV
+
 DEFAULT_DEADLINE_S = 3600.0
 
 

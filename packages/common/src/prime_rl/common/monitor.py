@@ -239,27 +239,3 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if scan.partial_tail:
         logger.debug("%s: ignoring an unterminated last line (still being written)", path)
     return scan.records
-
-
-class MetricsTail:
-    """Incremental reader (``tail -f``): ``poll()`` returns the records appended since the last poll."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self._offset = 0
-        self._line = 1
-
-    def poll(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1  # consume whole lines only; the tail is re-read next time
-        scan = parse_metrics(data[:end], first_line=self._line)
-        for skipped in scan.skipped:
-            logger.warning("%s:%d skipped: %s: %r", self.path, skipped.line_number, skipped.reason, skipped.text)
-        self._offset += end
-        self._line += data[:end].count(b"\n")
-        return scan.records

@@ -47,7 +47,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from prime_rl.common.auth import SECRET_ENV, RunSecret, is_loopback
+from prime_rl.common.auth import RunSecret, is_loopback
+from prime_rl.common.env import SECRET_FILE_ENV
 from prime_rl.common.refusals import RefusalLog
 from prime_rl.common.wire import (
     MESSAGE_TYPES,
@@ -247,7 +248,7 @@ def check_bind_allowed(endpoint: str, secret: RunSecret | None) -> None:
     if secret is None and not is_loopback(endpoint):
         raise PermissionError(
             f"refusing to bind {endpoint} without a run secret: anyone who can reach it could load weights, "
-            f"pause inference or take batches; bind 127.0.0.1, or set {SECRET_ENV} to a secret file "
+            f"pause inference or take batches; bind 127.0.0.1, or set {SECRET_FILE_ENV} to a secret file "
             "(`python -m prime_rl.common.auth <file>`; the launcher does this for a run)"
         )
 

@@ -11,7 +11,7 @@ the router's health checks call, and they carry no key) and ``/metrics`` (Promet
 load and throughput, no model access and no text; scrapers seldom carry a key). Every other path, an
 unknown one included, needs ``Authorization: Bearer <key>``; CORS preflights (OPTIONS) pass as in vLLM.
 
-The key travels to the middleware in ``API_KEY_ENV`` (Starlette builds middleware with no arguments, and
+The key travels to the middleware in ``HTTP_API_KEY_ENV`` (Starlette builds middleware with no arguments, and
 vLLM may build the app in API-server processes of its own, which inherit the environment).
 """
 
@@ -25,7 +25,8 @@ import os
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-API_KEY_ENV = "PRIME_RL_HTTP_API_KEY"
+from prime_rl.common.env import HTTP_API_KEY_ENV
+
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 """Paths that answer without the key (liveness and Prometheus metrics; see the module docstring)."""
 MIDDLEWARE = f"{__name__}.GuardEveryRoute"
@@ -36,16 +37,16 @@ def guard_every_route(args: argparse.Namespace) -> None:
     keys = [key for key in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if key]
     if not keys:
         return
-    os.environ[API_KEY_ENV] = keys[0]
+    os.environ[HTTP_API_KEY_ENV] = keys[0]
     args.middleware = [*(args.middleware or []), MIDDLEWARE]
 
 
 class GuardEveryRoute:
-    """ASGI middleware: 401 for a request without the Bearer key in ``API_KEY_ENV``, except ``OPEN_PATHS``."""
+    """ASGI middleware: 401 for a request without the Bearer key in ``HTTP_API_KEY_ENV``, except ``OPEN_PATHS``."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        key = os.environ.get(API_KEY_ENV)
+        key = os.environ.get(HTTP_API_KEY_ENV)
         self._digest = None if not key else hashlib.sha256(key.encode()).digest()
 
     def _authorized(self, scope: Scope) -> bool:

@@ -27,24 +27,30 @@ import shutil
 import socket
 import subprocess
 import sys
-import urllib.request
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from prime_rl.common.auth import SECRET_ENV, SECRET_FILE_NAME, RunSecret
+from prime_rl.common.auth import SECRET_FILE_NAME, RunSecret
 from prime_rl.common.config import ConfigError, ConfigWarning, parse_config, write_toml
 from prime_rl.common.config.deployment import SingleNodeDeployment, unknown_kv_connector
 from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl import RLConfig
-from prime_rl.common.heartbeat import HEARTBEAT_DIR_ENV, STALL_TIMEOUT_ENV
+from prime_rl.common.env import (
+    HEARTBEAT_DIR_ENV,
+    SECRET_FILE_ENV,
+    STALL_TIMEOUT_ENV,
+    STDOUT_IS_LOG_ENV,
+    TRAINER_LOG_DIR_ENV,
+)
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
-from prime_rl.common.transport import ControlClient
 from prime_rl.common.vllm_compat import installed_vllm_version, unsupported_reason
 from prime_rl.common.weight_checksum import safetensors_layout
-from prime_rl.common.wire import HealthReply, HealthRequest
 from prime_rl.launcher.dashboard.status import settle_dead_status, write_status
-from prime_rl.launcher.supervisor import Component, Supervisor
+
+if TYPE_CHECKING:
+    from prime_rl.launcher.supervisor import Component
 
 log = logging.getLogger("prime_rl.launcher")
 
@@ -295,6 +301,8 @@ def write_configs(cfg: RLConfig, run_dir: RunDir) -> dict[str, Path]:
 
 
 def _http_ok(url: str) -> bool:
+    import urllib.request  # here, like the ZeroMQ imports below: `rl --help` and --dry-run never need them
+
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200
@@ -304,6 +312,9 @@ def _http_ok(url: str) -> bool:
 
 def inference_ready(cfg: RLConfig, secret: RunSecret) -> bool:
     """HTTP health answers and every replica's control plane says it serves this run (its run id)."""
+    from prime_rl.common.transport import ControlClient  # numpy + ZeroMQ: only once a run starts
+    from prime_rl.common.wire import HealthReply, HealthRequest
+
     server = cfg.inference.server
     if not _http_ok(f"http://127.0.0.1:{server.port}/health"):
         return False
@@ -323,7 +334,9 @@ def inference_ready(cfg: RLConfig, secret: RunSecret) -> bool:
 
 def build_components(
     cfg: RLConfig, run_dir: RunDir, configs: dict[str, Path], infer_gpus, train_gpus, secret: RunSecret
-) -> list:
+) -> list[Component]:
+    from prime_rl.launcher.supervisor import Component  # ctypes, signals: only once a run starts
+
     logs = run_dir.attempt_logs_dir()
     py = sys.executable
     gpu_env = lambda gpus: {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}  # noqa: E731
@@ -346,16 +359,16 @@ def build_components(
             "orchestrator",
             [py, "-m", "prime_rl.orchestrator.entrypoint", "@", str(configs["orchestrator"])],
             logs / "orchestrator.log",
-            env={"PRIME_RL_STDOUT_IS_LOG": "1"},
+            env={STDOUT_IS_LOG_ENV: "1"},
             echo=True,
         ),
         Component(
             "trainer",
             trainer_cmd,
             logs / "trainer.log",
-            env={**gpu_env(train_gpus), "PRIME_RL_TRAINER_LOG_DIR": str(torchrun_log_dir), "OMP_NUM_THREADS": "1"}
+            env={**gpu_env(train_gpus), TRAINER_LOG_DIR_ENV: str(torchrun_log_dir), "OMP_NUM_THREADS": "1"}
             if train_gpus
-            else {"PRIME_RL_TRAINER_LOG_DIR": str(torchrun_log_dir), "CUDA_VISIBLE_DEVICES": ""},
+            else {TRAINER_LOG_DIR_ENV: str(torchrun_log_dir), "CUDA_VISIBLE_DEVICES": ""},
             finishes_run=True,
             echo=True,
         ),
@@ -403,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if dead := settle_dead_status(run_dir.latest_logs / "STATUS"):  # a SIGKILLed launcher wrote no final state
         log.warning("the previous attempt (%s) is marked failed: %s", run_dir.latest_logs.resolve().name, dead)
+    from prime_rl.launcher.supervisor import Supervisor  # ctypes, signals: a run's, not --help's or --dry-run's
+
     run_dir.start_attempt()
     if (warning := check_disk(cfg, run_dir.root)) is not None:
         log.warning("%s", warning)
@@ -417,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         ",".join(train_gpus) or "CPU",
     )
     secret = RunSecret.create(run_dir.root / SECRET_FILE_NAME)
-    os.environ[SECRET_ENV] = str(run_dir.root / SECRET_FILE_NAME)  # inherited by every component
+    os.environ[SECRET_FILE_ENV] = str(run_dir.root / SECRET_FILE_NAME)  # inherited by every component
     heartbeat_dir = run_dir.root / "heartbeats"
     os.environ[HEARTBEAT_DIR_ENV] = str(heartbeat_dir)
     os.environ[STALL_TIMEOUT_ENV] = str(cfg.stall_timeout)

@@ -9,6 +9,7 @@ import sys
 
 from prime_rl.common.config import parse_config, write_toml
 from prime_rl.common.config.orchestrator import EnvConfig, OrchestratorConfig
+from prime_rl.common.env import STDOUT_IS_LOG_ENV
 from prime_rl.common.logging import setup_logger
 from prime_rl.common.monitor import build_monitor
 from prime_rl.common.rundir import RunDir
@@ -20,9 +21,6 @@ from prime_rl.orchestrator.envs.worker import WorkerEnv
 from prime_rl.orchestrator.orchestrator import Orchestrator
 from prime_rl.orchestrator.teacher import Distiller
 from prime_rl.orchestrator.weights import InferenceControl, NoInferenceControl, ZmqInferenceControl
-
-STDOUT_IS_LOG_ENV = "PRIME_RL_STDOUT_IS_LOG"
-"""Set to 1 by the `rl` launcher, which redirects this process's output into its log file."""
 
 
 def build_control(config: OrchestratorConfig) -> InferenceControl:

@@ -63,23 +63,6 @@ class StepResult:
     metrics: dict[str, float]
 
 
-def resolve_resume_step(run_dir: RunDir, resume_step: int | str | None) -> int | None:
-    """The checkpoint step to resume from, or None for a fresh start."""
-    if resume_step is None:
-        return None
-    available = [
-        s for s in run_dir.checkpoint_steps() if (run_dir.orchestrator_checkpoint_dir(s) / "state.json").is_file()
-    ]
-    if resume_step == "latest":
-        return available[-1] if available else None
-    if resume_step not in available:
-        raise FileNotFoundError(
-            f"ckpt.resume_step={resume_step} has no orchestrator state under {run_dir.checkpoints_dir}; "
-            f"available: {available or 'none'}; use one of them, 'latest' or None"
-        )
-    return int(resume_step)
-
-
 def has_signal(group: Group) -> bool:
     """False when every reward in the group is equal: all advantages are zero, there is nothing to learn
     (unless length shaping or a teacher gives the group's samples different advantages all the same)."""
@@ -152,7 +135,8 @@ class Orchestrator:
         self.start_step = 0
         rng = np.random.default_rng(config.seed)
         tasks_drawn = 0
-        resume = resolve_resume_step(self.run_dir, config.ckpt.resume_step)
+        # its own state decides: `rl` passes the step it resolved for trainer and orchestrator together
+        resume = self.run_dir.resolve_resume_step(config.ckpt.resume_step, components=("orchestrator",))
         if resume is not None:
             state = load_state(self.run_dir.orchestrator_checkpoint_dir(resume))
             self.start_step, tasks_drawn, rng, self.seed = (

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from prime_rl.common.config.monitor import MonitorConfig
+from prime_rl.common.env import PROFILE_DIR_ENV, PROFILE_STEPS_ENV
 from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.monitor import build_monitor
 from prime_rl.common.rundir import RunDir
@@ -112,9 +113,9 @@ class StepProfiler:
     """The torch profiler over a few chosen steps of the real loop (rank 0), if PRIME_RL_PROFILE_DIR is set."""
 
     def __init__(self, is_main: bool):
-        out = os.environ.get("PRIME_RL_PROFILE_DIR")
+        out = os.environ.get(PROFILE_DIR_ENV)
         self.out = out if out and is_main else None
-        self.steps = [int(s) for s in os.environ.get("PRIME_RL_PROFILE_STEPS", "4,5").split(",")]
+        self.steps = [int(s) for s in os.environ.get(PROFILE_STEPS_ENV, "4,5").split(",")]
         self.prof: torch.profiler.profile | None = None
 
     def before(self, done: int) -> None:

@@ -4,12 +4,19 @@ Each table is one section headed by its TOML name (``[trainer.model]``) and the 
 flag and the TOML key it sets read the same. A discriminated union lists its ``type`` choices and then
 each variant's options under ``type = "...":``. Required fields say ``(required)``; help texts are the
 fields' whole docstrings, wrapped, never cut. ``CMD --help trainer.model`` prints one subtree only.
+
+The attribute docstrings are read here, from the source (one parse per module, when help is asked
+for), rather than by pydantic at class creation, which would cost every process start.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import json
 import shutil
+import sys
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -38,6 +45,49 @@ def _flag(path: str) -> str:
 
 def _one_line(text: str | None) -> str:
     return " ".join((text or "").split())
+
+
+@functools.cache
+def _module_docstrings(module_name: str) -> dict[str, dict[str, str]]:
+    """Attribute docstrings of every class in a module: {class __qualname__: {attribute: docstring}}."""
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[module_name]))
+    except (KeyError, OSError, TypeError, SyntaxError):
+        return {}
+    out: dict[str, dict[str, str]] = {}
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(node.body, f"{prefix}{node.name}.<locals>.")
+            elif isinstance(node, ast.ClassDef):
+                docs, previous = out.setdefault(f"{prefix}{node.name}", {}), None
+                for stmt in node.body:
+                    if (
+                        isinstance(previous, ast.AnnAssign)
+                        and isinstance(previous.target, ast.Name)
+                        and isinstance(stmt, ast.Expr)
+                        and isinstance(stmt.value, ast.Constant)
+                        and isinstance(stmt.value.value, str)
+                    ):
+                        docs[previous.target.id] = inspect.cleandoc(stmt.value.value)
+                    previous = stmt
+                visit(node.body, f"{prefix}{node.name}.")
+
+    visit(tree.body, "")
+    return out
+
+
+def field_doc(model: type[BaseModel], name: str) -> str:
+    """The help text of field ``name``: its ``Field(description=...)``, else the docstring under it in the
+    class that declares it (a subclass inherits its base's)."""
+    info = model.model_fields[name]
+    if info.description:
+        return info.description
+    for cls in model.__mro__:
+        if name in cls.__dict__.get("__annotations__", {}):
+            return _module_docstrings(cls.__module__).get(cls.__qualname__, {}).get(name, "")
+    return ""
 
 
 def _metavar(annotation: Any) -> str:
@@ -76,14 +126,14 @@ def _shown(value: Any) -> str:
         return repr(value)
 
 
-def _option(path: str, info: FieldInfo, default: Any, indent: int, width: int) -> list[str]:
+def _option(path: str, info: FieldInfo, doc: str, default: Any, indent: int, width: int) -> list[str]:
     annotation = info.annotation
     if _is_bool(annotation):
         head = f"{_flag(path)}, --no-{_flag(path)[2:]}"
     else:
         head = f"{_flag(path)} {_metavar(annotation)}"
     state = "(required)" if info.is_required() else f"(default: {_shown(default)})"
-    text = f"{state} {_one_line(info.description)}".strip()
+    text = f"{state} {_one_line(doc)}".strip()
     pad = " " * indent
     column = indent + OPTION_COLUMN
     if len(pad + head) + 2 <= column:
@@ -109,16 +159,16 @@ def _walk(
         if name == "type" and prefix and typing.get_origin(info.annotation) is typing.Literal:
             continue  # the variant's tag: shown once, on the union's section
         if _models_in(info.annotation):
-            subtables.append((path, info, value))
+            subtables.append((path, info, field_doc(model, name), value))
         else:
-            section.lines.extend(_option(path, info, value, indent, width))
-    for path, info, value in subtables:
-        _table(path, info, value, out, width)
+            section.lines.extend(_option(path, info, field_doc(model, name), value, indent, width))
+    for path, info, doc, value in subtables:
+        _table(path, info, doc, value, out, width)
 
 
-def _table(path: str, info: FieldInfo, default: Any, out: list[_Section], width: int) -> None:
+def _table(path: str, info: FieldInfo, doc: str, default: Any, out: list[_Section], width: int) -> None:
     annotation = info.annotation
-    title = f"[{path}]  {_one_line(info.description)}".rstrip()
+    title = f"[{path}]  {_one_line(doc)}".rstrip()
     if info.is_required():
         title += " (required)"
     section = _Section(path, title)
@@ -147,9 +197,9 @@ def sections(cls: type[BaseModel], width: int) -> list[_Section]:
     return [s for s in out if s.lines]
 
 
-def _union_note(cls: type[BaseModel]) -> str:
+def _union_note(all_sections: list[_Section]) -> str:
     """How switching a union's type works, with this config's first union as the example."""
-    unions = [s.path for s in sections(cls, 120) if any(ln.startswith(f"  {_flag(s.path)}.type ") for ln in s.lines)]
+    unions = [s.path for s in all_sections if any(ln.startswith(f"  {_flag(s.path)}.type ") for ln in s.lines)]
     if not unions:
         return ""
     example = min(unions, key=lambda path: path.count("."))
@@ -159,26 +209,27 @@ def _union_note(cls: type[BaseModel]) -> str:
 def format_help(cls: type[BaseModel], prog: str, section: str | None = None) -> str:
     width = max(80, min(shutil.get_terminal_size((120, 24)).columns, 140))
     doc = _one_line((cls.__doc__ or "").strip().split("\n\n")[0])
+    all_sections = sections(cls, width)  # walked once: the head, the union note and the body share it
     head = [
         f"usage: {prog} [@ config.toml ...] [--section.key-name value ...]",
         f"       {prog} --help [SECTION]   only the options of one table, e.g. {prog} --help "
-        + next((s.path for s in sections(cls, width) if "." in s.path), "SECTION"),
+        + next((s.path for s in all_sections if "." in s.path), "SECTION"),
         "",
         *textwrap.wrap(doc, width),
         "",
         *textwrap.wrap(
             "Defaults, then each @ file.toml deep-merged left to right, then flags. The flag --a.b.key-name v "
             "sets key_name = v under the TOML table [a.b]. Booleans: --x / --no-x. Null: None. Lists: --x 1 2 "
-            "or JSON." + _union_note(cls),
+            "or JSON." + _union_note(all_sections),
             width,
         ),
     ]
-    picked = sections(cls, width)
+    picked = all_sections
     if section is not None:
         key = section.replace("-", "_").strip("[]")
         picked = [s for s in picked if s.path == key or s.path.startswith(f"{key}.")]
         if not picked:
-            names = ", ".join(s.path for s in sections(cls, width) if s.path)
+            names = ", ".join(s.path for s in all_sections if s.path)
             return "\n".join(head + ["", f"no table {section!r}; tables: {names}"]) + "\n"
     body = []
     for s in picked:

@@ -82,7 +82,7 @@ class VLLMConfig(BaseConfig):
     """Engine options passed to vLLM verbatim (key ``max_num_seqs`` -> flag ``--max-num-seqs``)."""
 
     # Extra keys are the point of this table: anything vLLM's engine accepts.
-    model_config = ConfigDict(extra="allow", use_attribute_docstrings=True, validate_default=True)
+    model_config = ConfigDict(extra="allow", validate_default=True)
 
     data_parallel_size: int = Field(1, ge=1)
     """Data-parallel engines inside this server (vLLM balances requests across them)."""

@@ -14,8 +14,8 @@ from typing import Any
 
 import jinja2
 
-from prime_rl.common.auth import SECRET_ENV, SECRET_FILE_NAME
-from prime_rl.common.heartbeat import STALL_TIMEOUT_ENV
+from prime_rl.common.auth import SECRET_FILE_NAME
+from prime_rl.common.env import SECRET_FILE_ENV, STALL_TIMEOUT_ENV
 from prime_rl.launcher.slurm.job import KINDS, SlurmJob
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -81,7 +81,7 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         # Every process of the job authenticates its ZeroMQ sockets with the run secret (shared filesystem).
         "env_vars": {
             **DEFAULT_ENV_VARS,
-            SECRET_ENV: str(job.run_dir.root.resolve() / SECRET_FILE_NAME),
+            SECRET_FILE_ENV: str(job.run_dir.root.resolve() / SECRET_FILE_NAME),
             **(watchdog_env(job) if watched else {}),
             **job.slurm.env_vars,
         },

@@ -16,6 +16,7 @@ from pathlib import Path
 from prime_rl.common.config import parse_config, write_toml
 from prime_rl.common.config.slurm_route import run_through_slurm, wants_slurm
 from prime_rl.common.config.trainer import SFTConfig
+from prime_rl.common.env import TRAINER_LOG_DIR_ENV
 from prime_rl.common.rundir import RunDir
 
 PROG = "sft"
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     attempt = run_dir.start_attempt()
     config_path = write_toml(cfg, run_dir.config_path("trainer"))
-    env = {**os.environ, "PRIME_RL_TRAINER_LOG_DIR": str(run_dir.trainer_log_dir(attempt))}
+    env = {**os.environ, TRAINER_LOG_DIR_ENV: str(run_dir.trainer_log_dir(attempt))}
     env.pop("WORLD_SIZE", None)  # torchrun sets it per rank
     proc = subprocess.run(torchrun_command(config_path, nproc), env=env)
     raise SystemExit(proc.returncode)

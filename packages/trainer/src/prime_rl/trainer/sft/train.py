@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from prime_rl.common.config import parse_config
 from prime_rl.common.config.trainer import SFTConfig, SFTDataConfig
+from prime_rl.common.env import TRAINER_LOG_DIR_ENV
 from prime_rl.common.logging import setup_logger
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.ckpt import export_hf
@@ -39,9 +40,6 @@ from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.context import shard_micro_batch
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
 from prime_rl.trainer.world import World, close_world, exit_rank, init_world
-
-LOG_DIR_ENV = "PRIME_RL_TRAINER_LOG_DIR"
-"""Set by `sft`: where rank files go. Without it (manual torchrun) rank 0 starts a new log attempt."""
 
 
 def check_model_dir(name: str) -> Path:
@@ -67,7 +65,7 @@ def load_tokenizer(model_dir: Path, vocab_size: int):  # noqa: ANN201 - a transf
 
 
 def _setup_output(run_dir: RunDir, world: World) -> None:
-    log_dir = os.environ.get(LOG_DIR_ENV)
+    log_dir = os.environ.get(TRAINER_LOG_DIR_ENV)
     if log_dir is None:  # manual torchrun: rank 0 opens a new attempt, the others follow logs/latest
         if world.is_main:
             run_dir.start_attempt()

@@ -24,7 +24,7 @@ from prime_rl.orchestrator.entrypoint import build_env_handles
 from prime_rl.orchestrator.evaluate import run_evals
 from prime_rl.orchestrator.scheduler import start_envs
 
-logger = logging.getLogger("prime_rl.orchestrator.eval")
+logger = logging.getLogger(__name__)
 
 
 def evals_dir(run_dir: RunDir, step: int):
