@@ -343,7 +343,7 @@ def build_components(
     nproc = cfg.deployment.num_train_gpus
     torchrun_log_dir = run_dir.trainer_log_dir()
     trainer_cmd = [
-        py, "-m", "prime_rl.launcher.torchrun_loopback", "--nproc-per-node", str(nproc),  # torchrun, store on 127.0.0.1
+        py, "-m", "prime_rl.trainer.torchrun_loopback", "--nproc-per-node", str(nproc),  # torchrun, store on 127.0.0.1
         "--local-ranks-filter", "0", "-m", "prime_rl.trainer.rl.train", "@", str(configs["trainer"]),
     ]  # fmt: skip
     return [

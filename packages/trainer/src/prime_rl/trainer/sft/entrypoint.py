@@ -2,7 +2,7 @@
 
 Bad configs exit 2 here, before any process starts. `--dry-run` writes the resolved config to
 <run_dir>/configs/trainer.toml and exits. Otherwise it starts a new log attempt, writes the resolved
-config there, and runs `python -m torch.distributed.run --standalone --nproc-per-node N -m
+config there, and runs `python -m prime_rl.trainer.torchrun_loopback --nproc-per-node N -m
 prime_rl.trainer.sft.train @ <run_dir>/configs/trainer.toml` with N = deployment.num_gpus (or
 $WORLD_SIZE, or 1): one process per GPU, or N gloo processes on a machine without GPUs. When `sft`
 itself already runs inside a torchrun/SLURM rank (RANK and LOCAL_RANK set), it trains in-process.
@@ -35,8 +35,8 @@ def num_processes(cfg: SFTConfig) -> int:
 
 def torchrun_command(config_path: Path, nproc: int) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nproc-per-node", str(nproc),
+        sys.executable, "-m", "prime_rl.trainer.torchrun_loopback",  # torchrun --standalone, store on 127.0.0.1
+        "--nproc-per-node", str(nproc),
         "--local-ranks-filter", "0",  # console: rank 0 only (each rank also writes its own file)
         "-m", "prime_rl.trainer.sft.train", "@", str(config_path),
     ]  # fmt: skip

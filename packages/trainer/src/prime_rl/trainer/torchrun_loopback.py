@@ -1,6 +1,6 @@
 """torchrun for one node whose rendezvous store listens on loopback only.
 
-``python -m prime_rl.launcher.torchrun_loopback --nproc-per-node N -m module ...`` is
+``python -m prime_rl.trainer.torchrun_loopback --nproc-per-node N -m module ...`` is
 ``torchrun --standalone ...`` except for where the agent's store listens: 127.0.0.1 instead of every
 interface of the host. The store has no authentication, so on a shared host anyone who could reach it
 could join or corrupt the trainer's process group while the run lasts.

@@ -46,7 +46,7 @@ def test_the_rendezvous_store_listens_on_loopback_only(tmp_path):
     script.write_text(RANK)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "prime_rl.launcher.torchrun_loopback", "--nproc-per-node", "2", str(script)],
+        [sys.executable, "-m", "prime_rl.trainer.torchrun_loopback", "--nproc-per-node", "2", str(script)],
         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
