@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = [
-    "trainer", "rl_trainer", "lora", "lm_head", "scaling", "grouped_gemm", "weight_transfer", "nixl", "transport",
+    "rl_system", "trainer", "rl_trainer", "lora", "lm_head", "scaling", "grouped_gemm", "weight_transfer", "nixl", "transport",
     "cli_startup",
 ]  # fmt: skip
 
@@ -23,6 +23,7 @@ CPU numbers come from the shared 2-core development machine and carry its load.
 
 | what | result | goal |
 |---|---|---|
+| Whole `rl` step on 1x H200, Qwen3-1.7B shape, 256 x 1,024-token rollouts, default settings (2026-12-03) | **~35 s a step** (was ~150 s): rollouts 15.8 s = **16.4k tok/s, 1.18x slower than vLLM alone** (19.3k), trainer 11.4 s = **23.7k tok/s, 28% MFU = 0.69x `sft`** on 8k rows (was 2.4k, 5%); weight update on the critical path ~7.5 s (write 4.4 + verify 2.3 + load 0.6) | rollouts within 1.2x; trainer >= 0.9x sft (not met); update <= 2 s (not met) |
 | SFT trainer, Qwen3-1.7B shape, seq 8192, 1x H200 | 32,727 tokens/s = **1.43x** the anchor (22,915), **52.8% MFU**, 38.9 GiB peak (anchor 69.1) | >= 1.35x, >= 50% MFU |
 | SFT trainer vs torchtitan 0.2.2's own trainer, 1x H200 (2026-12-02) | Qwen3-1.7B shape, seq 8192: 33,372 tokens/s, 53.9% MFU, 38.81 GiB vs torchtitan 32,996, 40.04 GiB in the same call = **1.011x**; Qwen3-4B shape, full AC: 12,284 vs 12,355 = **0.994x** (61.80 vs 64.67 GiB) | >= 1.15x, >= 60% MFU (not met) |
 | RL trainer (seed's RL command, fake data), same shape and knobs as SFT, 1x H200 | 31,880 tokens/s = **0.937x** `sft` (34,037) in the same run (2026-12-02), 0.966x torchtitan; packed 1024-token docs 36,765 = **0.920x** (39,978; 2026-12-01, not re-run) | >= 0.95x, >= 0.85x packed |

@@ -110,6 +110,7 @@ def profile_step(argv: list[str], warmup: int = 4, profiled: int = 2) -> None:
 
     from prime_rl.common.config import parse_config
     from prime_rl.common.config.trainer import SFTConfig
+    from prime_rl.trainer.memory_plan import resolve_memory
     from prime_rl.trainer.model import build_training_model
     from prime_rl.trainer.optim import build_optimizer, clip_grad_norm
     from prime_rl.trainer.sft.train import forward_backward, setup
@@ -119,7 +120,10 @@ def profile_step(argv: list[str], warmup: int = 4, profiled: int = 2) -> None:
     world = init_world()
     dims, loader, _ = setup(cfg, world)
     mesh = dims.build_mesh(world.device.type)
-    model = build_training_model(cfg.model, dims, mesh, world.device)
+    # "auto" offload / ac resolved the way `sft` resolves them (the builders refuse an unresolved "auto")
+    model_cfg = resolve_memory(cfg.model, cfg.data.micro_batch_size * cfg.data.seq_len, world.device,
+                               shard=dims.dp_shard, cp=dims.cp)  # fmt: skip
+    model = build_training_model(model_cfg, dims, mesh, world.device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg.optim, params)
 

@@ -42,6 +42,7 @@ def main(shape: str, versions: int = 3) -> dict:
     from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, RLTrainerConfig
     from prime_rl.common.rundir import RunDir
     from prime_rl.common.testing import make_tiny_model
+    from prime_rl.trainer.memory_plan import resolve_memory
     from prime_rl.trainer.model import build_training_model
     from prime_rl.trainer.models import save_hf_weights
     from prime_rl.trainer.parallel import ParallelDims
@@ -54,7 +55,8 @@ def main(shape: str, versions: int = 3) -> dict:
         cfg = load_config(RLTrainerConfig, ["--model.name", str(model_dir), "--data.fake"])
         world = init_world()
         dims = ParallelDims.from_world(world.world_size, 1)
-        model = build_training_model(cfg.model, dims, dims.build_mesh(world.device.type), world.device)
+        model_cfg = resolve_memory(cfg.model, cfg.data.seq_len, world.device)  # "auto" as the trainer resolves it
+        model = build_training_model(model_cfg, dims, dims.build_mesh(world.device.type), world.device)
         num_bytes = sum(p.numel() for p in model.parameters()) * 2
         publisher = build_publisher(FilesystemBroadcastConfig(keep_last=2), RunDir(tmp, "run"), model, world)
         blocked, background = [], []

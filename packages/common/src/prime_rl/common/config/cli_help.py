@@ -174,7 +174,7 @@ def _table(path: str, info: FieldInfo, doc: str, default: Any, out: list[_Sectio
     section = _Section(path, title)
     out.append(section)
     if _is_optional_model(annotation):
-        state = "off" if default is None else "on"
+        state = "off" if default is None else (f'"{default}"' if isinstance(default, str) else "on")
         section.lines.append(f"  {_flag(path)} / --no-{_flag(path)[2:]}  turns the table on / off (default: {state})")
     variants = _variants(annotation)
     if not variants:
