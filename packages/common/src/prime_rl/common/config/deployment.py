@@ -20,7 +20,7 @@ class SingleNodeDeployment(BaseConfig):
     num_train_gpus: int = Field(1, ge=1)
     """GPUs (or CPU processes on a machine without GPUs) for the trainer"""
     num_infer_gpus: int = Field(1, ge=0)
-    """GPUs for inference (0 only when inference runs elsewhere)"""
+    """GPUs for inference; 0 on a GPU machine: inference shares the trainer's GPUs (both keep their memory)"""
 
 
 class MultiNodeDeployment(BaseConfig):
