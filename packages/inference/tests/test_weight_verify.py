@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -109,3 +110,18 @@ def test_checksum_list_must_match_the_tensors(tmp_path):
     (path / CHECKSUMS_FILE).write_text(json.dumps(sums))
     with pytest.raises(WeightUpdateError, match="no checksum for tensor b.weight"):
         verify_weights_dir(path)
+
+
+def test_many_tensors_scanned_at_once_report_the_first_bad_one_in_file_order(tmp_path):
+    """Tensors are checked on several threads; the error is still the first bad tensor of the file."""
+    rng = np.random.default_rng(0)
+    tensors = {f"layer{i:02d}.weight": rng.standard_normal((64, 64)).astype(np.float32) for i in range(24)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    write_checksums(tmp_path)
+    # the checksums summed on several threads are each tensor's own crc32, under its own name
+    assert read_checksums(tmp_path) == {n: zlib.crc32(t.tobytes()) for n, t in tensors.items()}
+    assert verify_weights_dir(tmp_path).tensors == 24
+    for bad in ("layer17.weight", "layer05.weight"):
+        _poke(tmp_path / "model.safetensors", bad, struct.pack("<f", float("nan")))
+    with pytest.raises(WeightUpdateError, match="tensor layer05.weight has 1 NaN"):
+        verify_weights_dir(tmp_path)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,24 @@ def _num_nonfinite(piece: bytes, dtype: str) -> int:
     view, mask = _NONFINITE[dtype]
     bits = np.frombuffer(piece, dtype=view)
     return int(np.count_nonzero((bits & view(mask)) == view(mask)))
+
+
+SCAN_THREADS = min(8, os.cpu_count() or 1)
+"""Tensors read and checked at once: zlib's crc32, file reads and numpy's bit tests release the GIL, so a 3.4 GB
+file is scanned at several cores' speed (one thread: 1.5 GB/s on the H200 machine, 2.3 s for Qwen3-1.7B)."""
+
+
+def _scan_tensor(file: Path, start: int, info: dict, crc_wanted: bool, check_finite: bool) -> tuple[int, int]:
+    """(crc32 of the tensor's stored bytes or 0, its number of NaN/Inf values)."""
+    dtype = SAFETENSORS_DTYPES[info["dtype"]]
+    begin, end = info["data_offsets"]
+    crc, bad = 0, 0
+    for piece in iter_tensor_bytes(file, start, begin, end):
+        if crc_wanted:
+            crc = zlib.crc32(piece, crc)
+        if check_finite and dtype in _NONFINITE:
+            bad += _num_nonfinite(piece, dtype)
+    return crc, bad
 
 
 def verify_weights_dir(path: str | os.PathLike[str], check_finite: bool = True) -> VerifyReport:
@@ -89,17 +108,14 @@ def verify_weights_dir(path: str | os.PathLike[str], check_finite: bool = True) 
                 f"{'truncated' if size < start + data_end else 'padded'} (a killed copy or a full disk?); "
                 "the server keeps the previous weights, publish the step again"
             )
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        tensors = [(name, info) for name, info in header.items() if name != "__metadata__"]
+        with ThreadPoolExecutor(max_workers=SCAN_THREADS) as pool:  # results in header order: same first error
+            scanned = list(
+                pool.map(lambda item, f=file, s=start: _scan_tensor(f, s, item[1], checksums is not None, check_finite),
+                         tensors)
+            )  # fmt: skip
+        for (name, info), (crc, bad) in zip(tensors, scanned, strict=True):
             begin, end = info["data_offsets"]
-            crc, bad = 0, 0
-            for piece in iter_tensor_bytes(file, start, begin, end):
-                if checksums is not None:
-                    crc = zlib.crc32(piece, crc)
-                if check_finite and dtype in _NONFINITE:
-                    bad += _num_nonfinite(piece, dtype)
             if bad:
                 raise WeightUpdateError(
                     f"{file}: tensor {name} has {bad} NaN/Inf value(s); refusing to serve non-finite weights "
