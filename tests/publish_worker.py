@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from prime_rl.common.config import load_config
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, RLTrainerConfig
 from prime_rl.common.rundir import RunDir
+from prime_rl.trainer.memory_plan import resolve_memory
 from prime_rl.trainer.model import build_training_model
 from prime_rl.trainer.models import save_hf_weights
 from prime_rl.trainer.parallel import ParallelDims
@@ -47,7 +48,8 @@ def main(mode: str, model_dir: str, out: str, announce: str) -> None:
     world = init_world()
     dims = ParallelDims.from_world(world.world_size, 1)
     torch.manual_seed(0)
-    model = build_training_model(cfg.model, dims, dims.build_mesh("cpu"), world.device)
+    model_cfg = resolve_memory(cfg.model, cfg.data.seq_len, world.device)  # "auto" as the RL trainer resolves it
+    model = build_training_model(model_cfg, dims, dims.build_mesh("cpu"), world.device)
     run_dir = RunDir(Path(out), "run")
     publisher = build_publisher(wb, run_dir, model, world)
     if mode == "compare":

@@ -14,6 +14,7 @@ from prime_rl.common.config import load_config
 from prime_rl.common.config.rl_trainer import NCCLBroadcastConfig, RLTrainerConfig
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
+from prime_rl.trainer.memory_plan import resolve_memory
 from prime_rl.trainer.model import build_training_model
 from prime_rl.trainer.models import save_hf_weights
 from prime_rl.trainer.parallel import ParallelDims
@@ -26,7 +27,8 @@ def main(model_dir: str, out: str, control: str, announce: str) -> None:
     wb = NCCLBroadcastConfig(dtype="float32", port=free_port(), inference_addresses=[control], announce=announce)
     world = init_world()
     dims = ParallelDims.from_world(world.world_size, 1)
-    model = build_training_model(cfg.model, dims, dims.build_mesh("cpu"), world.device)
+    model_cfg = resolve_memory(cfg.model, cfg.data.seq_len, world.device)  # "auto" as the RL trainer resolves it
+    model = build_training_model(model_cfg, dims, dims.build_mesh("cpu"), world.device)
     publisher = build_publisher(wb, RunDir(Path(out), "run"), model, world)
     g = torch.Generator().manual_seed(0)
     for version in (1, 2):
