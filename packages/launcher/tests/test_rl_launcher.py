@@ -235,6 +235,7 @@ def test_help_is_grouped_and_shows_required_fields():
     assert '--deployment.type {single_node,multi_node}  (default: "single_node")' in out.stdout
 
 
+@pytest.mark.chaos
 def test_inference_is_ready_only_for_its_own_run(model_dir, tmp_path):
     """Probe: a second run on the same port was declared ready against the first run's server."""
     import http.server
@@ -283,6 +284,7 @@ def test_inference_is_ready_only_for_its_own_run(model_dir, tmp_path):
         control.close()
 
 
+@pytest.mark.chaos
 def test_status_is_final_when_the_launcher_is_stopped(model_dir, tmp_path):
     """Probe: STATUS stayed "running" after the launcher died. Also: the run secret is private."""
     import json
