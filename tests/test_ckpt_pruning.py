@@ -85,6 +85,7 @@ def test_pruning_removes_step_dirs_nobody_else_uses(tmp_path):
     assert sorted(p.name for p in run_dir.checkpoint_dir(2).iterdir()) == ["orchestrator"]
 
 
+@pytest.mark.chaos
 def test_pruning_keeps_the_newest_step_complete_for_every_component(tmp_path):
     """Probe: keep_last=1 pruned the trainer's step 4 once it saved step 8, but the orchestrator (killed)
     had saved only step 4: no step was left to resume from."""
@@ -124,6 +125,7 @@ def _dcp_save_world_1(path_setup, tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.chaos
 def test_disk_full_names_itself(tmp_path):
     """ENOSPC from the kernel (writes through a symlink to /dev/full) becomes one named error."""
     from prime_rl.common.diskfull import DiskFullError
@@ -149,6 +151,7 @@ def test_disk_full_names_itself(tmp_path):
     assert not (RunDir(tmp_path / "t", "run").trainer_checkpoint_dir(5) / ".done").exists()
 
 
+@pytest.mark.chaos
 def test_a_trainer_started_alone_resumes_where_the_orchestrator_can(tmp_path):
     """Probe: "latest" resolved by each component on its own resumed them at steps 8 and 4."""
     from prime_rl.trainer.ckpt import DONE

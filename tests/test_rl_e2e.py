@@ -107,6 +107,7 @@ def test_rl_reward_rises_and_mismatch_stays_small(warm_model: Path, tmp_path: Pa
     assert (tmp_path / "e2e" / "logs" / "latest" / "STATUS").read_text().find("finished") >= 0
 
 
+@pytest.mark.chaos
 def test_trainer_crash_stops_everything(warm_model: Path, tmp_path: Path):
     """flash-attn is not installed here: the trainer dies at start-up while inference is serving."""
     out = _run(

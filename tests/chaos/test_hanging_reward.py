@@ -47,7 +47,7 @@ from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.rundir import RunDir  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
 
-pytestmark = [pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(400)]  # one vLLM at a time
+pytestmark = [pytest.mark.chaos, pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(400)]  # one vLLM at a time
 BIN = Path(sys.executable).parent
 BUDGET_S = 4.0
 STALL_S = 30

@@ -33,7 +33,7 @@ from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
 
-pytestmark = [pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(900), pytest.mark.slow]
+pytestmark = [pytest.mark.chaos, pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(900), pytest.mark.slow]
 BIN = Path(sys.executable).parent
 COMPARED_PREFIXES = ("loss/", "optim/", "mismatch_kl", "reward/", "entropy", "advantage/", "seq_len/")
 EXACT_PREFIXES = ("reward/", "seq_len/")
@@ -42,8 +42,13 @@ EXACT_PREFIXES = ("reward/", "seq_len/")
 
 def _assert_same_step(a: dict[str, float], b: dict[str, float], step: int) -> None:
     assert a and a.keys() == b.keys(), step
+    # Same tokens, advantages and inference logprobs, packed in the same order (groups in draw order since
+    # issue 35), make the same float operations in the trainer: bit-identical. mismatch_kl equal says the
+    # inference logprobs were; they may not be when vLLM batched the requests differently (a loaded
+    # machine), and then the trainer's statistics move with them: the tolerance below.
+    same_inputs = a.get("mismatch_kl") == b.get("mismatch_kl")
     for key, value in a.items():
-        if key.startswith(EXACT_PREFIXES):
+        if key.startswith(EXACT_PREFIXES) or same_inputs:
             assert value == b[key], (step, key, value, b[key])
         else:
             # the RL loss is a sum of advantage-weighted terms that cancel to ~1e-5: summed in another packing

@@ -40,7 +40,7 @@ from prime_rl.common.testing import make_tiny_model  # noqa: E402
 from prime_rl.common.transport import ControlClient, Receiver  # noqa: E402
 from prime_rl.common.wire import HealthReply, HealthRequest, LoadWeightsRequest, PauseRequest  # noqa: E402
 
-pytestmark = [pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(600)]  # one vLLM at a time
+pytestmark = [pytest.mark.chaos, pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(600)]  # one vLLM at a time
 BIN = Path(sys.executable).parent
 MAX_PAUSE_S = 4
 STALL_S = 30  # stall_timeout of the resumed run: above its slowest step on 2 loaded cores

@@ -52,6 +52,7 @@ def test_authenticated_batch_round_trip_and_origin(secret):
             assert receiver.last_origin == "127.0.0.1"
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize("thief_secret", ["none", "other"])
 def test_a_pull_socket_without_the_secret_cannot_steal_a_batch(secret, tmp_path, thief_secret):
     """Probe: a local PULL on the orchestrator's batch port took a batch and hung the run."""
@@ -67,6 +68,7 @@ def test_a_pull_socket_without_the_secret_cannot_steal_a_batch(secret, tmp_path,
                 thief.recv()
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize("client_secret", ["none", "other"])
 def test_a_forged_control_request_never_reaches_the_handler(secret, tmp_path, client_secret, caplog):
     """Probe: an unauthenticated LoadWeightsRequest was accepted mid-run; later, a refused one left no log line.

@@ -67,6 +67,7 @@ def _checkpoint(run: RunDir, step: int, parts: tuple[str, ...]) -> None:
         (d / CHECKPOINT_MARKERS[part]).write_text("{}")
 
 
+@pytest.mark.chaos
 def test_latest_is_the_newest_step_complete_for_every_component(tmp_path):
     """Probe: a kill between the orchestrator's and the trainer's checkpoint resumed them at 8 and 4."""
     run = RunDir(tmp_path, "r")
@@ -82,6 +83,7 @@ def test_latest_is_the_newest_step_complete_for_every_component(tmp_path):
     assert RunDir(tmp_path, "empty").resolve_resume_step("latest") is None
 
 
+@pytest.mark.chaos
 def test_discard_after_sets_aside_everything_newer_than_the_resume_point(tmp_path):
     """Probe: the resumed orchestrator loaded the dead attempt's newer broadcasts/step_7."""
     run = RunDir(tmp_path, "r")
@@ -102,6 +104,7 @@ def test_discard_after_sets_aside_everything_newer_than_the_resume_point(tmp_pat
     assert run.checkpoint_steps() == [] and run.broadcast_steps() == []
 
 
+@pytest.mark.chaos
 def test_discard_after_drops_metrics_rows_past_the_resume_point(tmp_path):
     """Probe: after a resume at step 4, metrics.jsonl held step 5 twice (the dead attempt's and the new)."""
     import json

@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
 from prime_rl.common.weight_checksum import write_checksums
@@ -64,6 +65,7 @@ def _controller(engine: FakeEngine, model_dir: str | None) -> Controller:
     return Controller(engine, manifest, model_name="m", run_id="abc", model_dir=model_dir)
 
 
+@pytest.mark.chaos
 def test_failed_load_restores_the_previous_weights_before_resuming(tmp_path, caplog):
     good, bad = _step(tmp_path, 1), _step(tmp_path, 2)
     engine = FakeEngine(fail_paths={bad})
@@ -107,6 +109,7 @@ def test_health_reports_a_failed_restore_until_an_update_succeeds(tmp_path):
     assert ok.ok and healed.ok and healed.weight_version == 3 and healed.error == ""
 
 
+@pytest.mark.chaos
 def test_unverifiable_data_never_reaches_the_engine(tmp_path):
     path = _step(tmp_path, 4)
     file = tmp_path / "step_4" / "model.safetensors"
@@ -130,6 +133,7 @@ def test_pause_and_resume_are_logged_with_their_origin(caplog):
     assert "ResumeRequest from 192.168.1.9" in caplog.text
 
 
+@pytest.mark.chaos
 def test_heartbeat_reports_a_client_pause_with_its_deadline(tmp_path):
     """Probe: one PauseRequest froze a run silently. The server now reports who paused it and for how long
     that may last; the launcher's watchdog ends the run past ``weights.max_pause``."""
@@ -168,6 +172,7 @@ def test_health_of_an_engine_that_does_not_answer_is_a_reply_not_a_traceback():
     assert not reply.ok and "does not answer" in reply.error and reply.run_id == "abc"
 
 
+@pytest.mark.chaos
 def test_heartbeat_reports_an_engine_core_that_stops_answering(tmp_path):
     """A stopped / wedged engine core (the API process still alive) is reported at once as overdue."""
     from prime_rl.common.heartbeat import Heartbeat, read_beats
@@ -199,6 +204,7 @@ def test_heartbeat_reports_an_engine_core_that_stops_answering(tmp_path):
     assert dead.phase == "engine errored" and dead.overdue_s(now=dead.time) >= 0
 
 
+@pytest.mark.chaos
 def test_a_random_bytes_weight_file_is_refused_naming_the_file_the_check_and_the_serving_version(tmp_path):
     """Probe: the reply was "OverflowError: cannot fit 'int' into an index-sized integer" with weight_version=0
     while version 27 served."""

@@ -23,6 +23,7 @@ def _client(monkeypatch, key: str | None) -> TestClient:
     return TestClient(app)
 
 
+@pytest.mark.chaos
 def test_every_route_but_liveness_and_metrics_needs_the_key(monkeypatch):
     client = _client(monkeypatch, "s3cret")
     for path in ("/tokenize", "/detokenize", "/invocations", "/v1/models", "/anything"):

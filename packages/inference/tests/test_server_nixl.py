@@ -18,7 +18,6 @@ import pytest
 
 from packages.inference.tests.test_server import (
     TOL,
-    free_port,
     health,
     hf_logprobs,
     max_diff,
@@ -26,6 +25,7 @@ from packages.inference.tests.test_server import (
     request,
     server_logprobs,
 )
+from prime_rl.common.net import free_port
 from prime_rl.common.wire import AwaitWeightsRequest, NixlWeightsRequest
 from prime_rl.inference.testing import start_server, stop_server
 

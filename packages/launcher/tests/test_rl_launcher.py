@@ -1,5 +1,6 @@
 """`rl` without starting anything heavy: config validation, dry run, GPU placement, side-by-side runs."""
 
+import json
 import subprocess
 import sys
 import time
@@ -112,6 +113,53 @@ def test_two_runs_side_by_side_do_not_collide(model_dir):
     assert b.orchestrator.model.client.base_url == "http://localhost:8001/v1"
 
 
+_RESOLVE_AND_HOLD = """
+import json, sys
+from prime_rl.common.config import load_config
+from prime_rl.common.config.rl import RLConfig
+from prime_rl.launcher.rl import resolve
+cfg = load_config(RLConfig, sys.argv[1:])
+resolve(cfg)
+wb = cfg.trainer.weight_broadcast
+print(json.dumps([*range(cfg.orchestrator.trainer.port, cfg.orchestrator.trainer.port + 2),
+                  cfg.orchestrator.trainer.weights_port, wb.port]), flush=True)
+sys.stdin.read()  # hold the reservation, as a running launcher does, until the test closes stdin
+"""
+
+
+@pytest.mark.chaos
+def test_two_launches_at_the_same_second_reserve_disjoint_ports(model_dir, tmp_path):
+    """Probe (issue 35): the launcher took internal ports with free_port() from the ephemeral range and a
+    child bound them seconds later, so two launches at once could take the same port. Two launchers of the
+    *same* run directory (same derived offset: the worst case) resolve at once; while both are alive, their
+    batch ports (2 ranks), announcement and broadcast ports are disjoint and above the ephemeral range."""
+    from prime_rl.common.net import reserved_port_range
+
+    args = ["--model.name", str(model_dir), "--output-dir", str(tmp_path), "--run.name", "same",
+            "--deployment.num-train-gpus", "2", "--trainer.weight-broadcast.type", "nccl"]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RESOLVE_AND_HOLD, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    try:
+        ports = [json.loads(p.stdout.readline() or "null") for p in procs]
+        assert all(ports), [p.stderr.read() for p in procs if p.poll() is not None]
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=30)
+    a, b = (set(x) for x in ports)
+    assert len(a) == len(b) == 4 and not a & b, ports
+    low, high = reserved_port_range()
+    assert all(low <= port < high for port in a | b)
+
+
 def test_scaling_page_placement_flags_parse(model_dir):
     cfg = load_config(
         RLConfig,
@@ -187,6 +235,7 @@ def test_help_is_grouped_and_shows_required_fields():
     assert '--deployment.type {single_node,multi_node}  (default: "single_node")' in out.stdout
 
 
+@pytest.mark.chaos
 def test_inference_is_ready_only_for_its_own_run(model_dir, tmp_path):
     """Probe: a second run on the same port was declared ready against the first run's server."""
     import http.server
@@ -235,6 +284,7 @@ def test_inference_is_ready_only_for_its_own_run(model_dir, tmp_path):
         control.close()
 
 
+@pytest.mark.chaos
 def test_status_is_final_when_the_launcher_is_stopped(model_dir, tmp_path):
     """Probe: STATUS stayed "running" after the launcher died. Also: the run secret is private."""
     import json

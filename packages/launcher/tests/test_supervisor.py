@@ -45,6 +45,7 @@ def _wait_for(path: Path, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.chaos
 def test_failing_process_stops_all_and_is_named(tmp_path, caplog):
     pidfile = tmp_path / "grandchild.pid"
     crash = "import time, os; time.sleep(1.0); print('boom'); os._exit(3)"
@@ -113,6 +114,7 @@ def test_processes_the_host_ran_before_the_job_are_not_the_jobs(tmp_path):
             os.kill(host_grandchild, signal.SIGKILL)
 
 
+@pytest.mark.chaos
 def test_ctrl_c_stops_everything(tmp_path):
     """SIGINT to a launcher process: it exits 130 and its components (and their children) are gone."""
     pidfile = tmp_path / "grandchild.pid"
@@ -137,6 +139,7 @@ def test_ctrl_c_stops_everything(tmp_path):
     assert not _alive(grandchild)
 
 
+@pytest.mark.chaos
 def test_killed_launcher_leaves_no_orphans(tmp_path):
     """Even SIGKILL on the launcher takes its children down (parent-death signal)."""
     pidfile = tmp_path / "grandchild.pid"
@@ -183,6 +186,7 @@ AGENT = textwrap.dedent(
 )
 
 
+@pytest.mark.chaos
 def test_sigkilled_torchrun_agent_takes_its_ranks_down(tmp_path):
     """Probe: SIGKILL of the torchrun agent left the rank training after the launcher reported failure."""
     pidfile = tmp_path / "agent.pid"
@@ -229,6 +233,7 @@ SHM_OWNER = textwrap.dedent(
 )
 
 
+@pytest.mark.chaos
 def test_shared_memory_of_a_killed_engine_is_released(tmp_path):
     """Probe: each SIGKILL of the inference server leaked vLLM shared-memory segments."""
     if not Path("/dev/shm").is_dir():
@@ -265,6 +270,7 @@ STUCK_RANK = textwrap.dedent(
 )
 
 
+@pytest.mark.chaos
 def test_watchdog_stops_a_stuck_rank_in_seconds_naming_it(tmp_path, caplog):
     """Probe: a stuck rank hung the run forever (exits only after 1800-3600 s timeouts)."""
     beats, rank_log = tmp_path / "heartbeats", tmp_path / "1.log"
@@ -316,6 +322,7 @@ def _write_beat(directory: Path, component: str, rank: int, phase: str, age_s: f
     (directory / f"{component}-{rank}.json").write_text(json.dumps(asdict(beat)))
 
 
+@pytest.mark.chaos
 def test_verdict_names_the_stalled_process_not_the_one_waiting_on_it(tmp_path):
     """Probe: for a hanging reward the verdict named the trainer's 'step' (only waiting for the batch; it entered
     its phase first, so it is overdue first) and listed the orchestrator's 'rollouts' last. The orchestrator, a

@@ -103,3 +103,27 @@ def test_balance_requires_even_split():
     assert sorted(map(len, balance_across_ranks([5, 1, 4, 2], 2))) == [2, 2]
     with pytest.raises(ValueError, match="pad first"):
         balance_across_ranks([1, 2, 3], 2)
+
+
+def test_a_step_collects_its_groups_in_draw_order_not_completion_order():
+    """Probe (issue 35): a resumed run's grad_norm differed by 1.2e-3 relative from the uninterrupted run's:
+    groups were packed in the order they completed, which depends on timing, and the trainer's float sums
+    follow the packing. Collected in draw order, the same groups always pack into the same rows."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from prime_rl.orchestrator.orchestrator import Orchestrator
+    from prime_rl.orchestrator.rollout import Group
+
+    completed = [Group({}, [1], [], [], 0, task_index=i) for i in (2, 0, 3, 1)]  # completion order
+
+    async def get():
+        return completed.pop(0)
+
+    fake = SimpleNamespace(
+        config=SimpleNamespace(groups_per_step=4),
+        scheduler=SimpleNamespace(get=get),
+        off_policy=SimpleNamespace(accept=lambda group, step: True),
+    )
+    groups = asyncio.run(Orchestrator.collect(fake, 1))
+    assert [g.task_index for g in groups] == [0, 1, 2, 3]

@@ -115,6 +115,7 @@ def test_write_status_round_trip(tmp_path: Path) -> None:
         write_status(run, "exploded")
 
 
+@pytest.mark.chaos
 def test_running_status_of_a_vanished_launcher_reads_failed(tmp_path: Path) -> None:
     """Probe: STATUS stayed "running" after the launcher was SIGKILLed."""
     import socket
@@ -150,6 +151,7 @@ def test_a_running_status_whose_pid_was_reused_reads_failed(tmp_path: Path) -> N
     assert state == "failed" and "is gone" in reason
 
 
+@pytest.mark.chaos
 def test_the_dead_launchers_attempt_status_is_settled_as_failed(tmp_path: Path) -> None:
     """Probe: a SIGKILLed launcher left attempt_N/STATUS at "running" for every reader that reads the file."""
     import json

@@ -1,7 +1,12 @@
 """Local networking helpers shared by launchers, trainers, tests and benchmarks."""
 
+import fcntl
+import hashlib
+import os
 import random
 import socket
+from dataclasses import dataclass, field
+from pathlib import Path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -31,3 +36,90 @@ def free_port_range(count: int, low: int, high: int, host: str = "127.0.0.1") ->
             for s in sockets:
                 s.close()
     raise RuntimeError(f"no {count} consecutive free ports in {low}-{high - 1}")
+
+
+# Ports a launcher reserves for one run. `free_port()` answers from the ephemeral range, which the kernel
+# hands to any process's outgoing connection, and the port is only bound seconds later by a child: two
+# launches at once, or one busy machine, took the same port (issue 35). Reserved ports come from above the
+# ephemeral range (never given out by the kernel), start at an offset derived from the run, and each is
+# held by an flock on `<lock_dir>/<port>` for as long as the reserving process lives, so a second launcher
+# skips it. The lock dies with the process that held it: a crashed launcher leaves no stale reservation.
+PORT_LOCK_DIR = Path(os.environ.get("TMPDIR") or "/tmp") / "prime-rl-ports"
+_EPHEMERAL_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def reserved_port_range() -> tuple[int, int]:
+    """[low, high) of the ports a launcher reserves: above the kernel's ephemeral range when at least 1024
+    ports remain there (61000-65535 with Linux's default 32768-60999), else the 1024+ ports below it."""
+    try:
+        eph_low, eph_high = (int(x) for x in _EPHEMERAL_FILE.read_text().split())
+    except (OSError, ValueError):
+        eph_low, eph_high = 32768, 60999
+    if 65536 - (eph_high + 1) >= 1024:
+        return eph_high + 1, 65536
+    return max(1024, eph_low - 8192), eph_low
+
+
+@dataclass
+class PortLease:
+    """``count`` consecutive ports from ``base``, held (flock) until ``release()`` or the process exits."""
+
+    base: int
+    count: int
+    _locks: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def ports(self) -> list[int]:
+        return list(range(self.base, self.base + self.count))
+
+    def release(self) -> None:
+        for fd in self._locks:
+            os.close(fd)
+        self._locks.clear()
+
+
+def _lock_port(lock_dir: Path, port: int) -> int | None:
+    try:  # read-only is enough for flock, and opens a file another user created
+        fd = os.open(lock_dir / str(port), os.O_RDONLY | os.O_CREAT, 0o666)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def reserve_ports(
+    count: int, key: str, host: str = "127.0.0.1", lock_dir: Path | None = None, span: tuple[int, int] | None = None
+) -> PortLease:
+    """``count`` consecutive ports, locked for this process and free to bind on `host` now. The search starts
+    at an offset derived from ``key`` (the run directory) and walks the range; ports another live process
+    has locked, or that do not bind, are skipped. Keep the lease referenced: closing it frees the ports."""
+    lock_dir = lock_dir or PORT_LOCK_DIR
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        lock_dir.chmod(0o1777)  # shared by every user's launchers, like /tmp
+    except OSError:
+        pass
+    low, high = span or reserved_port_range()
+    slots = high - low - count + 1
+    start = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % slots
+    for step in range(slots):
+        base = low + (start + step) % slots
+        lease = PortLease(base, count)
+        for port in lease.ports:
+            fd = _lock_port(lock_dir, port)
+            if fd is None:
+                break
+            lease._locks.append(fd)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    break
+        else:
+            return lease
+        lease.release()
+    raise RuntimeError(f"no {count} consecutive ports free and unreserved in {low}-{high - 1} (locks in {lock_dir})")

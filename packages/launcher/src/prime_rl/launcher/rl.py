@@ -7,8 +7,9 @@ Placement: GPUs come from CUDA_VISIBLE_DEVICES (or every GPU nvidia-smi lists) i
 runs on the CPU and the trainer runs `num_train_gpus` gloo processes.
 
 Ports: the ports users set (`inference.server.port`, its control port) are kept; the internal ones
-nobody set (the orchestrator's batch port, torchrun's rendezvous, the broadcast group) are picked
-free at launch, so two runs side by side need only different inference ports and run names.
+nobody set (the orchestrator's batch ports, the weight announcements, the broadcast group) are reserved
+at launch above the ephemeral range and locked for the launcher's lifetime, and torchrun's store binds
+port 0 itself, so two runs side by side need only different inference ports and run names.
 
 Closed control plane: the launcher writes the run secret (`<run_dir>/control.secret`, 0600) and hands
 it to every process through PRIME_RL_SECRET_FILE, so every ZeroMQ socket of the run (control, batches,
@@ -43,7 +44,7 @@ from prime_rl.common.env import (
     STDOUT_IS_LOG_ENV,
     TRAINER_LOG_DIR_ENV,
 )
-from prime_rl.common.net import free_port
+from prime_rl.common.net import PortLease, reserve_ports
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.vllm_compat import installed_vllm_version, unsupported_reason
 from prime_rl.common.weight_checksum import safetensors_layout
@@ -196,21 +197,35 @@ def served_dtype(cfg: RLConfig) -> str:
 
 
 def resolve(cfg: RLConfig) -> None:
-    """Fill what depends on this machine: free internal ports and the published weights' dtype."""
+    """Fill what depends on this machine: internal ports and the published weights' dtype.
+
+    Internal ports nobody set are reserved, not merely seen free: taken above the ephemeral range (the
+    kernel never hands them to an outgoing connection) and locked for this process's lifetime, so a second
+    launcher started the same second picks others (`prime_rl.common.net.reserve_ports`)."""
+    key = str(Path(cfg.output_dir).resolve() / cfg.run.name)
     if "port" not in cfg.orchestrator.trainer.model_fields_set:
-        cfg.orchestrator.trainer.port = _free_port_block(cfg.deployment.num_train_gpus)
+        cfg.orchestrator.trainer.port = _reserve(cfg.deployment.num_train_gpus, key)  # one socket per rank
         cfg.trainer.data.port = cfg.orchestrator.trainer.port
     wb = cfg.trainer.weight_broadcast
     if wb.type in ("nccl", "nixl") and "port" not in wb.model_fields_set:
-        wb.port = free_port()
+        wb.port = _reserve(1, key)
     endpoint = cfg.orchestrator.trainer
     if "weights_port" not in endpoint.model_fields_set:  # the trainer's version announcements
         derived = wb.announce == f"tcp://127.0.0.1:{endpoint.weights_port}"
-        endpoint.weights_port = free_port()
+        endpoint.weights_port = _reserve(1, key)
         if derived:
             wb.announce = f"tcp://127.0.0.1:{endpoint.weights_port}"
     if "dtype" not in wb.model_fields_set:
         wb.dtype = served_dtype(cfg)
+
+
+_LEASES: list[PortLease] = []  # held for the launcher's lifetime: a closed lease frees its ports
+
+
+def _reserve(count: int, key: str) -> int:
+    lease = reserve_ports(count, key)
+    _LEASES.append(lease)
+    return lease.base
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -270,25 +285,6 @@ def resolve_resume(cfg: RLConfig, run_dir: RunDir) -> int | None:
     cfg.trainer.ckpt.resume_step = step
     cfg.orchestrator.ckpt.resume_step = step
     return step
-
-
-def _free_port_block(n: int) -> int:
-    """A base port such that base .. base + n - 1 are free now (one batch socket per trainer rank)."""
-    for _ in range(100):
-        base = free_port()
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no block of {n} free ports found")
 
 
 def write_configs(cfg: RLConfig, run_dir: RunDir) -> dict[str, Path]:

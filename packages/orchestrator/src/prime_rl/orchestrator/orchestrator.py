@@ -258,7 +258,9 @@ class Orchestrator:
             group = await self.scheduler.get()
             if self.off_policy.accept(group, step):
                 groups.append(group)
-        return groups
+        # In draw order, not completion order: the same groups pack into the same rows and the trainer sums
+        # in the same order, so a resumed (or repeated) run's trainer metrics match bit for bit.
+        return sorted(groups, key=lambda g: g.task_index)
 
     async def run_step(self) -> StepResult:
         step, cfg = self.step, self.config

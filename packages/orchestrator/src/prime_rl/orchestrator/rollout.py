@@ -72,6 +72,9 @@ class Group:
     """Per completion, per token: added to its advantage (distillation); empty = none."""
     length_penalties: list[float] = field(default_factory=list)
     """Per completion: the overlong penalty subtracted from its reward before the baseline; empty = off."""
+    task_index: int = -1
+    """The scheduler's draw order (tasks drawn before this one): a step's batch is ordered by it, not by
+    completion, so packing and the trainer's float sums do not depend on timing."""
 
     def samples(self) -> list[Sample]:
         if len(self.advantages) != len(self.completions):

@@ -264,6 +264,7 @@ class RolloutScheduler:
             advantages=[float(a) for a in advantages],
             token_advantages=token_advantages,
             length_penalties=[float(p) for p in penalties] if adv.overlong_window > 0 else [],
+            task_index=task_index,
         )
 
 

@@ -1,0 +1,67 @@
+"""Port reservation for launchers: disjoint between live processes, outside the ephemeral range, freed on death."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from prime_rl.common.net import reserve_ports, reserved_port_range
+
+pytestmark = pytest.mark.chaos
+
+_HOLD = """
+import sys
+from pathlib import Path
+from prime_rl.common.net import reserve_ports
+lease = reserve_ports(int(sys.argv[2]), "same-run", lock_dir=Path(sys.argv[1]))
+print(lease.base, flush=True)
+sys.stdin.read()
+"""
+
+
+def _holder(lock_dir, count):
+    return subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(lock_dir), str(count)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_range_is_outside_the_ephemeral_one():
+    low, high = reserved_port_range()
+    eph_low, eph_high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    assert high <= eph_low or low > eph_high
+    assert high - low >= 1024
+
+
+def test_two_processes_with_the_same_key_at_once_get_disjoint_blocks(tmp_path):
+    procs = [_holder(tmp_path, 3) for _ in range(2)]
+    try:
+        bases = [int(p.stdout.readline() or -1) for p in procs]
+        assert -1 not in bases, [p.stderr.read() for p in procs]
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=30)
+    a, b = (set(range(base, base + 3)) for base in bases)
+    assert not a & b, bases
+
+
+def test_a_dead_holder_frees_its_ports_and_a_bound_port_is_skipped(tmp_path):
+    first = reserve_ports(1, "k", lock_dir=tmp_path)
+    held = reserve_ports(1, "k", lock_dir=tmp_path)
+    assert held.base != first.base  # same start, first is locked
+    first.release()
+    again = reserve_ports(1, "k", lock_dir=tmp_path)
+    assert again.base == first.base  # the lock died with its holder
+    again.release()
+    with socket.socket() as s:  # a port some other program listens on, unlocked: skipped
+        s.bind(("127.0.0.1", first.base))
+        s.listen()
+        other = reserve_ports(1, "k", lock_dir=tmp_path)
+        assert other.base not in (first.base, held.base)
+    proc = _holder(tmp_path, 1)  # a process that dies (killed) without releasing
+    base = int(proc.stdout.readline())
+    proc.kill()
+    proc.wait()
+    assert reserve_ports(1, "k", lock_dir=tmp_path, span=(base, base + 1)).base == base
