@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -378,6 +379,14 @@ def submit_slurm(run_dir: RunDir, configs: dict[str, Path], dry_run: bool) -> in
     return subprocess.call(cmd)
 
 
+class StoppedBeforeStart(SystemExit):
+    """SIGINT / SIGTERM while the launcher was still building its processes (code 128 + the signal)."""
+
+
+def _stopped_before_start(signum: int, _frame) -> None:
+    raise StoppedBeforeStart(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S")
     cfg = parse_config(RLConfig, argv, prog="rl", check=check_run)
@@ -432,6 +441,10 @@ def main(argv: list[str] | None = None) -> None:
     heartbeat_dir = run_dir.root / "heartbeats"
     os.environ[HEARTBEAT_DIR_ENV] = str(heartbeat_dir)
     os.environ[STALL_TIMEOUT_ENV] = str(cfg.stall_timeout)
+    # A stop signal before the supervisor takes the signals over ends the launcher the same way (exit 128 + n,
+    # final STATUS): the default action killed it outright and left STATUS at "running".
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _stopped_before_start)
     write_status(run_dir.root, "running", pid=os.getpid(), host=socket.gethostname())
     rc, reason = 1, "the launcher failed before the run ended"
     try:
@@ -439,6 +452,8 @@ def main(argv: list[str] | None = None) -> None:
         supervisor = Supervisor(components, heartbeat_dir=heartbeat_dir)
         rc = supervisor.run()
         reason = "" if rc == 0 else supervisor.reason or f"exit code {rc}"
+    except StoppedBeforeStart as e:
+        rc, reason = e.code, f"stopped by {signal.Signals(e.code - 128).name} before the processes started"
     except BaseException as e:  # every exit path leaves a final STATUS, whatever ended the launcher
         reason = f"launcher error: {type(e).__name__}: {e}"
         raise
