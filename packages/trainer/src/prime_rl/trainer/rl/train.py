@@ -11,6 +11,13 @@ with policy versions >= s - max_off_policy_steps) the weights are published as p
 (`prime_rl.trainer.rl.publish`: filesystem in the background, nccl, nixl) and metrics.jsonl gets loss,
 entropy, mismatch_kl, masked fractions, throughput (real tokens, padding excluded; `perf/padding_fraction` is
 the share of computed positions that were padding), MFU, peak memory, publish and wall time at step s + 1.
+
+Context parallelism (`model.cp`): the orchestrator sends per data-parallel group; the group's cp rank 0
+receives and broadcasts the rows (`prime_rl.trainer.rl.data.ContextParallelSource`), every cp rank builds the
+same forwards and trains on its contiguous 1/cp slice of each. Per-sample quantities (sample ids, a sample's
+loss tokens for norm = "sequence", the sample count) come from the whole forward before slicing, GSPO's
+per-sample log-ratio sums are all-reduced over the cp group (`prime_rl.trainer.rl.loss`), and every metric
+sums each token on the one rank that holds it.
 """
 
 from __future__ import annotations
