@@ -184,7 +184,7 @@ def test_shared_ckpt_resumes_trainer_and_orchestrator_together(model_dir):
         (["--trainer.model.cp", "7"], "rl: error: trainer.model.cp=7 must divide the 1 rank of an FSDP island"),
         (["--trainer.model.cp", "3", "--deployment.num-train-gpus", "3"], "num_attention_heads=4; use 1, 2 or 4"),
         (["--trainer.model.dp-replicate", "2"], "deployment.num_train_gpus=1 must be divisible by"),
-        (["--trainer.model.cp", "2", "--deployment.num-train-gpus", "2"], "not supported yet"),
+        (["--trainer.model.cp", "2", "--deployment.num-train-gpus", "3"], "trainer.model.cp=2 must divide the 3 ranks"),
     ],
 )
 def test_dry_run_refuses_a_layout_the_trainer_would_refuse(model_dir, tmp_path, flags, message):
@@ -192,6 +192,16 @@ def test_dry_run_refuses_a_layout_the_trainer_would_refuse(model_dir, tmp_path, 
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert message in out.stderr and "from --trainer.model." in out.stderr
     assert not (tmp_path / "rl" / "configs").exists()
+
+
+def test_context_parallel_rl_sends_per_data_parallel_group(model_dir, tmp_path):
+    """cp=2 on 4 trainer ranks: the orchestrator packs for 2 data-parallel groups (one socket each)."""
+    out = _rl("--model.name", str(model_dir), "--output-dir", str(tmp_path), "--trainer.model.cp", "2",
+              "--deployment.num-train-gpus", "4", "--dry-run")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    cfg = load_config(RLConfig, ["--model.name", str(model_dir), "--trainer.model.cp", "2",
+                                 "--deployment.num-train-gpus", "4"])  # fmt: skip
+    assert cfg.orchestrator.num_train_ranks == 2
 
 
 def test_dry_run_warns_about_ep_on_a_dense_model_and_a_missing_model_is_an_error(model_dir, tmp_path):

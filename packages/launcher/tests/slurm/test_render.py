@@ -522,3 +522,10 @@ def test_pd_bad_input_is_one_line_exit_2(tmp_path: Path, capsys, kind: str, pd: 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "out" / "r" / "launcher").exists()
+
+
+def test_rl_with_context_parallelism_sends_per_data_parallel_group(tmp_path: Path) -> None:
+    """cp=2 on 2 nodes x 2 GPUs: the orchestrator packs for the 2 data-parallel groups (one socket each)."""
+    cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 1\nnum_train_nodes = 2\ngpus_per_node = 2")
+    launcher = dry_run(cfg, "--trainer.model.cp", "2")
+    assert "--num-train-ranks 2 " in (launcher / "rl.sbatch").read_text()

@@ -5,7 +5,12 @@ temperatures), then for each loss variant runs one `RLObjective.forward_backward
 through `TokenBudgetSource` and saves, on rank 0, the step's statistics and the full gradients. Rank r of a
 world of W takes rows r, r + W, ...; `budget` "None" is the row-by-row path.
 
-argv: policy_dir, reference_dir, out.pt, budget ("None" or tokens), "broken" to break sample boundaries.
+Context parallelism ("cp=N"): the cp ranks of a data-parallel group get their rows through
+`ContextParallelSource` (cp rank 0 holds them, the others receive its broadcast), data-parallel group d takes
+rows d, d + dp, ...; the variant "sequence_no_cp_sum" drops the all-reduce of the per-sample sums (a control).
+
+argv: policy_dir, reference_dir, out.pt, budget ("None" or tokens), then "broken" to break sample boundaries
+and/or "cp=N".
 """
 
 import sys
@@ -19,7 +24,7 @@ from prime_rl.trainer.loop import to_host
 from prime_rl.trainer.model import build_training_model
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.rl.batching import TokenBudgetSource, build_forwards
-from prime_rl.trainer.rl.data import from_arrays
+from prime_rl.trainer.rl.data import ContextParallelSource, from_arrays
 from prime_rl.trainer.rl.loss import LossSettings
 from prime_rl.trainer.rl.train import RLObjective
 from prime_rl.trainer.world import close_world, exit_rank, init_world
@@ -72,12 +77,28 @@ class ListSource:
         pass
 
 
-def main(policy_dir: str, reference_dir: str, out: str, budget: str, broken: bool) -> None:
+def straddling(forwards: list, cp: int) -> int:
+    """Slice boundaries that fall inside a sample with loss tokens on both sides."""
+    count = 0
+    for mb in forwards:
+        ids, size = mb.sample_ids(), mb.input_ids.shape[-1] // cp
+        for b in range(size, mb.input_ids.shape[-1], size):
+            same = ids == ids[b]
+            if ids[b - 1] == ids[b] and mb.loss_mask[:b][same[:b]].any() and mb.loss_mask[b:][same[b:]].any():
+                count += 1
+    return count
+
+
+def main(policy_dir: str, reference_dir: str, out: str, budget: str, broken: bool, cp: int = 1) -> None:
     world = init_world()
-    dims = ParallelDims.from_world(world.world_size, 1)
+    dims = ParallelDims(dp_replicate=1, dp_shard=world.world_size, world_size=world.world_size, cp=cp)
     mesh = dims.build_mesh("cpu")
-    rows = make_rows()[world.rank :: world.world_size]
-    source = TokenBudgetSource(ListSource(rows), None if budget == "None" else int(budget))
+    dp_rank, cp_rank = dims.dp_rank(world.rank), dims.cp_rank(world.rank)
+    rows = make_rows()[dp_rank :: dims.dp]
+    inner = ListSource(rows)
+    if dims.cp_enabled:  # only cp rank 0 holds the rows, as only it has the orchestrator's socket
+        inner = ContextParallelSource(lambda: ListSource(rows), cp_rank, cp, timeout_s=60)
+    source = TokenBudgetSource(inner, None if budget == "None" else int(budget), cp)
     forwards = source.get(0)
     local = len(build_forwards(rows, source.budget, source.multiple)) if source.budget else len(rows)
     if broken:  # control: one position run per forward, so attention crosses samples and rows
@@ -88,8 +109,12 @@ def main(policy_dir: str, reference_dir: str, out: str, budget: str, broken: boo
         "num_forwards": len(forwards),
         "local_forwards": local,
         "lengths": [mb.input_ids.shape[-1] for mb in forwards],
+        "straddling": straddling(forwards, cp),
     }
-    for name, (settings, norm, max_len, kl) in VARIANTS.items():
+    variants = dict(VARIANTS)
+    if dims.cp_enabled:
+        variants["sequence_no_cp_sum"] = VARIANTS["sequence"]
+    for name, (settings, norm, max_len, kl) in variants.items():
         torch.manual_seed(0)
         policy = build_training_model(ModelConfig(name=policy_dir, **plain), dims, mesh, world.device)
         ref = None
@@ -97,17 +122,21 @@ def main(policy_dir: str, reference_dir: str, out: str, budget: str, broken: boo
             ref = build_training_model(ModelConfig(name=reference_dir, **plain), dims, mesh, world.device)
             ref.requires_grad_(False)
         objective = RLObjective(dims, world, settings, norm, max_len, ref)
+        if name == "sequence_no_cp_sum":
+            objective.cp_group = None
         stats = to_host(objective.forward_backward(policy, forwards))
         grads = {
             n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
             for n, p in policy.named_parameters()
         }
         results[name] = {"stats": stats, "grads": grads}
-    torch.save(results if world.rank == 0 else {k: results[k] for k in ("num_forwards", "local_forwards")},
+    torch.save(results if world.rank == 0 else {k: results[k] for k in ("num_forwards", "local_forwards", "straddling")},
                out if world.rank == 0 else f"{out}.{world.rank}")  # fmt: skip
     close_world()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], len(sys.argv) > 5 and sys.argv[5] == "broken")
+    flags = sys.argv[5:]
+    cp = next((int(f.split("=")[1]) for f in flags if f.startswith("cp=")), 1)
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], "broken" in flags, cp)
     exit_rank(0)  # a finished rank skips interpreter finalization (see exit_rank)

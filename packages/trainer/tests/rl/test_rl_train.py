@@ -167,3 +167,66 @@ def test_gspo_with_kl_to_the_initial_weights(tiny_model, tmp_path):
     assert rows[0]["kl_ref"] == 0.0
     assert rows[-1]["kl_ref"] > 0.0
     assert rows[0]["loss/samples"] == 8  # 2 rows of 128 tokens in samples of 40: 4 samples per row
+
+
+def _orchestrator_batches(seq_len: int = 128, steps: int = 2):
+    """Two steps of one row each: samples of 40 + 50 + 38 tokens, so the second sample straddles the cp=2
+    slice boundary at position 64 with loss tokens on both sides."""
+    rng = np.random.default_rng(1)
+    out = []
+    for step in range(steps):
+        lengths = [40, 50, 38]
+        pos = np.concatenate([np.arange(n) for n in lengths])
+        mask = np.zeros(seq_len, bool)
+        for start, n in zip(np.cumsum([0, *lengths[:-1]]), lengths):
+            mask[start + 8 : start + n] = True  # an 8-token prompt, then the completion
+        adv = np.repeat(rng.normal(size=3), lengths).astype(np.float32)
+        out.append(build_training_batch(
+            step, step, [dict(input_ids=rng.integers(0, 200, seq_len), position_ids=pos, loss_mask=mask,
+                              advantages=adv, inference_logprobs=rng.normal(-5.5, 0.2, seq_len))],
+            temperature=1.0, metrics={},
+        ))  # fmt: skip
+    return out
+
+
+def _serve(port: int, batches) -> threading.Thread:
+    def send():
+        with Sender(f"tcp://127.0.0.1:{port}", bind=True, timeout_s=180) as sender:
+            for batch, arrays in batches:
+                sender.send(batch, arrays)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_context_parallel_on_orchestrator_batches(tiny_model, tmp_path):
+    """cp=2 on 2 ranks fed by one orchestrator socket (cp rank 0 receives, broadcasts) trains GSPO with
+    norm = "sequence" on samples cut by the slice boundary like one process on the same batches: per-step
+    loss, sample count and gradient norm (the second step after an optimizer step on both)."""
+    common = ["--model.name", str(tiny_model), "--output-dir", str(tmp_path), "--max-steps", "2",
+              "--weight-broadcast.dtype", "float32", "--model.reduce-dtype", "float32", "--data.seq-len", "128",
+              "--loss.type", "sequence", "--loss.sequence-mask-low", "0.01", "--loss.sequence-mask-high", "100",
+              "--optim.lr", "1e-3"]  # fmt: skip
+    port = 29631
+    thread = _serve(port, _orchestrator_batches())
+    one = _run_trainer([*common, "--run-name", "cp1", "--data.port", str(port)])
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    thread.join(timeout=10)
+    thread = _serve(port + 1, _orchestrator_batches())
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "prime_rl.trainer.rl.train", *common, "--run-name", "cp2", "--model.cp", "2",
+         "--data.port", str(port + 1)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    thread.join(timeout=10)
+    ref, got = _metrics(tmp_path / "cp1"), _metrics(tmp_path / "cp2")
+    assert [r["step"] for r in got] == [1, 2]
+    assert all(r["loss/mean"] != 0 and r["optim/grad_norm"] > 0 for r in ref)  # no sample masked out
+    for a, b in zip(ref, got):
+        assert b["loss/samples"] == a["loss/samples"] == 3 and b["loss/tokens"] == a["loss/tokens"]
+        assert b["loss/mean"] == pytest.approx(a["loss/mean"], rel=1e-2, abs=1e-5)
+        assert b["mismatch_kl"] == pytest.approx(a["mismatch_kl"], rel=1e-2)
+        assert b["optim/grad_norm"] == pytest.approx(a["optim/grad_norm"], rel=2e-2)

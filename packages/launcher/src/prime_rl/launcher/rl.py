@@ -174,13 +174,6 @@ def check_run(cfg: RLConfig) -> None:
     pd = cfg.inference.disaggregated
     if pd is not None and (error := unknown_kv_connector(pd, "inference.deployment.kv_connector")) is not None:
         raise ConfigError(error, keys=["inference.deployment.kv_connector"])
-    if cfg.trainer.model.cp > 1:
-        raise ConfigError(
-            f"trainer.model.cp={cfg.trainer.model.cp}: context parallelism with orchestrator data is not supported "
-            "yet (each orchestrator socket feeds one rank); use cp=1 for rl, or benchmark cp with "
-            "`trainer --data.fake`",
-            keys=["trainer.model.cp"],
-        )
 
 
 def served_dtype(cfg: RLConfig) -> str:

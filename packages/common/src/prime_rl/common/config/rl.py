@@ -184,7 +184,11 @@ class RLConfig(BaseConfig):
         self.trainer.data.host = "127.0.0.1"
         self.trainer.data.port = self.orchestrator.trainer.port
         if isinstance(self.deployment, SingleNodeDeployment):
-            self.orchestrator.num_train_ranks = self.deployment.num_train_gpus
+            # the orchestrator sends per data-parallel group: the cp ranks of a group share its socket (their
+            # cp rank 0 receives and broadcasts); a cp that does not divide the ranks is refused by check_layout
+            cp = self.trainer.model.cp
+            gpus = self.deployment.num_train_gpus
+            self.orchestrator.num_train_ranks = gpus // cp if gpus % cp == 0 else gpus
             if self.deployment.num_train_gpus % self.trainer.model.dp_replicate:
                 raise ValueError(
                     f"deployment.num_train_gpus={self.deployment.num_train_gpus} must be divisible by "

@@ -66,6 +66,8 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "num_train_nodes": num_train,
         "num_infer_nodes": num_infer,
         "gpus_per_node": job.deployment.gpus_per_node,
+        # the orchestrator sends per data-parallel group: the cp ranks of a group share one socket
+        "train_cp": getattr(getattr(getattr(job.config, "trainer", None), "model", None), "cp", 1),
         "project_dir": str(project_dir()),
         "workdir": str(Path.cwd()),  # relative paths in the configs mean what they meant at submission
         "python": python,

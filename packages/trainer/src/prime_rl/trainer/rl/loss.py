@@ -26,6 +26,13 @@ KL(p || ref) on samples of p: k1 = ``logp - logref``, k3 = ``exp(logref - logp) 
 
 ``mismatch_kl`` is the k3 estimator of KL(q || p) on loss tokens, ``E_q[r - 1 - log r]`` with
 ``r = p/q``: >= 0, unbiased, and ~0 when trainer and inference agree.
+
+Context parallelism: each cp rank holds a contiguous slice of the forward, and a sample may straddle the
+slice boundary. Everything per token is local. The sequence ratio needs the sample's whole mean: the
+per-sample sums of the log-ratio and of the loss tokens are all-reduced over ``cp_group`` with an
+autograd all-reduce (its backward all-reduces the gradient, so a token's logprob receives the gradient of
+the sample's tokens on every slice). ``sample_ids`` index samples of the whole forward (the same ids on
+every cp rank) and ``num_segments`` sizes the per-sample arrays identically on every cp rank.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -51,9 +59,9 @@ class LossSettings:
     """Estimator of KL(policy || reference) per token."""
 
 
-def segment_sum(values: Tensor, sample_ids: Tensor) -> Tensor:
-    """(T,) values, (T,) sample index -> (T,) per-sample sums (index = sample; sized T: no host sync)."""
-    return torch.zeros_like(values).index_add(0, sample_ids, values)
+def segment_sum(values: Tensor, sample_ids: Tensor, size: int | None = None) -> Tensor:
+    """(T,) values, (T,) sample index -> (size,) per-sample sums (index = sample; default size T: no host sync)."""
+    return values.new_zeros(values.shape[0] if size is None else size).index_add(0, sample_ids, values)
 
 
 def kl_to_reference(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
@@ -75,6 +83,8 @@ def rl_loss(
     weights: Tensor | None = None,  # (T,) per-token normalization weight; None = 1
     sample_ids: Tensor | None = None,  # (T,) int64 sample index of each position (sequence ratio)
     ref_logprobs: Tensor | None = None,  # (T,) fp32 reference logprobs (KL term)
+    num_segments: int | None = None,  # size of the per-sample arrays (> every sample id); None = T
+    cp_group: dist.ProcessGroup | None = None,  # context parallelism: sum per-sample quantities over it
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Return the micro-batch's loss contribution ``sum_t keep_t w_t loss_t / loss_scale`` and summed stats."""
     log_ratio = logprobs - inference_logprobs  # (T,)
@@ -82,8 +92,14 @@ def rl_loss(
         if sample_ids is None:
             raise ValueError("the sequence-level ratio needs sample_ids (the sample index of every position)")
         masked_log_ratio = torch.where(loss_mask, log_ratio, torch.zeros_like(log_ratio))
-        n = segment_sum(loss_mask.to(log_ratio.dtype), sample_ids)  # (T,) loss tokens per sample
-        seq_log_ratio = segment_sum(masked_log_ratio, sample_ids) / n.clamp(min=1.0)
+        size = log_ratio.shape[0] if num_segments is None else num_segments
+        sums = segment_sum(masked_log_ratio, sample_ids, size)  # (S,) log-ratio sum per sample
+        n = segment_sum(loss_mask.to(log_ratio.dtype), sample_ids, size)  # (S,) loss tokens per sample
+        if cp_group is not None:  # whole samples across the slices; autograd: gradients are all-reduced back
+            from torch.distributed.nn.functional import all_reduce
+
+            sums, n = all_reduce(torch.cat([sums, n]), group=cp_group).split(size)
+        seq_log_ratio = sums / n.clamp(min=1.0)
         ratio = torch.exp(seq_log_ratio[sample_ids])  # (T,) s_i of each token's sample
     else:
         ratio = torch.exp(log_ratio)

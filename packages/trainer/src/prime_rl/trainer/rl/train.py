@@ -11,6 +11,13 @@ with policy versions >= s - max_off_policy_steps) the weights are published as p
 (`prime_rl.trainer.rl.publish`: filesystem in the background, nccl, nixl) and metrics.jsonl gets loss,
 entropy, mismatch_kl, masked fractions, throughput (real tokens, padding excluded; `perf/padding_fraction` is
 the share of computed positions that were padding), MFU, peak memory, publish and wall time at step s + 1.
+
+Context parallelism (`model.cp`): the orchestrator sends per data-parallel group; the group's cp rank 0
+receives and broadcasts the rows (`prime_rl.trainer.rl.data.ContextParallelSource`), every cp rank builds the
+same forwards and trains on its contiguous 1/cp slice of each. Per-sample quantities (sample ids, a sample's
+loss tokens for norm = "sequence", the sample count) come from the whole forward before slicing, GSPO's
+per-sample log-ratio sums are all-reduced over the cp group (`prime_rl.trainer.rl.loss`), and every metric
+sums each token on the one rank that holds it.
 """
 
 from __future__ import annotations
@@ -37,9 +44,10 @@ from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import PackedSeqs, load_model_config
 from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
+from prime_rl.trainer.parallel.context import shard_sequence
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
 from prime_rl.trainer.rl.batching import TokenBudgetSource
-from prime_rl.trainer.rl.data import FakeSource, OrchestratorSource, RLMicroBatch
+from prime_rl.trainer.rl.data import ContextParallelSource, FakeSource, OrchestratorSource, RLMicroBatch
 from prime_rl.trainer.rl.loss import LossSettings, rl_loss, segment_sum
 from prime_rl.trainer.rl.publish import build_publisher
 from prime_rl.trainer.sft.train import _setup_output, check_model_dir
@@ -65,6 +73,11 @@ class RLObjective:
     ):
         self.dims, self.world, self.settings = dims, world, settings
         self.norm, self.max_len, self.ref_model = norm, max_len, ref_model
+        # the sequence ratio sums per-sample log-ratios over the CP ranks of a sequence (created on every rank)
+        self.cp_group = None
+        if dims.cp_enabled and dist.is_initialized():
+            groups = [list(range(d * dims.cp, (d + 1) * dims.cp)) for d in range(world.world_size // dims.cp)]
+            self.cp_group, _ = dist.new_subgroups_by_enumeration(groups)
 
     def forward_backward(
         self, model: CausalLM, batches: list[RLMicroBatch], before_last: Callable[[], None] | None = None
@@ -74,10 +87,26 @@ class RLObjective:
         # tokens of samples (padding excluded) and positions computed; every CP rank sees the whole forward
         real = sum(mb.real_tokens for mb in batches) / dims.cp
         computed = sum(mb.input_ids.shape[-1] for mb in batches) / dims.cp
-        if dims.cp_enabled:  # each CP rank takes its contiguous slice of every micro-batch
-            batches = [mb.shard(dims.cp_rank(world.rank), dims.cp) for mb in batches]
-        # the step's global counts, from the CPU copies of the masks (no device sync)
-        local = [sum(mb.num_loss_tokens for mb in batches), sum(mb.num_loss_samples for mb in batches), real, computed]
+        # per-sample quantities from the whole forward (a CP slice may start or end inside a sample): sample
+        # ids of the forward, each position's sample's loss tokens, and samples with a loss token; then each
+        # CP rank takes its contiguous slice of every micro-batch and of these
+        cp_rank = dims.cp_rank(world.rank)
+        prepared = []
+        num_samples = 0
+        for mb in batches:
+            ids = mb.sample_ids()
+            per_sample = segment_sum(mb.loss_mask.double(), ids)
+            num_samples += int((per_sample > 0).sum())
+            sample_tokens = per_sample[ids].float()
+            if dims.cp_enabled:
+                mb, ids, sample_tokens = (
+                    mb.shard(cp_rank, dims.cp), shard_sequence(ids, cp_rank, dims.cp),
+                    shard_sequence(sample_tokens, cp_rank, dims.cp),
+                )  # fmt: skip
+            prepared.append((mb, ids, sample_tokens, per_sample.shape[0]))
+        # the step's global counts, from the CPU copies of the masks (no device sync); every CP rank saw the
+        # whole forwards, so samples are counted on CP rank 0 alone (loss tokens are counted per slice)
+        local = [sum(mb.num_loss_tokens for mb, *_ in prepared), num_samples if cp_rank == 0 else 0, real, computed]
         counts = torch.tensor([float(c) for c in local], dtype=torch.float64, device=world.device)
         dist.all_reduce(counts)
         loss_tokens, samples = counts[0].clamp(min=1.0), counts[1].clamp(min=1.0)
@@ -88,10 +117,10 @@ class RLObjective:
             denominator = samples * float(self.max_len)
         loss_scale = (denominator / world.world_size).float()
         sums = torch.zeros(6, dtype=torch.float64, device=world.device)
-        for i, mb in enumerate(batches):
-            if before_last is not None and i == len(batches) - 1:
+        for i, (mb, sample_ids, sample_tokens, num_segments) in enumerate(prepared):
+            if before_last is not None and i == len(prepared) - 1:
                 before_last()
-            sample_ids = mb.sample_ids().to(world.device, non_blocking=True)
+            sample_ids = sample_ids.to(world.device, non_blocking=True)
             seqs = PackedSeqs.from_position_ids(mb.position_ids).to(world.device)  # on the host: no device sync
             mb = mb.to(world.device)
             # (T,) each: logprob / entropy of token t+1 at position t, like every array of the micro-batch
@@ -105,11 +134,11 @@ class RLObjective:
                     )
             weights = None
             if self.norm == "sequence":  # 1 / (the sample's loss tokens): each sample weighs the same
-                per_sample = segment_sum(mb.loss_mask.float(), sample_ids)
-                weights = 1.0 / per_sample[sample_ids].clamp(min=1.0)
+                weights = 1.0 / sample_tokens.to(world.device, non_blocking=True).clamp(min=1.0)
             loss, stats = rl_loss(
                 logprobs, inference, mb.advantages, mb.loss_mask, loss_scale, self.settings,
-                weights=weights, sample_ids=sample_ids, ref_logprobs=ref,
+                weights=weights, sample_ids=sample_ids, ref_logprobs=ref, num_segments=num_segments,
+                cp_group=self.cp_group,
             )  # fmt: skip
             loss.backward()
             masked_entropy = torch.where(mb.loss_mask, entropy.detach(), torch.zeros_like(entropy)).sum()
@@ -203,18 +232,14 @@ def train(cfg: RLTrainerConfig) -> None:
         if cfg.model.lora is not None:  # target patterns and rank against the model's layers, on a meta copy
             check_lora(cfg.model.lora, model_config)
         dp_rank = dims.dp_rank(world.rank)  # the cp ranks of one sequence train on the same rows
-        if dims.cp_enabled and (cfg.loss.type == "sequence" or cfg.loss.norm != "token"):
-            raise ValueError(
-                f"loss.type={cfg.loss.type!r} with loss.norm={cfg.loss.norm!r} needs whole samples on each rank, "
-                f"but model.cp={dims.cp} cuts them; use model.cp=1 or the token loss with norm='token'"
-            )
         if cfg.data.fake is not None:
             source = FakeSource(cfg.data.fake, cfg.data.seq_len, model_config.vocab_size, dp_rank, dims.dp)
-        elif dims.cp_enabled:
-            raise ValueError(
-                f"model.cp={dims.cp} with orchestrator data is not supported yet (each orchestrator socket feeds "
-                "one rank); use cp=1 for RL, or --data.fake to benchmark context parallelism"
-            )
+        elif dims.cp_enabled:  # one socket per dp group: its cp rank 0 receives and broadcasts (see rl.data)
+            data = cfg.data
+            source = ContextParallelSource(
+                lambda: OrchestratorSource(data.host, data.port, dp_rank, data.timeout),
+                dims.cp_rank(world.rank), dims.cp, data.timeout,
+            )  # fmt: skip
         else:
             source = OrchestratorSource(cfg.data.host, cfg.data.port, dp_rank, cfg.data.timeout)
     except (ValueError, FileNotFoundError) as e:
