@@ -60,7 +60,9 @@ def main() -> None:
     p.add_argument("--optim", default="adamw", choices=["adamw", "sign_sgd"])
     p.add_argument("--workdir", type=Path, default=Path("/tmp/prime-rl-bench"))
     p.add_argument("--profile", action="store_true", help="GPU time per kernel category instead (one process)")
-    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more sft flags (last), e.g. --model.offload optimizer")
+    p.add_argument(
+        "--extra", nargs=argparse.REMAINDER, default=[], help="more sft flags (last), e.g. --model.offload optimizer"
+    )
     args = p.parse_args()
 
     model_dir = make_model_dir(args.shape, args.workdir / f"{args.shape}-random")

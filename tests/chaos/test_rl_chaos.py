@@ -195,15 +195,23 @@ def test_closed_control_plane_watchdog_and_exact_resume(model, tmp_path):
     shutil.copytree(run.broadcast_dir(max(run.broadcast_steps())), stale)  # a "future" policy on disk
     proc = _start(config, tmp_path, "--ckpt.resume-step", "latest", "--stall-timeout", str(STALL_S))
     try:
-        _wait_step(run, proc, tmp_path, resume_at + 2, times=2)  # attempt 1 logged it too
+        # Attempt 1's rows past the checkpoint are set aside before attempt 2 starts; until then they would
+        # pass for attempt 2's.
+        aside = run.metrics_path.with_name(f"{run.metrics_path.name}.discarded-2")
+        deadline = time.monotonic() + 60
+        while not aside.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "launcher.out").read_text()[-4000:]
+            time.sleep(0.2)
+        _wait_step(run, proc, tmp_path, resume_at + 2)
         trainer_cfg = _toml(run.config_path("trainer"))
         orchestrator_cfg = _toml(run.config_path("orchestrator"))
         assert trainer_cfg["ckpt"]["resume_step"] == orchestrator_cfg["ckpt"]["resume_step"] == resume_at
         assert not stale.exists() and (stale.parent / f"{stale.name}.discarded-2").exists()
         assert (run.checkpoints_dir / f"step_{newest}.discarded-2").exists()
+        # Every step is in metrics.jsonl once, and attempt 2 continued right after the checkpoint.
         rows = _steps(run)
-        second = len(rows) - 1 - rows[::-1].index(resume_at + 1)  # attempt 2's first row
-        assert rows[second:][:2] == [resume_at + 1, resume_at + 2], rows  # continued right after the checkpoint
+        assert rows[: resume_at + 2] == list(range(1, resume_at + 3)), rows
+        assert resume_at + 1 in [json.loads(line)["step"] for line in aside.read_text().splitlines()]
 
         # 4. A stuck rank (SIGSTOP: alive, silent) ends the run via the watchdog, named with its phase.
         beat = json.loads((run.root / "heartbeats" / "trainer-0.json").read_text())

@@ -292,13 +292,20 @@ def test_start_up_accepts_bf16_and_fp8_off_the_gpu_and_warns_that_fp8_is_slow():
     handler = logging.Handler()
     handler.emit = records.append
     logger = logging.getLogger("trainer")
+    # another test in this worker may have set the shared logger up quieter, or a logging.config call
+    # (disable_existing_loggers) may have disabled it
+    level, disabled = logger.level, logger.disabled
     logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    logger.disabled = False
     try:
         check_moe_compute(BF16ComputeConfig(), "qwen3_moe", "cpu")
         assert records == []
         check_moe_compute(FP8ComputeConfig(), "qwen3_moe", "cpu")  # the reference path
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.disabled = disabled
     assert [r.levelno for r in records] == [logging.WARNING]
     message = records[0].getMessage()
     assert 'x the time of type = "bf16"' in message and "grouped_gemm.md" in message and "\n" not in message
