@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -35,23 +34,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from prime_rl.common.config import parse_config
 from prime_rl.common.config.rl_trainer import RLTrainerConfig, SequenceLossConfig, TokenLossConfig
 from prime_rl.common.config.trainer import ModelConfig
-from prime_rl.common.logging import setup_logger
 from prime_rl.common.rundir import RunDir
-from prime_rl.trainer.loop import Trainer, to_host, train_loop
-from prime_rl.trainer.lora import BaseModelView, check_lora, log_lora, training_flops_per_token
-from prime_rl.trainer.memory_plan import resolve_memory
+from prime_rl.trainer.loop import to_host, train_loop
+from prime_rl.trainer.lora import BaseModelView
 from prime_rl.trainer.model import CausalLM, build_training_model
-from prime_rl.trainer.models import PackedSeqs, load_model_config
-from prime_rl.trainer.optim.setup import build_optimization
+from prime_rl.trainer.models import PackedSeqs
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.context import shard_sequence
-from prime_rl.trainer.parallel.layout import resolve_parallel_dims
 from prime_rl.trainer.rl.batching import TokenBudgetSource
 from prime_rl.trainer.rl.data import ContextParallelSource, FakeSource, OrchestratorSource, RLMicroBatch
 from prime_rl.trainer.rl.loss import LossSettings, rl_loss, segment_sum
 from prime_rl.trainer.rl.publish import build_publisher
-from prime_rl.trainer.sft.train import _setup_output, check_model_dir
-from prime_rl.trainer.world import World, close_world, exit_rank, init_world
+from prime_rl.trainer.run import bad_input_exits, build_trainer, inspect_model, start_rank
+from prime_rl.trainer.world import World, close_world, exit_rank
 
 
 class RLObjective:
@@ -221,16 +216,9 @@ def apply_env_vars(env_vars: dict[str, str]) -> None:
 
 def train(cfg: RLTrainerConfig) -> None:
     apply_env_vars(cfg.env_vars)
-    run_dir = RunDir(cfg.output_dir, cfg.run_name)
-    world = init_world()
-    _setup_output(run_dir, world)
-    logger = setup_logger("trainer", rank=world.rank, console_ranks=range(world.world_size), level=cfg.log_level)
-    try:
-        model_dir = check_model_dir(cfg.model.name)
-        model_config = load_model_config(str(model_dir))
-        dims = resolve_parallel_dims(cfg.model, world.world_size, model_config)
-        if cfg.model.lora is not None:  # target patterns and rank against the model's layers, on a meta copy
-            check_lora(cfg.model.lora, model_config)
+    run_dir, world, logger = start_rank(cfg.output_dir, cfg.run_name, cfg.log_level)
+    with bad_input_exits(world, logger):
+        _model_dir, model_config, dims = inspect_model(cfg.model, world)
         dp_rank = dims.dp_rank(world.rank)  # the cp ranks of one sequence train on the same rows
         if cfg.data.fake is not None:
             source = FakeSource(cfg.data.fake, cfg.data.seq_len, model_config.vocab_size, dp_rank, dims.dp)
@@ -242,33 +230,15 @@ def train(cfg: RLTrainerConfig) -> None:
             )  # fmt: skip
         else:
             source = OrchestratorSource(cfg.data.host, cfg.data.port, dp_rank, cfg.data.timeout)
-    except (ValueError, FileNotFoundError) as e:
-        if world.is_main:
-            logger.error(str(e))
-        close_world()
-        sys.exit(2)
 
     source = TokenBudgetSource(source, cfg.data.tokens_per_forward, dims.cp)
     # a row longer than the budget is its own forward: the plan covers the longer of the two
     tokens = max(cfg.data.tokens_per_forward or 0, cfg.data.seq_len)
     reference = cfg.loss.kl is not None and cfg.model.lora is None  # a frozen fp32 copy of the weights
-    model_cfg = resolve_memory(
-        cfg.model, tokens, world.device, shard=dims.dp_shard, cp=dims.cp,
-        optimizer_bytes=8 if cfg.optim.type == "adamw" else 0, extra_bytes_per_param=4.0 if reference else 0.0,
-        logger=logger if world.is_main else None,
-    )  # fmt: skip
-    cfg = cfg.model_copy(update={"model": model_cfg})
-    torch.manual_seed(cfg.seed)
-    mesh = dims.build_mesh(world.device.type)
-    model = build_training_model(cfg.model, dims, mesh, world.device)
-    log_lora(model, logger)
-    optim = build_optimization(cfg.model, cfg.optim, cfg.scheduler, cfg.max_steps, model, world.device, logger)
+    cfg, mesh, model, trainer = build_trainer(
+        cfg, dims, world, run_dir, logger, tokens, cfg.data.seq_len, extra_bytes_per_param=4.0 if reference else 0.0
+    )
     publisher = build_publisher(cfg.weight_broadcast, run_dir, model, world)
-    flops_per_token = training_flops_per_token(model, cfg.data.seq_len)  # LoRA: frozen weights have no dW
-    trainer = Trainer(
-        model, dims, world, optim, run_dir, logger, flops_per_token, cfg.ckpt.keep_last,
-        monitor=cfg.monitor, run_config=cfg.model_dump(mode="json"),
-    )  # fmt: skip
     objective = build_objective(cfg.loss, cfg.model, dims, mesh, world, logger, policy=model)
     logger.info(f"RL trainer: world {world.world_size} ({dims}), device {world.device}, {cfg.max_steps} steps")
     try:

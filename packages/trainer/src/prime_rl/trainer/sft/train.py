@@ -14,8 +14,6 @@ before the model is built; on a bad input every rank exits with code 2 and rank 
 """
 
 import logging
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,32 +22,16 @@ import torch.distributed as dist
 
 from prime_rl.common.config import parse_config
 from prime_rl.common.config.trainer import SFTConfig, SFTDataConfig
-from prime_rl.common.env import TRAINER_LOG_DIR_ENV
-from prime_rl.common.logging import setup_logger
-from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.ckpt import export_hf
 from prime_rl.trainer.data import DataLoader, MicroBatch, build_data_loader
-from prime_rl.trainer.logs import redirect_rank_output
-from prime_rl.trainer.loop import Trainer, to_host, train_loop
-from prime_rl.trainer.lora import check_lora, export_lora, log_lora, training_flops_per_token
-from prime_rl.trainer.memory_plan import resolve_memory
-from prime_rl.trainer.model import CausalLM, build_training_model
-from prime_rl.trainer.models import PackedSeqs, load_model_config
-from prime_rl.trainer.optim.setup import build_optimization
+from prime_rl.trainer.loop import to_host, train_loop
+from prime_rl.trainer.lora import export_lora
+from prime_rl.trainer.model import CausalLM
+from prime_rl.trainer.models import PackedSeqs
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.context import shard_micro_batch
-from prime_rl.trainer.parallel.layout import resolve_parallel_dims
-from prime_rl.trainer.world import World, close_world, exit_rank, init_world
-
-
-def check_model_dir(name: str) -> Path:
-    path = Path(name)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model.name={name!r} is not a Hugging Face model directory (no config.json there); "
-            "pass a local directory with config.json, *.safetensors and tokenizer files"
-        )
-    return path
+from prime_rl.trainer.run import bad_input_exits, build_trainer, inspect_model, start_rank
+from prime_rl.trainer.world import World, close_world, exit_rank
 
 
 def load_tokenizer(model_dir: Path, vocab_size: int):  # noqa: ANN201 - a transformers tokenizer
@@ -64,23 +46,9 @@ def load_tokenizer(model_dir: Path, vocab_size: int):  # noqa: ANN201 - a transf
     return tokenizer
 
 
-def _setup_output(run_dir: RunDir, world: World) -> None:
-    log_dir = os.environ.get(TRAINER_LOG_DIR_ENV)
-    if log_dir is None:  # manual torchrun: rank 0 opens a new attempt, the others follow logs/latest
-        if world.is_main:
-            run_dir.start_attempt()
-        dist.barrier()
-        log_dir = run_dir.trainer_log_dir()
-    redirect_rank_output(Path(log_dir) / f"{world.rank}.log", console=world.is_main)
-
-
 def setup(cfg: SFTConfig, world: World) -> tuple[ParallelDims, DataLoader, object]:
     """Every check that needs no model weights; raises ValueError/FileNotFoundError on bad input."""
-    model_dir = check_model_dir(cfg.model.name)
-    model_config = load_model_config(str(model_dir))
-    dims = resolve_parallel_dims(cfg.model, world.world_size, model_config)
-    if cfg.model.lora is not None:  # target patterns and rank against the model's layers, on a meta copy
-        check_lora(cfg.model.lora, model_config)
+    model_dir, model_config, dims = inspect_model(cfg.model, world)
     tokenizer = load_tokenizer(model_dir, model_config.vocab_size) if isinstance(cfg.data, SFTDataConfig) else None
     rank_in_dp = dims.dp_rank(world.rank)  # the cp ranks of one sequence read the same rows
     loader = build_data_loader(cfg.data, tokenizer, model_config.vocab_size, rank_in_dp, dims.dp)
@@ -125,37 +93,15 @@ class SFTObjective:
 
 
 def train(cfg: SFTConfig) -> None:
-    run_dir = RunDir(cfg.output_dir, cfg.run_name)
-    world = init_world()
-    _setup_output(run_dir, world)
-    logger = setup_logger("trainer", rank=world.rank, console_ranks=range(world.world_size), level=cfg.log_level)
-    try:
+    run_dir, world, logger = start_rank(cfg.output_dir, cfg.run_name, cfg.log_level)
+    with bad_input_exits(world, logger):
         dims, loader, model_config = setup(cfg, world)
-    except (ValueError, FileNotFoundError) as e:
-        if world.is_main:
-            logger.error(str(e))
-        close_world()
-        sys.exit(2)
     logger.info(
         f"world {world.world_size} ({dims}), device {world.device}, {loader.num_micro_batches} "
         f"micro-batches/step of {cfg.data.micro_batch_size} x {cfg.data.seq_len} tokens"
     )
-
-    model_cfg = resolve_memory(
-        cfg.model, cfg.data.micro_batch_size * cfg.data.seq_len, world.device, shard=dims.dp_shard, cp=dims.cp,
-        optimizer_bytes=8 if cfg.optim.type == "adamw" else 0, logger=logger if world.is_main else None,
-    )  # fmt: skip
-    cfg = cfg.model_copy(update={"model": model_cfg})
-    torch.manual_seed(cfg.seed)
-    mesh = dims.build_mesh(world.device.type)
-    model = build_training_model(cfg.model, dims, mesh, world.device)
-    log_lora(model, logger)
-    optim = build_optimization(cfg.model, cfg.optim, cfg.scheduler, cfg.max_steps, model, world.device, logger)
-    flops_per_token = training_flops_per_token(model, cfg.data.seq_len)  # LoRA: frozen weights have no dW
-    trainer = Trainer(
-        model, dims, world, optim, run_dir, logger, flops_per_token, cfg.ckpt.keep_last,
-        monitor=cfg.monitor, run_config=cfg.model_dump(mode="json"),
-    )  # fmt: skip
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_len
+    cfg, _mesh, model, trainer = build_trainer(cfg, dims, world, run_dir, logger, tokens, cfg.data.seq_len)
     source = SFTSource(loader)
     train_loop(
         trainer,
