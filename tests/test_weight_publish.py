@@ -23,6 +23,7 @@ from prime_rl.common.testing import make_tiny_model
 from prime_rl.common.weight_checksum import CHECKSUMS_FILE, compute_checksums, read_checksums
 from prime_rl.orchestrator.weights import VersionListener, latest_published_step
 from prime_rl.trainer.rl.publish import BackgroundJob
+from prime_rl.trainer.testing import torchrun
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of
 
 WORKER = Path(__file__).with_name("publish_worker.py")
@@ -47,10 +48,9 @@ def _drain(listener: VersionListener, wait: float) -> list:
 def test_background_publication_is_bit_identical_to_synchronous(tiny_model_dir, tmp_path):
     listener = VersionListener(f"tcp://127.0.0.1:{free_port()}")
     listener.open()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(WORKER), "compare", str(tiny_model_dir), str(tmp_path), listener.endpoint]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(
+        str(WORKER), "compare", str(tiny_model_dir), str(tmp_path), listener.endpoint, nproc=2, timeout=300, env=ENV
+    )
     run_dir = RunDir(tmp_path, "run")
     assert run_dir.broadcast_steps() == [1, 2]
     for version in (1, 2):

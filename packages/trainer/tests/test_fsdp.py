@@ -1,22 +1,17 @@
 """FSDP2 over 2 and 4 gloo processes (and HSDP 2x2) matches one process: loss and every gradient."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from prime_rl.trainer.testing import torchrun
+
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
 def _run(model_dir: Path, out: Path, nproc: int, dp_replicate: int = 1, chunk: str = "16") -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(WORKER), str(model_dir), str(out), str(dp_replicate), chunk]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(str(WORKER), str(model_dir), str(out), str(dp_replicate), chunk, nproc=nproc)
     return torch.load(out)
 
 

@@ -3,14 +3,13 @@ LM-head gradient); the base gets no gradient and no optimizer state; the checkpo
 tensors and resumes exactly; the peft-format and merged exports are written."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+
+from prime_rl.trainer.testing import torchrun
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 
@@ -18,11 +17,7 @@ WORKER = Path(__file__).with_name("lora_worker.py")
 def _run(model_dir: Path, out_dir: Path, nproc: int, dp_replicate: int = 1) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "result.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(WORKER), str(model_dir), str(out), str(dp_replicate)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(str(WORKER), str(model_dir), str(out), str(dp_replicate), nproc=nproc)
     return torch.load(out)
 
 

@@ -1,13 +1,12 @@
 """LoRA RL's KL reference is the policy with its adapters off (no second copy of the weights): the same KL
 and the same gradients as against a frozen copy of the initial weights, in one process and under FSDP2."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from prime_rl.trainer.testing import torchrun
 
 WORKER = Path(__file__).with_name("lora_kl_worker.py")
 
@@ -15,10 +14,7 @@ WORKER = Path(__file__).with_name("lora_kl_worker.py")
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_base_view_is_the_initial_policy(tiny_model_dir, tmp_path, nproc):
     out = tmp_path / "kl.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(WORKER), str(tiny_model_dir), str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(str(WORKER), str(tiny_model_dir), str(out), nproc=nproc)
     got = torch.load(out)
     copy, view = got["copy"], got["view"]
     assert copy["stats"]["kl_ref"] > 1e-4  # the adapters moved the policy away from its base

@@ -7,9 +7,6 @@ Each variant runs `sft`'s model build and one optimizer step through tests/paral
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ from prime_rl.common.config import load_config
 from prime_rl.common.config.trainer import SFTConfig
 from prime_rl.trainer.models import load_model_config
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
+from prime_rl.trainer.testing import torchrun
 
 WORKER = Path(__file__).parents[1] / "parallel" / "scaling_worker.py"
 PLAIN = ["--model.ac", "None", "--model.ac-offloading", "None", "--model.offload", "none"]
@@ -41,10 +39,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def _run(out: Path, nproc: int, variants: list[dict]) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(WORKER), str(out), json.dumps(variants)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun(str(WORKER), str(out), json.dumps(variants), nproc=nproc)
     return torch.load(out)
 
 

@@ -3,9 +3,6 @@ CPU processes, with the scaling tests' worker: one process (FSDP, bf16 compute) 
 EP=2 (each rank quantizes its local expert shard) vs one process, both fp8."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from prime_rl.common.testing import make_tiny_model
+from prime_rl.trainer.testing import torchrun
 
 WORKER = Path(__file__).with_name("scaling_worker.py")
 PLAIN = ["--model.ac", "None", "--model.ac-offloading", "None", "--model.offload", "none"]
@@ -20,10 +18,7 @@ FP8 = ["--model.moe.compute.type", "fp8"]
 
 
 def _run(out: Path, nproc: int, variants: list[dict]) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(WORKER), str(out), json.dumps(variants)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun(str(WORKER), str(out), json.dumps(variants), nproc=nproc)
     return torch.load(out)
 
 

@@ -3,9 +3,6 @@ HSDP with AC; AC (full / selective), AC offloading and full CPU offload leave th
 Plus the start-up validation of ep / cp / dispatch."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from prime_rl.kernels.grouped_gemm import grouped_swiglu, grouped_swiglu_loop
 from prime_rl.trainer.parallel.checkpointing import DEFAULT_SELECTIVE_TARGETS, selective_policy
 from prime_rl.trainer.parallel.context import validate_cp
 from prime_rl.trainer.parallel.expert import check_dispatch, resolve_ep
+from prime_rl.trainer.testing import torchrun
 
 WORKER = Path(__file__).with_name("scaling_worker.py")
 PLAIN = ["--model.ac", "None", "--model.ac-offloading", "None", "--model.offload", "none"]
@@ -37,10 +35,7 @@ def models(tmp_path_factory):
 
 
 def _run(out: Path, nproc: int, variants: list[dict], worker: Path = WORKER) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(worker), str(out), json.dumps(variants)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun(str(worker), str(out), json.dumps(variants), nproc=nproc)
     return torch.load(out)
 
 

@@ -1,9 +1,6 @@
 """Forwards sized in tokens (`prime_rl.trainer.rl.batching`): the layout rules on their own, and exactness of
 the merged path against one forward per received row (one process, and 2 gloo ranks against one process)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +10,7 @@ import torch
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.trainer.rl.batching import TokenBudgetSource, build_forwards, live_length
 from prime_rl.trainer.rl.data import from_arrays
+from prime_rl.trainer.testing import torchrun
 
 WORKER = Path(__file__).with_name("batching_worker.py")
 VARIANTS = ("token", "sequence", "constant", "token_kl")
@@ -80,10 +78,7 @@ def models(tmp_path_factory):
 
 
 def _run(models, out: Path, nproc: int, budget: str, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(WORKER), str(models[0]), str(models[1]), str(out), budget, *extra]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(str(WORKER), str(models[0]), str(models[1]), str(out), budget, *extra, nproc=nproc)
     return torch.load(out)
 
 

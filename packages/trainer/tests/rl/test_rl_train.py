@@ -12,6 +12,7 @@ from safetensors.numpy import load_file
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.common.transport import Sender
 from prime_rl.common.wire import build_training_batch
+from prime_rl.trainer.testing import torchrun
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +117,7 @@ def test_context_parallel_matches_one_process(tiny_model, tmp_path):
               "--model.reduce-dtype", "float32"]  # fmt: skip
     one = _run_trainer([*common, "--run-name", "cp1"])
     assert one.returncode == 0, one.stdout + one.stderr
-    two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "prime_rl.trainer.rl.train", *common, "--run-name", "cp2", "--model.cp", "2"],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert two.returncode == 0, two.stdout + two.stderr
+    torchrun("-m", "prime_rl.trainer.rl.train", *common, "--run-name", "cp2", "--model.cp", "2", nproc=2)
     a, b = _metrics(tmp_path / "cp1")[0], _metrics(tmp_path / "cp2")[0]
     assert b["loss/tokens"] == a["loss/tokens"]
     assert abs(b["entropy/mean"] - a["entropy/mean"]) < 2e-2 * abs(a["entropy/mean"])
@@ -214,13 +210,10 @@ def test_context_parallel_on_orchestrator_batches(tiny_model, tmp_path):
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     thread.join(timeout=10)
     thread = _serve(port + 1, _orchestrator_batches())
-    two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "prime_rl.trainer.rl.train", *common, "--run-name", "cp2", "--model.cp", "2",
-         "--data.port", str(port + 1)],
-        capture_output=True, text=True, timeout=240,
+    torchrun(
+        "-m", "prime_rl.trainer.rl.train", *common, "--run-name", "cp2", "--model.cp", "2",
+        "--data.port", str(port + 1), nproc=2,
     )  # fmt: skip
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     thread.join(timeout=10)
     ref, got = _metrics(tmp_path / "cp1"), _metrics(tmp_path / "cp2")
     assert [r["step"] for r in got] == [1, 2]
