@@ -7,7 +7,7 @@ import pytest
 
 from prime_rl.common.config import ConfigError, ConfigWarning, load_config
 from prime_rl.common.config.layout import LayoutError, ModelShape, check_batch, check_layout, read_model_shape
-from prime_rl.common.config.trainer import ModelConfig, SFTConfig
+from prime_rl.common.config.trainer import SFTConfig, TrainerModelConfig
 
 
 def model_dir(tmp_path, heads=16, kv_heads=8, experts=0):
@@ -40,7 +40,7 @@ def test_read_model_shape(tmp_path):
     ],
 )
 def test_check_layout(kwargs, world, shape, match):
-    model = ModelConfig(name="m", **kwargs)
+    model = TrainerModelConfig(name="m", **kwargs)
     if match is None:
         check_layout(model, world, shape)
     else:
@@ -50,10 +50,10 @@ def test_check_layout(kwargs, world, shape, match):
 
 def test_ep_on_a_dense_model_warns():
     with pytest.warns(ConfigWarning, match="model.ep=2 has no effect: m is a dense model"):
-        check_layout(ModelConfig(name="m", ep=2), 2, ModelShape(16, 8, 0))
+        check_layout(TrainerModelConfig(name="m", ep=2), 2, ModelShape(16, 8, 0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_layout(ModelConfig(name="m", ep=2), 2, None)  # model unknown: no claim either way
+        check_layout(TrainerModelConfig(name="m", ep=2), 2, None)  # model unknown: no claim either way
 
 
 def test_check_batch():

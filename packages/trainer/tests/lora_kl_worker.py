@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from prime_rl.common.config.rl_trainer import FakeRLDataConfig
-from prime_rl.common.config.trainer import ModelConfig
+from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.trainer.loop import to_host
 from prime_rl.trainer.lora import BaseModelView, lora_modules, set_full
 from prime_rl.trainer.memory_plan import resolve_memory
@@ -32,7 +32,7 @@ def main(model_dir: str, out: str) -> None:
     world = init_world()
     dims = ParallelDims.from_world(world.world_size, 1)
     mesh = dims.build_mesh("cpu")
-    cfg = ModelConfig(
+    cfg = TrainerModelConfig(
         name=model_dir, fused_lm_head_token_chunk_size=16, lora={"rank": 4, "target_modules": ["q_proj", "down_proj"]}
     )
     cfg = resolve_memory(cfg, 64, world.device)  # as the RL trainer does

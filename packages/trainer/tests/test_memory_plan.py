@@ -1,12 +1,12 @@
 """`offload` / `ac` = "auto": the plan as a pure function (roomy GPU, tight GPU, CPU, explicit choices, the H200
-calibration), and its resolution into a ModelConfig on CPU."""
+calibration), and its resolution into a TrainerModelConfig on CPU."""
 
 import logging
 
 import pytest
 import torch
 
-from prime_rl.common.config.trainer import ACConfig, ModelConfig
+from prime_rl.common.config.trainer import ACConfig, TrainerModelConfig
 from prime_rl.trainer.memory_plan import Footprint, GiB, peak_bytes, plan_memory, require_resolved, resolve_memory
 
 
@@ -66,7 +66,7 @@ def test_sharding_and_tokens_move_the_plan():
 
 
 def test_resolve_on_cpu_turns_auto_into_none(tiny_model_dir, caplog):
-    cfg = ModelConfig(name=str(tiny_model_dir))
+    cfg = TrainerModelConfig(name=str(tiny_model_dir))
     assert (cfg.offload, cfg.ac, cfg.ac_offloading) == ("auto", "auto", "auto")
     with pytest.raises(ValueError, match='"auto" must be resolved first'):
         require_resolved(cfg, "build_training_model")
@@ -74,6 +74,6 @@ def test_resolve_on_cpu_turns_auto_into_none(tiny_model_dir, caplog):
         out = resolve_memory(cfg, 2048, torch.device("cpu"), logger=logging.getLogger("plan"))
     assert (out.offload, out.ac, out.ac_offloading) == ("none", None, None)
     assert "memory plan:" in caplog.text and "CPU -> offload none, ac none" in caplog.text
-    explicit = ModelConfig(name=str(tiny_model_dir), offload="optimizer", ac=ACConfig(mode="selective"))
+    explicit = TrainerModelConfig(name=str(tiny_model_dir), offload="optimizer", ac=ACConfig(mode="selective"))
     out = resolve_memory(explicit, 2048, torch.device("cpu"))
     assert out.offload == "optimizer" and out.ac.mode == "selective" and out.ac_offloading is None

@@ -19,8 +19,8 @@ from prime_rl.common.config.trainer import (
     FP8ComputeConfig,
     MoEConfig,
     MXFP8ComputeConfig,
+    TrainerModelConfig,
 )
-from prime_rl.common.config.trainer import ModelConfig as TrainerModelConfig
 from prime_rl.kernels.grouped_gemm import grouped_swiglu_loop
 from prime_rl.trainer.models import build_model, load_hf_weights, load_model_config
 from prime_rl.trainer.models.moe_compute import (

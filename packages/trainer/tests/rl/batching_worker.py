@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from prime_rl.common.config.trainer import ModelConfig
+from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.trainer.loop import to_host
 from prime_rl.trainer.model import build_training_model
 from prime_rl.trainer.parallel import ParallelDims
@@ -116,10 +116,10 @@ def main(policy_dir: str, reference_dir: str, out: str, budget: str, broken: boo
         variants["sequence_no_cp_sum"] = VARIANTS["sequence"]
     for name, (settings, norm, max_len, kl) in variants.items():
         torch.manual_seed(0)
-        policy = build_training_model(ModelConfig(name=policy_dir, **plain), dims, mesh, world.device)
+        policy = build_training_model(TrainerModelConfig(name=policy_dir, **plain), dims, mesh, world.device)
         ref = None
         if kl:  # another random model of the same shape: KL to it is far from 0
-            ref = build_training_model(ModelConfig(name=reference_dir, **plain), dims, mesh, world.device)
+            ref = build_training_model(TrainerModelConfig(name=reference_dir, **plain), dims, mesh, world.device)
             ref.requires_grad_(False)
         objective = RLObjective(dims, world, settings, norm, max_len, ref)
         if name == "sequence_no_cp_sum":

@@ -53,7 +53,7 @@ from prime_rl.trainer.models import (
     num_active_params,
     save_hf_weights,
 )
-from prime_rl.trainer.models.config import ModelConfig
+from prime_rl.trainer.models.config import ArchConfig
 
 PEFT_PREFIX = "base_model.model."
 LORA_LEAVES = ("lora_A", "lora_B")
@@ -159,7 +159,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, trainable_dtype: torch.dtype |
     return targets
 
 
-def check_lora(cfg: LoRAConfig, model_config: ModelConfig) -> list[str]:
+def check_lora(cfg: LoRAConfig, model_config: ArchConfig) -> list[str]:
     """`apply_lora` on a meta copy of the model: every LoRA input check, before any weight is read."""
     return apply_lora(build_model(model_config, device="meta"), cfg)
 
@@ -277,7 +277,7 @@ def _trainable_state(root: nn.Module, full: bool) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in sd.items()}
 
 
-def peft_state_dict(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def peft_state_dict(sd: dict[str, torch.Tensor], config: ArchConfig) -> dict[str, torch.Tensor]:
     """Model-named trainable tensors -> peft adapter keys (`base_model.model.<HF name>`, `.lora_A.weight`)."""
     out: dict[str, torch.Tensor] = {}
     rest: dict[str, torch.Tensor] = {}

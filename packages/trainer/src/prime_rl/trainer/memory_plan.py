@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from prime_rl.common.config.trainer import ACConfig, ACOffloadingConfig, ModelConfig
+from prime_rl.common.config.trainer import ACConfig, ACOffloadingConfig, TrainerModelConfig
 
 GiB = 2**30
 NO_AC_BYTES = 5.8
@@ -175,7 +175,7 @@ def plan_memory(
     raise AssertionError("unreachable: LEVERS is not empty")
 
 
-def footprint(cfg: ModelConfig) -> Footprint:
+def footprint(cfg: TrainerModelConfig) -> Footprint:
     """Parameter counts from a meta-device copy (LoRA adapters applied), widths from the model's config."""
     from prime_rl.trainer.lora import apply_lora
     from prime_rl.trainer.models import build_model
@@ -212,11 +212,11 @@ def free_device_bytes(device: torch.device) -> float | None:
     return float(free.item())
 
 
-def is_resolved(cfg: ModelConfig) -> bool:
+def is_resolved(cfg: TrainerModelConfig) -> bool:
     return "auto" not in (cfg.offload, cfg.ac, cfg.ac_offloading)
 
 
-def require_resolved(cfg: ModelConfig, where: str) -> None:
+def require_resolved(cfg: TrainerModelConfig, where: str) -> None:
     if not is_resolved(cfg):
         raise ValueError(
             f"{where} got model.offload={cfg.offload!r}, ac={cfg.ac!r}, ac_offloading={cfg.ac_offloading!r}: "
@@ -244,7 +244,7 @@ def describe(fp: Footprint, plan: MemoryPlan, tokens: int) -> str:
 
 
 def resolve_memory(
-    cfg: ModelConfig,
+    cfg: TrainerModelConfig,
     tokens_per_forward: int,
     device: torch.device,
     *,
@@ -253,7 +253,7 @@ def resolve_memory(
     optimizer_bytes: int = 8,
     extra_bytes_per_param: float = 0.0,
     logger: logging.Logger | None = None,
-) -> ModelConfig:
+) -> TrainerModelConfig:
     """``cfg`` with "auto" offload / ac / ac_offloading replaced by the plan (unchanged if none is "auto").
     Every rank must call it (the free memory is reduced over ranks); ``extra_bytes_per_param``: other copies of
     the weights per parameter before sharding (4 for the KL reference model's fp32 copy)."""

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from prime_rl.common.config.trainer import ModelConfig
+from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.kernels import fused_logprobs_entropy, fused_nll_sum, vanilla_logprobs_entropy
 from prime_rl.trainer.lora import apply_lora, init_lora_weights, is_lora_param
 from prime_rl.trainer.memory_plan import require_resolved
@@ -32,7 +32,7 @@ class CausalLM(nn.Module):
         """Tokens per fused LM-head chunk; None materializes the full [T, V] logits."""
 
     @property
-    def config(self):  # noqa: ANN201 - the models package's ModelConfig
+    def config(self):  # noqa: ANN201 - the models package's TrainerModelConfig
         return self.model.config
 
     def forward(
@@ -62,7 +62,9 @@ class CausalLM(nn.Module):
         return fused_logprobs_entropy(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size)
 
 
-def build_training_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device) -> CausalLM:
+def build_training_model(
+    cfg: TrainerModelConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device
+) -> CausalLM:
     require_resolved(cfg, "build_training_model")
     # fp32 masters, except under full offload: the masters live on CPU, the device keeps bf16 weights
     dtype = torch.bfloat16 if cfg.offload == "full" else torch.float32

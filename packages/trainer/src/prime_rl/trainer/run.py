@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from prime_rl.common.config.trainer import ModelConfig
+from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.common.env import TRAINER_LOG_DIR_ENV
 from prime_rl.common.logging import setup_logger
 from prime_rl.common.rundir import RunDir
@@ -82,7 +82,7 @@ def bad_input_exits(world: World, logger: logging.Logger) -> Iterator[None]:
         sys.exit(2)
 
 
-def inspect_model(model_cfg: ModelConfig, world: World) -> tuple[Path, object, ParallelDims]:
+def inspect_model(model_cfg: TrainerModelConfig, world: World) -> tuple[Path, object, ParallelDims]:
     """The model dir, its config and the parallel layout, checked without reading any weight."""
     model_dir = check_model_dir(model_cfg.name)
     model_config = load_model_config(str(model_dir))

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.common.config.orchestrator import EvalSetConfig, ModelConfig
+from prime_rl.common.config.orchestrator import ClientModelConfig, EvalSetConfig
 
 
 class EvalConfig(EvalSetConfig):
@@ -24,7 +24,7 @@ class EvalConfig(EvalSetConfig):
     """Parent of the run directory."""
     run_name: str = "eval"
     """Results go to <output_dir>/<run_name>/: evals/step_<step>/<env>/samples.jsonl and metrics.jsonl."""
-    model: ModelConfig = ModelConfig()
+    model: ClientModelConfig = ClientModelConfig()
     """The served model (start `inference` on the checkpoint to evaluate, then point model.client at it)."""
     step: int = Field(default=0, ge=0)
     """Step the results are logged under (e.g. the checkpoint's step)."""

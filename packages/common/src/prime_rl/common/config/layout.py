@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prime_rl.common.config.base import ConfigWarning
-from prime_rl.common.config.trainer import ModelConfig, TorchDispatchConfig
+from prime_rl.common.config.trainer import TorchDispatchConfig, TrainerModelConfig
 
 
 class LayoutError(ValueError):
@@ -62,7 +62,7 @@ def _divisors(n: int) -> str:
 
 
 def check_layout(
-    model: ModelConfig,
+    model: TrainerModelConfig,
     world_size: int | None,
     shape: ModelShape | None,
     prefix: str = "",

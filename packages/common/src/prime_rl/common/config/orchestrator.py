@@ -53,7 +53,7 @@ class ClientConfig(BaseConfig):
     `rl` sets it for its replicas and P/D instances, locally and on SLURM."""
 
 
-class ModelConfig(BaseConfig):
+class ClientModelConfig(BaseConfig):
     """The served model and how to talk to it."""
 
     name: str = "Qwen/Qwen3-0.6B"
@@ -366,7 +366,7 @@ class OrchestratorConfig(BaseConfig):
     """Parent of the run directory."""
     run_name: str = "rl"
     """Run directory name: <output_dir>/<run_name> (broadcasts/, checkpoints/, monitors/ live there)."""
-    model: ModelConfig = ModelConfig()
+    model: ClientModelConfig = ClientModelConfig()
     """The served model."""
     env: list[EnvConfig] = Field(default_factory=lambda: [ReverseTextEnvConfig()], min_length=1)
     """The environments tasks come from (`[[orchestrator.env]]`, discriminated on type; one `[env]` table

@@ -18,9 +18,9 @@ from prime_rl.common.config.trainer import (
     AdamWConfig,
     CheckpointConfig,
     ConstantSchedulerConfig,
-    ModelConfig,
     OptimizerConfig,
     SchedulerConfig,
+    TrainerModelConfig,
 )
 
 AUTO_MICRO_BATCH_TOKENS = 8192
@@ -198,7 +198,7 @@ WeightBroadcastConfig = Annotated[
 class RLTrainerConfig(BaseConfig):
     """The RL trainer: receives packed rollouts, steps the policy, publishes weights."""
 
-    model: ModelConfig
+    model: TrainerModelConfig
     """The policy model and its parallel layout."""
     data: RLDataConfig = RLDataConfig()
     """Batches from the orchestrator, or fake data."""

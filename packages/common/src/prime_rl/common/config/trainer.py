@@ -169,7 +169,7 @@ class LoRAConfig(BaseConfig):
         return value
 
 
-class ModelConfig(BaseConfig):
+class TrainerModelConfig(BaseConfig):
     """The model and how it is laid out across GPUs."""
 
     name: str
@@ -219,7 +219,7 @@ class ModelConfig(BaseConfig):
     """Train low-rank adapters on a frozen base (`[model.lora]`); None trains every weight."""
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelConfig":
+    def _check(self) -> "TrainerModelConfig":
         if isinstance(self.ep, int) and self.ep < 1:
             raise ValueError(f'model.ep={self.ep} must be >= 1 or "auto"')
         if isinstance(self.fused_lm_head_token_chunk_size, int) and self.fused_lm_head_token_chunk_size < 1:
@@ -361,7 +361,7 @@ class SingleNodeDeploymentConfig(BaseConfig):
 class SFTConfig(BaseConfig):
     """Supervised fine-tuning with FSDP2 on packed sequences."""
 
-    model: ModelConfig
+    model: TrainerModelConfig
     """The model and its parallel layout."""
 
     data: DataConfig

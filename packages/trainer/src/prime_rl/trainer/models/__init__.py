@@ -7,7 +7,7 @@ logits = model.lm_head(hidden)
 
 from prime_rl.trainer.models.attention import ATTN_CHOICES, resolve_attn
 from prime_rl.trainer.models.build import build_model
-from prime_rl.trainer.models.config import ModelConfig, load_model_config
+from prime_rl.trainer.models.config import ArchConfig, load_model_config
 from prime_rl.trainer.models.flops import model_flops_per_token, num_active_params
 from prime_rl.trainer.models.moe import MoE
 from prime_rl.trainer.models.packing import PackedSeqs
@@ -22,7 +22,7 @@ from prime_rl.trainer.models.weights import (
 
 __all__ = [
     "ATTN_CHOICES",
-    "ModelConfig",
+    "ArchConfig",
     "MoE",
     "PackedSeqs",
     "Transformer",

@@ -17,7 +17,7 @@ def build_model(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "meta",
 ) -> Transformer:
-    """Build the model for a HF model dir (reads config.json), config dict, PretrainedConfig or ModelConfig.
+    """Build the model for a HF model dir (reads config.json), config dict, PretrainedConfig or ArchConfig.
 
     The module is always constructed on meta (no wasted default init). For device "meta" it stays
     there: the caller shards it, then `to_empty()` + `init_weights()` or `load_hf_weights`. For a real

@@ -27,7 +27,7 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 @dataclass
-class ModelConfig:
+class ArchConfig:
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -112,7 +112,7 @@ class ModelConfig:
         return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any], source_dir: str | None = None) -> ModelConfig:
+    def from_hf_dict(cls, d: dict[str, Any], source_dir: str | None = None) -> ArchConfig:
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -193,7 +193,7 @@ def nemotron_h_layer_types(d: dict[str, Any]) -> list[str]:
     return [NEMOTRON_H_PATTERN[ch] for ch in pattern]
 
 
-def _nemotron_h_config(d: dict[str, Any], source_dir: str | None) -> ModelConfig:
+def _nemotron_h_config(d: dict[str, Any], source_dir: str | None) -> ArchConfig:
     """Nemotron-H / Nemotron-3, reading the old key names HF still accepts (mamba_n_groups, mamba_d_conv, ...)."""
     for key, supported in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if d.get(key, supported) != supported:
@@ -205,7 +205,7 @@ def _nemotron_h_config(d: dict[str, Any], source_dir: str | None) -> ModelConfig
     layer_types = nemotron_h_layer_types(d)
     num_heads = d["num_attention_heads"]
     has_moe = "moe" in layer_types
-    config = ModelConfig(
+    config = ArchConfig(
         model_type="nemotron_h",
         vocab_size=d["vocab_size"],
         hidden_size=d["hidden_size"],
@@ -251,7 +251,7 @@ def _nemotron_h_config(d: dict[str, Any], source_dir: str | None) -> ModelConfig
     return config
 
 
-def check_routing(config: ModelConfig) -> None:
+def check_routing(config: ArchConfig) -> None:
     """Group-limited routing needs whole groups of at least two experts (a group scores by its top two)."""
     c = config
     if c.num_experts and c.router_scoring == "sigmoid":
@@ -282,20 +282,20 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
-def load_model_config(source: Any) -> ModelConfig:
-    """Accepts a model dir / config.json path, a dict, a transformers PretrainedConfig or a ModelConfig."""
-    if isinstance(source, ModelConfig):
+def load_model_config(source: Any) -> ArchConfig:
+    """Accepts a model dir / config.json path, a dict, a transformers PretrainedConfig or a ArchConfig."""
+    if isinstance(source, ArchConfig):
         return source
     if isinstance(source, dict):
-        return ModelConfig.from_hf_dict(source)
+        return ArchConfig.from_hf_dict(source)
     if isinstance(source, (str, Path)):
         path = Path(source)
         config_path = path / "config.json" if path.is_dir() else path
         if not config_path.is_file():
             raise FileNotFoundError(f"no config.json at {config_path}; pass a Hugging Face model directory")
-        return ModelConfig.from_hf_dict(json.loads(config_path.read_text()), source_dir=str(config_path.parent))
+        return ArchConfig.from_hf_dict(json.loads(config_path.read_text()), source_dir=str(config_path.parent))
     if hasattr(source, "to_dict"):  # transformers.PretrainedConfig, without importing transformers here
-        return ModelConfig.from_hf_dict(source.to_dict())
+        return ArchConfig.from_hf_dict(source.to_dict())
     raise TypeError(
         f"cannot build a model config from {type(source).__name__}; pass a model dir, a dict or a PretrainedConfig"
     )

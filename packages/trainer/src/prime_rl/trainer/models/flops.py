@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from prime_rl.trainer.models.config import ModelConfig, load_model_config
+from prime_rl.trainer.models.config import ArchConfig, load_model_config
 
 
-def num_active_params(config: ModelConfig) -> int:
+def num_active_params(config: ArchConfig) -> int:
     """Parameters touched per token, excluding the input embedding."""
     c = config
     if c.model_type == "nemotron_h":
@@ -42,7 +42,7 @@ def num_active_params(config: ModelConfig) -> int:
     return total + hidden + c.vocab_size * hidden  # final norm + LM head
 
 
-def _nemotron_h_active_params(c: ModelConfig) -> int:
+def _nemotron_h_active_params(c: ArchConfig) -> int:
     hidden, q_dim, kv_dim = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     inner, heads, bc = c.mamba_num_heads * c.mamba_head_dim, c.mamba_num_heads, 2 * c.mamba_n_groups * c.ssm_state_size
     conv_dim = inner + bc

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prime_rl.trainer.models.config import ModelConfig
+from prime_rl.trainer.models.config import ArchConfig
 from prime_rl.trainer.models.packing import PackedSeqs
 
 
@@ -137,7 +137,7 @@ def ssd_chunk_scan(
 class Mamba2Mixer(nn.Module):
     """in_proj -> (gate z, conv'd x B C, dt) -> SSD scan + D skip -> gated RMSNorm -> out_proj."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ArchConfig):
         super().__init__()
         c = config
         self.num_heads, self.head_dim = c.mamba_num_heads, c.mamba_head_dim

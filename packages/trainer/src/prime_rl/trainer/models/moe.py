@@ -27,13 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prime_rl.trainer.models.config import ModelConfig
+from prime_rl.trainer.models.config import ArchConfig
 from prime_rl.trainer.models.mlp import MLP
 from prime_rl.trainer.models.moe_compute import grouped_swiglu_for
 
 
 class Router(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ArchConfig):
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
@@ -74,7 +74,7 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """SwiGLU experts over tokens already grouped by expert, as one grouped GEMM per projection."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ArchConfig):
         super().__init__()
         num_experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_proj = nn.Parameter(torch.empty(num_experts, inter, hidden))
@@ -117,7 +117,7 @@ def unpermute_tokens(
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ArchConfig):
         super().__init__()
         self.num_experts = config.num_experts
         self.router = Router(config)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prime_rl.trainer.models.config import ModelConfig
+from prime_rl.trainer.models.config import ArchConfig
 from prime_rl.trainer.models.mamba import Mamba2Mixer
 from prime_rl.trainer.models.moe import Router, permute_tokens, unpermute_tokens
 from prime_rl.trainer.models.packing import PackedSeqs
@@ -94,7 +94,7 @@ class ReLU2Experts(nn.Module):
 class NemotronHMoE(nn.Module):
     """Routed relu^2 experts (through the latent projection if any) plus the shared expert."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ArchConfig):
         super().__init__()
         c = config
         self.num_experts = c.num_experts
@@ -126,7 +126,7 @@ class NemotronHMoE(nn.Module):
 class NemotronHBlock(nn.Module):
     """x + mixer(norm(x)); `block_type` is "mamba", "attention", "mlp" or "moe"."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, attn: str, sdpa_fallback: bool):
+    def __init__(self, config: ArchConfig, layer_idx: int, attn: str, sdpa_fallback: bool):
         super().__init__()
         from prime_rl.trainer.models.transformer import Attention  # transformer.py builds this block
 

@@ -13,10 +13,10 @@ import math
 import torch
 from torch import nn
 
-from prime_rl.trainer.models.config import ModelConfig
+from prime_rl.trainer.models.config import ArchConfig
 
 
-def compute_inv_freq(config: ModelConfig) -> torch.Tensor:
+def compute_inv_freq(config: ArchConfig) -> torch.Tensor:
     """(rotary_dim / 2,) fp32 on CPU; 'default' or Llama 3.1's 'llama3' frequency scaling. rotary_dim is
     head_dim unless the model rotates only part of each head (GLM-4.5's partial_rotary_factor)."""
     dim = config.rotary_dim
@@ -40,7 +40,7 @@ def compute_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ArchConfig):
         super().__init__()
         self.config = config
         self._inv_freq: dict[torch.device, torch.Tensor] = {}

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from prime_rl.trainer.models.attention import build_core_attention, prepare_masks
-from prime_rl.trainer.models.config import ModelConfig
+from prime_rl.trainer.models.config import ArchConfig
 from prime_rl.trainer.models.mamba import GatedRMSNorm, Mamba2Mixer
 from prime_rl.trainer.models.mlp import MLP
 from prime_rl.trainer.models.moe import MoE
@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, attn: str, sdpa_fallback: bool):
+    def __init__(self, config: ArchConfig, attn: str, sdpa_fallback: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -76,7 +76,7 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, attn: str, sdpa_fallback: bool):
+    def __init__(self, config: ArchConfig, layer_idx: int, attn: str, sdpa_fallback: bool):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -93,7 +93,7 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, attn: str, sdpa_fallback: bool = False):
+    def __init__(self, config: ArchConfig, attn: str, sdpa_fallback: bool = False):
         super().__init__()
         self.config = config
         self.attn = attn

@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from prime_rl.trainer.models.config import ModelConfig, load_model_config
+from prime_rl.trainer.models.config import ArchConfig, load_model_config
 
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _ROUTER_HF_RE = re.compile(r"^layers\.(\d+)\.mlp\.gate\.weight$")
@@ -54,7 +54,7 @@ _SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 WEIGHT_INDEX = "model.safetensors.index.json"
 
 
-def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ArchConfig) -> dict[str, torch.Tensor]:
     """HF names/shapes -> model names/shapes. Tied models get `lm_head.weight` = the embedding."""
     if config.model_type == "nemotron_h":
         return _nemotron_h_to_model(sd, config)
@@ -90,7 +90,7 @@ def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ModelConfig) -> 
     return out
 
 
-def model_state_dict_to_hf(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def model_state_dict_to_hf(sd: dict[str, torch.Tensor], config: ArchConfig) -> dict[str, torch.Tensor]:
     """Model names/shapes -> HF names/shapes (tied models drop `lm_head.weight`, as HF saves them)."""
     if config.model_type == "nemotron_h":
         return _nemotron_h_to_hf(sd, config)
@@ -111,7 +111,7 @@ def model_state_dict_to_hf(sd: dict[str, torch.Tensor], config: ModelConfig) -> 
     return out
 
 
-def _nemotron_h_to_model(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def _nemotron_h_to_model(sd: dict[str, torch.Tensor], config: ArchConfig) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for hf_name, tensor in sd.items():
@@ -137,7 +137,7 @@ def _nemotron_h_to_model(sd: dict[str, torch.Tensor], config: ModelConfig) -> di
     return out
 
 
-def _nemotron_h_to_hf(sd: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def _nemotron_h_to_hf(sd: dict[str, torch.Tensor], config: ArchConfig) -> dict[str, torch.Tensor]:
     ours_to_hf = {v: k for k, v in _NH_RENAMES.items()}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in sd.items():
@@ -177,7 +177,7 @@ def read_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 def load_hf_weights(model: nn.Module, model_dir: str | Path, ignore: Callable[[str], bool] | None = None) -> None:
     """Copy an HF checkpoint into `model` (plain or DTensor parameters), casting to each parameter's dtype.
     State-dict keys for which `ignore(name)` is true (LoRA adapters) are not in the checkpoint and stay as they are."""
-    config: ModelConfig = model.config
+    config: ArchConfig = model.config
     sd = hf_state_dict_to_model(read_hf_state_dict(model_dir), config)
     targets = {k: v for k, v in model.state_dict().items() if ignore is None or not ignore(k)}
     missing, unexpected = sorted(set(targets) - set(sd)), sorted(set(sd) - set(targets))
@@ -220,7 +220,7 @@ def _to_full_cpu(tensor: torch.Tensor) -> torch.Tensor:
 def save_hf_weights(
     state_dict_or_model: dict[str, torch.Tensor] | nn.Module,
     out_dir: str | Path,
-    config: ModelConfig | None = None,
+    config: ArchConfig | None = None,
     max_shard_bytes: int = 5 * 2**30,
 ) -> None:
     """Write HF-named safetensors (sharded with an index above `max_shard_bytes`) plus config.json and
@@ -231,7 +231,7 @@ def save_hf_weights(
     else:
         state_dict = state_dict_or_model
     if config is None:
-        raise ValueError("save_hf_weights needs `config` when given a state dict (ModelConfig, dir or dict)")
+        raise ValueError("save_hf_weights needs `config` when given a state dict (ArchConfig, dir or dict)")
     config = load_model_config(config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -280,7 +280,7 @@ def write_shards(
     (out_dir / WEIGHT_INDEX).write_text(json.dumps(index, indent=2))
 
 
-def write_side_files(config: ModelConfig, out_dir: Path) -> None:
+def write_side_files(config: ArchConfig, out_dir: Path) -> None:
     """config.json and the source directory's tokenizer / generation files next to the weights."""
     if config.source_dir and Path(config.source_dir).resolve() != out_dir.resolve():
         for path in Path(config.source_dir).iterdir():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from prime_rl.common.config.trainer import ModelConfig, OptimizerConfig, SchedulerConfig
+from prime_rl.common.config.trainer import OptimizerConfig, SchedulerConfig, TrainerModelConfig
 from prime_rl.trainer.ckpt import CheckpointManager
 from prime_rl.trainer.memory_plan import require_resolved
 from prime_rl.trainer.optim.full_offload import FullOffloadOptimizer
@@ -58,7 +58,7 @@ class Optimization:
 
 
 def build_optimization(
-    model_cfg: ModelConfig,
+    model_cfg: TrainerModelConfig,
     optim_cfg: OptimizerConfig,
     scheduler_cfg: SchedulerConfig,
     max_steps: int,

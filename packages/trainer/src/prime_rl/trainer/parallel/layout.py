@@ -6,15 +6,15 @@ at start-up with one line naming the value, the rule and the fix.
 
 import dataclasses
 
-from prime_rl.common.config.trainer import ModelConfig
-from prime_rl.trainer.models.config import ModelConfig as ArchConfig
+from prime_rl.common.config.trainer import TrainerModelConfig
+from prime_rl.trainer.models.config import ArchConfig
 from prime_rl.trainer.models.moe_compute import check_moe_compute
 from prime_rl.trainer.parallel.context import validate_cp
 from prime_rl.trainer.parallel.dims import ParallelDims
 from prime_rl.trainer.parallel.expert import check_dispatch, resolve_ep
 
 
-def resolve_parallel_dims(cfg: ModelConfig, world_size: int, arch: ArchConfig) -> ParallelDims:
+def resolve_parallel_dims(cfg: TrainerModelConfig, world_size: int, arch: ArchConfig) -> ParallelDims:
     dims = ParallelDims.from_world(world_size, cfg.dp_replicate)
     if cfg.cp > 1 and "mamba" in arch.layer_types:
         raise ValueError(

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from prime_rl.common.config.trainer import ModelConfig
+from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.kernels.grouped_gemm import triton_grouped_enabled
 from prime_rl.trainer.models.moe_compute import apply_moe_compute
 from prime_rl.trainer.parallel.checkpointing import apply_ac
@@ -23,7 +23,7 @@ from prime_rl.trainer.parallel.offload import apply_ac_offloading
 
 
 def parallelize_model(
-    root: nn.Module, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: ModelConfig
+    root: nn.Module, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: TrainerModelConfig
 ) -> None:
     """`root` is the module whose forward runs a whole micro-batch; `model` the transformer inside it
     (`model.layers` are the blocks)."""

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.common.config import parse_config
 from prime_rl.common.config.rl_trainer import RLTrainerConfig, SequenceLossConfig, TokenLossConfig
-from prime_rl.common.config.trainer import ModelConfig
+from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.loop import to_host, train_loop
 from prime_rl.trainer.lora import BaseModelView
@@ -184,7 +184,7 @@ def train_step(
 
 def build_objective(
     loss: TokenLossConfig | SequenceLossConfig,
-    model_cfg: ModelConfig,
+    model_cfg: TrainerModelConfig,
     dims: ParallelDims,
     mesh: DeviceMesh,
     world: World,

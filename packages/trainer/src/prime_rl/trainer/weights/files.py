@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from prime_rl.common.weight_checksum import write_checksums
-from prime_rl.trainer.models.config import ModelConfig
+from prime_rl.trainer.models.config import ArchConfig
 from prime_rl.trainer.models.weights import write_shards, write_side_files
 
 TMP_SUFFIX = ".tmp"
@@ -98,7 +98,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_hf_dir(
-    hf_state: Mapping[str, torch.Tensor], out_dir: Path, config: ModelConfig, max_shard_bytes: int = 5 * 2**30
+    hf_state: Mapping[str, torch.Tensor], out_dir: Path, config: ArchConfig, max_shard_bytes: int = 5 * 2**30
 ) -> None:
     """HF-named tensors as (sharded) safetensors plus config.json, tokenizer files and checksums.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
