@@ -41,6 +41,7 @@ from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import PackedSeqs
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.context import shard_sequence
+from prime_rl.trainer.parallel.dispatch_kernels import exit_if_dispatch_kernels_missing
 from prime_rl.trainer.rl.batching import TokenBudgetSource
 from prime_rl.trainer.rl.data import ContextParallelSource, FakeSource, OrchestratorSource, RLMicroBatch
 from prime_rl.trainer.rl.loss import LossSettings, rl_loss, segment_sum
@@ -262,6 +263,7 @@ def train(cfg: RLTrainerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.captureWarnings(True)
     cfg = parse_config(RLTrainerConfig, argv, prog="trainer")
+    exit_if_dispatch_kernels_missing(cfg.model.moe.dispatch.type, "trainer")  # also in --dry-run
     if cfg.dry_run:
         from prime_rl.common.config import write_toml
 
