@@ -64,7 +64,7 @@ def quantize_rows(
     quantize_rows_kernel[(T, triton.cdiv(C, QBLOCK))](
         x, q_args[0], s_args[0], qt_args[0], st_args[0], ends, tile_expert, tile_row, C, E,
         *x.stride(), *q_args[1], *s_args[1], *qt_args[1], *st_args[1],
-        ROWWISE=rowwise, COLWISE=colwise,
+        ROWWISE=rowwise, COLWISE=colwise, num_warps=8,  # a 128 x 128 fp32 tile per program
     )  # fmt: skip
     return q, s, qt, st
 
@@ -77,7 +77,7 @@ def quantize_weight(w: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, to
     s = w.new_empty(E, triton.cdiv(N, QBLOCK), triton.cdiv(K, QBLOCK), dtype=torch.float32)
     if w.numel():
         grid = (triton.cdiv(N, QBLOCK) * triton.cdiv(K, QBLOCK), E)
-        quantize_weight_kernel[grid](w, q, s, N, K, *w.stride(), *q.stride(), *s.stride())
+        quantize_weight_kernel[grid](w, q, s, N, K, *w.stride(), *q.stride(), *s.stride(), num_warps=8)
     return q, s
 
 
