@@ -14,8 +14,8 @@ would be new memory held per layer until backward; re-quantizing w is one memory
 
 The weight gradient runs in fp8 too, for two reasons: it is the recipe the torch reference path (and
 DeepSeek-V3) computes, so both paths agree to rounding; and its error against unquantized math is of the
-same order as the forward's and input gradient's (measured in tests/grouped_gemm_fp8_cases.py, numbers
-in docs/moe.md), not worse, because each 128-token block has its own per-column scale.
+same order as the forward's and input gradient's, not worse, because each 128-token block has its own
+per-column scale (measured by packages/kernels/tests/grouped_gemm_fp8_cases.py; numbers in docs/moe.md).
 
 Left out (next steps once a GPU has measured this): quantizing x once for the gate and up projections
 (each op quantizes its own input), fusing SwiGLU into the down projection's quantization, and a
