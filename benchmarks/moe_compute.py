@@ -12,8 +12,8 @@ Routing is random top-k (a balanced load). GPU times are medians of CUDA-event t
 (the warm-up also runs Triton's autotuning); CPU times (smoke only: fp8 there is the dequantizing
 reference, fp8_triton is skipped) use perf_counter. TFLOP/s counts the 3 GEMMs forward and 6 backward:
 18 * M * H * I flops for M routed rows, whatever the precision. `max_rel_err_vs_fp32` is the output's
-largest error against unquantized fp32 math, relative to its largest value. Also reported: the torch
-quantization alone (activations 1x128 + the three weights 128x128), the fallback's non-GEMM cost.
+largest error against unquantized fp32 math, relative to its largest value. Also reported: each fp8 path's
+quantization alone (activations 1x128 + the three weights 128x128), the part of its time that is no GEMM.
 """
 
 import argparse
@@ -117,6 +117,20 @@ def main() -> None:
     if "fp8_scaled_mm" in results:
         quant_ms = time_ms(quantize_all, device, a.warmup, a.steps)
         print(json.dumps(dict(compute="fp8_torch_quantize_only", **shape, ms=round(quant_ms, 3))), flush=True)
+    if "fp8_triton" in results:  # the Triton path's forward quantization: x once, the three weights
+        from prime_rl.kernels.grouped_gemm.fp8_op import fp8_tile_map, quantize_rows, quantize_weight
+
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)
+        tiles = fp8_tile_map(ends, M)
+
+        def quantize_triton() -> None:
+            with torch.no_grad():
+                quantize_rows(x, ends, *tiles, rowwise=True, colwise=False)
+                for w in ws:
+                    quantize_weight(w, transposed=False)
+
+        quant_ms = time_ms(quantize_triton, device, a.warmup, a.steps)
+        print(json.dumps(dict(compute="fp8_triton_quantize_only", **shape, ms=round(quant_ms, 3))), flush=True)
     if "bf16" in results:
         ratios = {
             f"{k}_over_bf16_fwd_bwd_time": round(v / results["bf16"], 3) for k, v in results.items() if k != "bf16"
