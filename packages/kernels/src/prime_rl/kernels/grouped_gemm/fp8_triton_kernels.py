@@ -35,8 +35,10 @@ from prime_rl.kernels.grouped_gemm.triton_kernels import INTERPRET
 
 QBLOCK = 128
 """Quantization block edge, and the row tile of the grouped GEMMs (a tile is one 128-token block)."""
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-4
+# jit code reads globals only as tl.constexpr instances (the compiler refuses others; the interpreter does not)
+_QB = tl.constexpr(QBLOCK)
+FP8_MAX = tl.constexpr(448.0)
+AMAX_FLOOR = tl.constexpr(1e-4)
 INTERPRET_FP8 = tl.constexpr(INTERPRET)
 
 if INTERPRET:  # numpy runs each program: small output tiles, one config
@@ -118,8 +120,8 @@ def quantize_rows_kernel(
         return
     row_start = tl.load(tile_row_ptr + tile)
     row_end = tl.load(ends_ptr + expert).to(tl.int32)
-    rows = row_start + tl.arange(0, QBLOCK)
-    cols = pid_c * QBLOCK + tl.arange(0, QBLOCK)
+    rows = row_start + tl.arange(0, _QB)
+    cols = pid_c * _QB + tl.arange(0, _QB)
     mask = (rows < row_end)[:, None] & (cols < C)[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xc, mask=mask, other=0.0)
@@ -152,11 +154,11 @@ def quantize_weight_kernel(
     stride_sk,
 ):
     expert = tl.program_id(1).to(tl.int64)
-    k_blocks = tl.cdiv(K, QBLOCK)
+    k_blocks = tl.cdiv(K, _QB)
     pid_n = tl.program_id(0) // k_blocks
     pid_k = tl.program_id(0) % k_blocks
-    ns = pid_n * QBLOCK + tl.arange(0, QBLOCK)
-    ks = pid_k * QBLOCK + tl.arange(0, QBLOCK)
+    ns = pid_n * _QB + tl.arange(0, _QB)
+    ks = pid_k * _QB + tl.arange(0, _QB)
     mask = (ns < N)[:, None] & (ks < K)[None, :]
     w = tl.load(w_ptr + expert * stride_we + ns[:, None] * stride_wn + ks[None, :] * stride_wk, mask=mask, other=0.0)
     q, s = _quantize(w.to(tl.float32), tl.max(tl.max(tl.abs(w.to(tl.float32)), axis=1), axis=0))
@@ -199,9 +201,9 @@ def fp8_grouped_mm_kernel(
         return  # padding program of the worst-case grid
     row_start = tl.load(tile_row_ptr + tile)
     row_end = tl.load(ends_ptr + expert).to(tl.int32)
-    rows = row_start + tl.arange(0, QBLOCK)
+    rows = row_start + tl.arange(0, _QB)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, QBLOCK)
+    ks = tl.arange(0, _QB)
     row_mask = rows < row_end
     col_mask = cols < N
     rows64 = rows.to(tl.int64)
@@ -209,17 +211,17 @@ def fp8_grouped_mm_kernel(
     a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :] * stride_ak
     b_ptrs = b_ptr + expert64 * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
     as_ptrs = as_ptr + rows64 * stride_asm  # (128,) one scale per row and K block
-    bs_ptrs = bs_ptr + expert64 * stride_bse + (cols // QBLOCK) * stride_bsn  # (BLOCK_N,) per column block
-    acc = tl.zeros((QBLOCK, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, QBLOCK)):
-        k_mask = (kb * QBLOCK + ks) < K
+    bs_ptrs = bs_ptr + expert64 * stride_bse + (cols // _QB) * stride_bsn  # (BLOCK_N,) per column block
+    acc = tl.zeros((_QB, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, _QB)):
+        k_mask = (kb * _QB + ks) < K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         a_s = tl.load(as_ptrs + kb * stride_ask, mask=row_mask, other=0.0)
         b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=col_mask, other=0.0)
         acc += _fp8_dot(a, b) * a_s[:, None] * b_s[None, :]
-        a_ptrs += QBLOCK * stride_ak
-        b_ptrs += QBLOCK * stride_bk
+        a_ptrs += _QB * stride_ak
+        b_ptrs += _QB * stride_bk
     out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -263,11 +265,11 @@ def fp8_grouped_wgrad_kernel(
 
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    ms = tl.arange(0, QBLOCK)
+    ms = tl.arange(0, _QB)
     n_mask = ns < N
     k_mask = ks < K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for m0 in range(row_start, row_end, QBLOCK):  # one expert's row tiles: one token block each
+    for m0 in range(row_start, row_end, _QB):  # one expert's row tiles: one token block each
         rows = (m0 + ms).to(tl.int64)
         m_mask = rows < row_end
         a = tl.load(  # (BLOCK_N, 128)
