@@ -179,5 +179,15 @@ if __name__ == "__main__":
     torch.library.opcheck(fp8_grouped_mm, args)
     compiled = torch.compile(fp8_grouped_mm, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(*args), fp8_grouped_mm(*args))
+    # the whole SwiGLU (tile map, three ops, their backward) as one graph, as the MoE block compiles it
+    from prime_rl.kernels.grouped_gemm.fp8_op import fp8_grouped_swiglu_triton
+
+    counts = torch.tensor([7, 0, 40])
+    ws = [w.detach().requires_grad_(), w.detach().requires_grad_(), w.detach().transpose(1, 2).requires_grad_()]
+    swiglu = torch.compile(fp8_grouped_swiglu_triton, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(swiglu(x, counts, *ws).sum(), [x, *ws])
+    want = torch.autograd.grad(fp8_grouped_swiglu_triton(x, counts, *ws).sum(), [x, *ws])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
     print("ok opcheck + fullgraph compile")
     sys.exit(0)
