@@ -42,8 +42,8 @@ AMAX_FLOOR = tl.constexpr(1e-4)
 INTERPRET_FP8 = tl.constexpr(INTERPRET)
 
 if INTERPRET:  # numpy runs each program: small output tiles, one config
-    _MM_CONFIGS = [triton.Config({"BLOCK_N": 32})]
-    _WGRAD_CONFIGS = [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32})]
+    _MM_CONFIGS = [triton.Config({"BLOCK_N": 64})]
+    _WGRAD_CONFIGS = [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64})]
 else:
     _MM_CONFIGS = [
         triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
