@@ -179,6 +179,20 @@ if __name__ == "__main__":
     torch.library.opcheck(fp8_grouped_mm, args)
     compiled = torch.compile(fp8_grouped_mm, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(*args), fp8_grouped_mm(*args))
+    # the gate / up pair (x quantized once) is exactly two single ops, forward and backward
+    from prime_rl.kernels.grouped_gemm.fp8_op import fp8_grouped_mm_pair
+
+    w2 = (w.detach().flip(0) * 3).requires_grad_()
+    y1, y2 = fp8_grouped_mm_pair(x, w, w2, *args[2:])
+    assert torch.equal(y1, fp8_grouped_mm(*args)) and torch.equal(y2, fp8_grouped_mm(x, w2, *args[2:]))
+    g1, g2 = torch.randn_like(y1), torch.randn_like(y2)
+    got = torch.autograd.grad((y1 * g1).sum() + (y2 * g2).sum(), [x, w, w2])
+    singles = (fp8_grouped_mm(*args) * g1).sum() + (fp8_grouped_mm(x, w2, *args[2:]) * g2).sum()
+    for a, b in zip(got, torch.autograd.grad(singles, [x, w, w2]), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.library.opcheck(fp8_grouped_mm_pair, (x, w, w2, *args[2:]))
+    print("ok pair = two single ops")
+
     # the whole SwiGLU (tile map, three ops, their backward) as one graph, as the MoE block compiles it
     from prime_rl.kernels.grouped_gemm.fp8_op import fp8_grouped_swiglu_triton
 

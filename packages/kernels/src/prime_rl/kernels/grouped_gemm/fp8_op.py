@@ -17,9 +17,11 @@ DeepSeek-V3) computes, so both paths agree to rounding; and its error against un
 same order as the forward's and input gradient's, not worse, because each 128-token block has its own
 per-column scale (measured by packages/kernels/tests/grouped_gemm_fp8_cases.py; numbers in docs/moe.md).
 
-Left out (next steps once a GPU has measured this): quantizing x once for the gate and up projections
-(each op quantizes its own input), fusing SwiGLU into the down projection's quantization, and a
-persistent / TMA kernel.
+`fp8_grouped_mm_pair(x, w1, w2, ...)` is the gate and up projections in one op: x is quantized once
+for both forward GEMMs and once for both weight gradients, and the two input gradients are summed.
+
+Left out (next steps once a GPU has measured this): fusing SwiGLU into the down projection's
+quantization, reusing the forward's weight quantization in backward, and a persistent / TMA kernel.
 """
 
 import torch
@@ -138,13 +140,38 @@ def _wgrad(
     return out
 
 
+def _forward_gemm(
+    x_q: torch.Tensor, x_s: torch.Tensor, w: torch.Tensor, tiles: tuple, dtype: torch.dtype
+) -> torch.Tensor:
+    w_q, w_s = quantize_weight(w, transposed=False)  # (E, N, K): K contiguous, the forward's contraction
+    return _gemm(x_q, x_s, w_q.transpose(1, 2), w_s.transpose(1, 2), *tiles, dtype)
+
+
+def _grads(
+    dy: torch.Tensor, w: torch.Tensor, xt: tuple | None, tiles: tuple, need_dx: bool, dx_dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dx = q(dy) @ q(w[e]) when need_dx; dw[e] = q(dy)^T @ q(x) when xt (x's 128-token quantization) is given."""
+    dy_q, dy_s, dyt_q, dyt_s = quantize_rows(dy, *tiles, rowwise=need_dx, colwise=xt is not None)  # one read
+    dx = dw = None
+    if need_dx:
+        w_q, w_s = quantize_weight(w, transposed=True)  # (E, N, K) view, N contiguous: dx contracts over N
+        dx = _gemm(dy_q, dy_s, w_q, w_s, *tiles, dx_dtype)
+    if xt is not None:
+        dw = _wgrad(dyt_q, dyt_s, *xt, tiles[0], w.dtype)
+    return dx, dw
+
+
+def _x_for_wgrad(x: torch.Tensor, tiles: tuple, need_dw: bool) -> tuple | None:
+    return quantize_rows(x, *tiles, rowwise=False, colwise=True)[2:] if need_dw else None
+
+
 @torch.library.custom_op("prime_rl::fp8_grouped_mm", mutates_args=())
 def fp8_grouped_mm(
     x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor
 ) -> torch.Tensor:
-    x_q, x_s, _, _ = quantize_rows(x, ends, tile_expert, tile_row, rowwise=True, colwise=False)
-    w_q, w_s = quantize_weight(w, transposed=False)  # (E, N, K): K contiguous, the forward's contraction
-    return _gemm(x_q, x_s, w_q.transpose(1, 2), w_s.transpose(1, 2), ends, tile_expert, tile_row, x.dtype)
+    tiles = (ends, tile_expert, tile_row)
+    x_q, x_s, _, _ = quantize_rows(x, *tiles, rowwise=True, colwise=False)
+    return _forward_gemm(x_q, x_s, w, tiles, x.dtype)
 
 
 @fp8_grouped_mm.register_fake
@@ -165,15 +192,8 @@ def fp8_grouped_mm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx (M, K) or empty (0,) when not needed, dw (E, N, K) or empty)."""
     tiles = (ends, tile_expert, tile_row)
-    dy_q, dy_s, dyt_q, dyt_s = quantize_rows(dy, *tiles, rowwise=need_dx, colwise=need_dw)  # one read of dy
-    dx = dw = x.new_empty(0)
-    if need_dx:
-        w_q, w_s = quantize_weight(w, transposed=True)  # (E, N, K) view, N contiguous: dx contracts over N
-        dx = _gemm(dy_q, dy_s, w_q, w_s, *tiles, x.dtype)
-    if need_dw:
-        _, _, xt_q, xt_s = quantize_rows(x, *tiles, rowwise=False, colwise=True)
-        dw = _wgrad(dyt_q, dyt_s, xt_q, xt_s, ends, w.dtype)
-    return dx, dw
+    dx, dw = _grads(dy, w, _x_for_wgrad(x, tiles, need_dw), tiles, need_dx, x.dtype)
+    return (x.new_empty(0) if dx is None else dx), (x.new_empty(0) if dw is None else dw)
 
 
 @fp8_grouped_mm_backward.register_fake
@@ -197,6 +217,77 @@ def _backward(ctx, dy: torch.Tensor) -> tuple:  # noqa: ANN001
 fp8_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("prime_rl::fp8_grouped_mm_pair", mutates_args=())
+def fp8_grouped_mm_pair(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    ends: torch.Tensor,
+    tile_expert: torch.Tensor,
+    tile_row: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8_grouped_mm(x, w1, ...), fp8_grouped_mm(x, w2, ...)) with x quantized once, forward (1x128) and
+    backward (128 tokens): the gate and up projections read the same input."""
+    tiles = (ends, tile_expert, tile_row)
+    x_q, x_s, _, _ = quantize_rows(x, *tiles, rowwise=True, colwise=False)
+    return _forward_gemm(x_q, x_s, w1, tiles, x.dtype), _forward_gemm(x_q, x_s, w2, tiles, x.dtype)
+
+
+@fp8_grouped_mm_pair.register_fake
+def _(x, w1, w2, ends, tile_expert, tile_row):  # noqa: ANN001
+    return x.new_empty(x.shape[0], w1.shape[1]), x.new_empty(x.shape[0], w2.shape[1])
+
+
+@torch.library.custom_op("prime_rl::fp8_grouped_mm_pair_backward", mutates_args=())
+def fp8_grouped_mm_pair_backward(
+    dy1: torch.Tensor,
+    dy2: torch.Tensor,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    ends: torch.Tensor,
+    tile_expert: torch.Tensor,
+    tile_row: torch.Tensor,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx = dx1 + dx2, dw1, dw2), each empty (0,) when not needed."""
+    tiles = (ends, tile_expert, tile_row)
+    xt = _x_for_wgrad(x, tiles, need_dw)  # once for both weight gradients
+    dx1, dw1 = _grads(dy1, w1, xt, tiles, need_dx, x.dtype)
+    dx2, dw2 = _grads(dy2, w2, xt, tiles, need_dx, x.dtype)
+    empty = x.new_empty(0)
+    return (dx1.add_(dx2) if need_dx else empty), (dw1 if need_dw else empty), (dw2 if need_dw else empty)
+
+
+@fp8_grouped_mm_pair_backward.register_fake
+def _(dy1, dy2, x, w1, w2, ends, tile_expert, tile_row, need_dx: bool, need_dw: bool):  # noqa: ANN001
+    empty = x.new_empty(0)
+    dx = x.new_empty(x.shape) if need_dx else empty
+    return dx, (w1.new_empty(w1.shape) if need_dw else empty), (w2.new_empty(w2.shape) if need_dw else empty)
+
+
+def _pair_backward(ctx, dy1: torch.Tensor | None, dy2: torch.Tensor | None) -> tuple:  # noqa: ANN001
+    x, w1, w2, ends, tile_expert, tile_row = ctx.saved_tensors
+    need_dx = ctx.needs_input_grad[0]
+    need_dw = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+    m = x.shape[0]  # an output that fed nothing gets a zero gradient
+    dy1 = x.new_zeros(m, w1.shape[1]) if dy1 is None else dy1
+    dy2 = x.new_zeros(m, w2.shape[1]) if dy2 is None else dy2
+    dx, dw1, dw2 = fp8_grouped_mm_pair_backward(dy1, dy2, x, w1, w2, ends, tile_expert, tile_row, need_dx, need_dw)
+    return (
+        dx if need_dx else None,
+        dw1 if ctx.needs_input_grad[1] else None,
+        dw2 if ctx.needs_input_grad[2] else None,
+        None,
+        None,
+        None,
+    )
+
+
+fp8_grouped_mm_pair.register_autograd(_pair_backward, setup_context=_setup_context)
+
+
 def fp8_grouped_swiglu_triton(
     x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
 ) -> torch.Tensor:
@@ -204,6 +295,5 @@ def fp8_grouped_swiglu_triton(
     expert GEMM in blockwise FP8; the SwiGLU between them in x's dtype. No host sync."""
     ends = torch.cumsum(counts, dim=0, dtype=torch.int32)
     tiles = fp8_tile_map(ends, x.shape[0])  # shared by the 3 projections and their backward
-    gate = fp8_grouped_mm(x, w_gate, ends, *tiles)  # (M, I)
-    up = fp8_grouped_mm(x, w_up, ends, *tiles)
+    gate, up = fp8_grouped_mm_pair(x, w_gate, w_up, ends, *tiles)  # (M, I) each, x quantized once
     return fp8_grouped_mm(F.silu(gate) * up, w_down, ends, *tiles)  # (M, H)
