@@ -132,7 +132,8 @@ def quantize_rows_kernel(
         tl.store(s_ptr + rows64[:, None] * stride_sm + pid_c * stride_sc, s, mask=(rows < row_end)[:, None])
     if COLWISE:
         q, s = _quantize(x, tl.max(tl.abs(x), axis=0)[None, :])  # s (1, 128)
-        tl.store(qt_ptr + cols[None, :] * stride_qtc + rows64[:, None] * stride_qtm, q, mask=mask)
+        # int64: the transposed payload's offsets reach C * M (2^31 at 1M routed rows x 2048)
+        tl.store(qt_ptr + cols[None, :].to(tl.int64) * stride_qtc + rows64[:, None] * stride_qtm, q, mask=mask)
         tl.store(st_ptr + tile * stride_stt + cols[None, :] * stride_stc, s, mask=(cols < C)[None, :])
 
 
@@ -273,12 +274,12 @@ def fp8_grouped_wgrad_kernel(
         rows = (m0 + ms).to(tl.int64)
         m_mask = rows < row_end
         a = tl.load(  # (BLOCK_N, 128)
-            at_ptr + ns[:, None] * stride_atn + rows[None, :] * stride_atm,
+            at_ptr + ns[:, None].to(tl.int64) * stride_atn + rows[None, :] * stride_atm,  # int64: N * M
             mask=n_mask[:, None] & m_mask[None, :],
             other=0.0,
         )
         b = tl.load(  # (BLOCK_K, 128), transposed in registers to (128, BLOCK_K)
-            bt_ptr + ks[:, None] * stride_btk + rows[None, :] * stride_btm,
+            bt_ptr + ks[:, None].to(tl.int64) * stride_btk + rows[None, :] * stride_btm,
             mask=k_mask[:, None] & m_mask[None, :],
             other=0.0,
         )
