@@ -334,6 +334,16 @@ def test_start_up_fp8_on_sm90_with_triton_warns_that_its_speed_is_unmeasured(mon
         check_moe_compute(FP8ComputeConfig(), "qwen3_moe", "cuda")
 
 
+def test_fp8_path_choice_traces_into_one_graph():
+    """The MoE block compiles as one graph with the Triton fp8 path, and the path is chosen inside it: the
+    GPU-generation lookup must trace as a constant, not break the graph."""
+    from prime_rl.trainer.models.moe_compute import fp8_triton_enabled
+
+    fn = torch.compile(lambda x: x * (2 if fp8_triton_enabled("cuda") else 3), fullgraph=True, backend="eager")
+    want = 2.0 if fp8_triton_enabled("cuda") else 3.0  # this machine's answer, eager
+    assert fn(torch.ones(2)).tolist() == [want, want]
+
+
 def test_deepgemm_fp8_refuses_in_one_line_naming_deep_gemm(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import deep_gemm -> ImportError, installed or not
     with pytest.raises(ImportError, match="needs the `deep_gemm` package") as e:

@@ -266,15 +266,17 @@ class FP8GroupedLinear(torch.autograd.Function):
         return dx, dw, None
 
 
+@torch.compiler.assume_constant_result
+def _cuda_major() -> int:
+    """This process's GPU generation (0 without CUDA). Read while Dynamo traces the MoE block, which it could
+    not put in a graph (a non-tensor torch.cuda call); one value per process, so traced as a constant."""
+    return torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
+
+
 def fp8_triton_enabled(device_type: str) -> bool:
     """Whether fp8 experts on this device type run the Triton grouped kernels: CUDA SM90 with triton (the
     recipe's wgmma fp8 path is what the kernels are written and tested for)."""
-    return (
-        device_type == "cuda"
-        and fp8_grouped_swiglu_triton is not None
-        and torch.cuda.is_available()
-        and torch.cuda.get_device_capability()[0] == 9
-    )
+    return device_type == "cuda" and fp8_grouped_swiglu_triton is not None and _cuda_major() == 9
 
 
 def fp8_grouped_swiglu(
