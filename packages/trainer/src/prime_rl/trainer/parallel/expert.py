@@ -40,10 +40,10 @@ from prime_rl.common.config.trainer import (
     MoEDispatchConfig,
     TorchDispatchConfig,
 )
+from prime_rl.trainer.dispatch_kernels import dispatch_kernels_error
 from prime_rl.trainer.models.moe_compute import grouped_swiglu_for
 from prime_rl.trainer.models.nemotron_h import grouped_relu2
 from prime_rl.trainer.parallel.deepep import DeepEPDispatcher, apply_deepep_moe
-from prime_rl.trainer.parallel.dispatch_kernels import dispatch_kernels_error
 
 MAX_AUTO_EP = 8
 

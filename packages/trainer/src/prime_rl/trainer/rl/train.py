@@ -35,13 +35,13 @@ from prime_rl.common.config import parse_config
 from prime_rl.common.config.rl_trainer import RLTrainerConfig, SequenceLossConfig, TokenLossConfig
 from prime_rl.common.config.trainer import ModelConfig
 from prime_rl.common.rundir import RunDir
+from prime_rl.trainer.dispatch_kernels import exit_if_dispatch_kernels_missing
 from prime_rl.trainer.loop import to_host, train_loop
 from prime_rl.trainer.lora import BaseModelView
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import PackedSeqs
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.context import shard_sequence
-from prime_rl.trainer.parallel.dispatch_kernels import exit_if_dispatch_kernels_missing
 from prime_rl.trainer.rl.batching import TokenBudgetSource
 from prime_rl.trainer.rl.data import ContextParallelSource, FakeSource, OrchestratorSource, RLMicroBatch
 from prime_rl.trainer.rl.loss import LossSettings, rl_loss, segment_sum

@@ -1,6 +1,7 @@
 """Whether the kernels a `[model.moe.dispatch]` backend needs are importable: one line, or None.
 
-Cheap and torch-free at import, so `sft` and `trainer` ask it before torchrun starts (and in `--dry-run`):
+Cheap and torch-free at import (outside `parallel/`, whose package imports torch and the models), so
+`sft` and `trainer` ask it before torchrun starts (and in `--dry-run`):
 a missing Mega MoE build or DeepEP then ends the command with one line and exit 2, not a traceback from
 every rank. `check_dispatch` (parallel/expert.py) raises the same line inside the ranks, where the
 rules that need the model (ep > 1) are checked too.

@@ -1,11 +1,12 @@
 """A `[model.moe.dispatch]` backend without its kernels ends `sft` and `trainer` with one line and exit 2
 before torchrun starts, in `--dry-run` too (issue 32's bad input), instead of a traceback from every rank."""
 
+import subprocess
 import sys
 
 import pytest
 
-from prime_rl.trainer.parallel.dispatch_kernels import dispatch_kernels_error
+from prime_rl.trainer.dispatch_kernels import dispatch_kernels_error
 from prime_rl.trainer.rl.train import main as trainer_main
 from prime_rl.trainer.sft.entrypoint import main as sft_main
 
@@ -33,3 +34,10 @@ def test_missing_dispatch_kernels_exit_2_in_one_line_before_torchrun(
 
 def test_torch_dispatch_imports_nothing(no_kernels):
     assert dispatch_kernels_error("torch") is None
+
+
+def test_the_check_keeps_sft_start_up_free_of_torch():
+    """`sft --help` / `--dry-run` stay fast: the check's module imports no torch (parallel/ would)."""
+    code = "import sys, prime_rl.trainer.sft.entrypoint; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
