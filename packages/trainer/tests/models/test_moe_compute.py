@@ -27,6 +27,7 @@ from prime_rl.trainer.models.moe_compute import (
     AMAX_FLOOR,
     BLOCK,
     FP8_MAX,
+    FP8_TRITON_WARNING,
     ExpertRows,
     FP8GroupedLinear,
     apply_moe_compute,
@@ -34,6 +35,7 @@ from prime_rl.trainer.models.moe_compute import (
     dequantize_1x128,
     dequantize_128x128,
     fp8_grouped_swiglu,
+    fp8_grouped_swiglu_torch,
     quantize_1x128,
     quantize_128x128,
     sm90_scaled_mm_enabled,
@@ -311,6 +313,37 @@ def test_start_up_accepts_bf16_and_fp8_off_the_gpu_and_warns_that_fp8_is_slow():
     assert 'x the time of type = "bf16"' in message and "grouped_gemm.md" in message and "\n" not in message
 
 
+def test_start_up_fp8_on_sm90_with_triton_warns_that_its_speed_is_unmeasured(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("trainer")  # set up directly, as in the test above: shared and maybe quieted
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "level", logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        check_moe_compute(FP8ComputeConfig(), "qwen3_moe", "cuda")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == [FP8_TRITON_WARNING]
+    assert "not been measured on a GPU" in FP8_TRITON_WARNING and "\n" not in FP8_TRITON_WARNING
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(RuntimeError, match="needs an SM90 GPU .* found SM80"):
+        check_moe_compute(FP8ComputeConfig(), "qwen3_moe", "cuda")
+
+
+def test_fp8_path_choice_traces_into_one_graph():
+    """The MoE block compiles as one graph with the Triton fp8 path, and the path is chosen inside it: the
+    GPU-generation lookup must trace as a constant, not break the graph."""
+    from prime_rl.trainer.models.moe_compute import fp8_triton_enabled
+
+    fn = torch.compile(lambda x: x * (2 if fp8_triton_enabled("cuda") else 3), fullgraph=True, backend="eager")
+    want = 2.0 if fp8_triton_enabled("cuda") else 3.0  # this machine's answer, eager
+    assert fn(torch.ones(2)).tolist() == [want, want]
+
+
 def test_deepgemm_fp8_refuses_in_one_line_naming_deep_gemm(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import deep_gemm -> ImportError, installed or not
     with pytest.raises(ImportError, match="needs the `deep_gemm` package") as e:
@@ -392,13 +425,19 @@ def test_sm90_scaled_mm_each_gemm_matches_the_reference_path():
 
 @pytest.mark.gpu
 @requires_sm90
-def test_sm90_swiglu_matches_the_reference_path():
+@pytest.mark.parametrize("path", ["triton", "scaled_mm"])
+def test_sm90_swiglu_matches_the_reference_path(path):
+    """`fp8_grouped_swiglu` runs the Triton grouped kernels on SM90; `fp8_grouped_swiglu_torch` the per-expert
+    scaled_mm fallback. Both against the dequantized reference on CPU."""
+    fn = fp8_grouped_swiglu if path == "triton" else fp8_grouped_swiglu_torch
     counts = torch.tensor([64, 0, 200, 37, 128])  # ragged, an empty expert, a multi-block weight gradient
     g = torch.Generator().manual_seed(0)
     x = torch.randn(int(counts.sum()), 256, generator=g)
     ws = [torch.randn(5, 384, 256, generator=g) * 0.05, torch.randn(5, 384, 256, generator=g) * 0.05]
     ws.append(torch.randn(5, 256, 384, generator=g) * 0.05)
-    rels = _gpu_vs_reference_rel_errors(lambda x, *ws: fp8_grouped_swiglu(x, counts, *ws), [x, *ws])
+    rels = _gpu_vs_reference_rel_errors(
+        lambda x, *ws: fn(x, counts, *ws) if x.is_cuda else fp8_grouped_swiglu(x, counts, *ws), [x, *ws]
+    )
     print("rel err gpu vs reference: y, dx, dw_gate, dw_up, dw_down", [f"{r:.2e}" for r in rels])
     # looser than one GEMM: where the two paths' bf16 outputs of one GEMM differ by a rounding, the next
     # GEMM's e4m3 quantization of them can round to a neighbouring value, a whole e4m3 step (6-12%)

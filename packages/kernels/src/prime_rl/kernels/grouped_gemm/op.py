@@ -14,17 +14,17 @@ import triton
 from prime_rl.kernels.grouped_gemm.triton_kernels import MM_BLOCK_M, grouped_mm_kernel, grouped_mm_wgrad_kernel
 
 
-def tile_map(ends: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T,) expert and (T,) first row of every row tile, T = cdiv(M, MM_BLOCK_M) + E (the worst case);
-    tiles past the last real one get expert E. Device ops only: no host sync."""
+def tile_map(ends: torch.Tensor, num_rows: int, block_rows: int = MM_BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T,) expert and (T,) first row of every row tile of `block_rows` rows, T = cdiv(M, block_rows) + E
+    (the worst case); tiles past the last real one get expert E. Device ops only: no host sync."""
     num_experts = ends.shape[0]
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    tiles = (counts + MM_BLOCK_M - 1) // MM_BLOCK_M
+    tiles = (counts + block_rows - 1) // block_rows
     tile_ends = torch.cumsum(tiles, 0)
-    t = torch.arange(triton.cdiv(num_rows, MM_BLOCK_M) + num_experts, device=ends.device, dtype=ends.dtype)
+    t = torch.arange(triton.cdiv(num_rows, block_rows) + num_experts, device=ends.device, dtype=ends.dtype)
     expert = torch.searchsorted(tile_ends, t, right=True)  # (T,) in [0, E]
     e = expert.clamp(max=num_experts - 1)
-    row = (ends[e] - counts[e]) + (t - (tile_ends[e] - tiles[e])) * MM_BLOCK_M
+    row = (ends[e] - counts[e]) + (t - (tile_ends[e] - tiles[e])) * block_rows
     return expert.to(torch.int32), row.to(torch.int32)
 
 

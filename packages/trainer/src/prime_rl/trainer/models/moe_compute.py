@@ -13,23 +13,23 @@ Design:
   activation dtype. Master weights, gradients and the optimizer are untouched: a weight is quantized
   where it is used (the local shard under EP, the gathered one under FSDP) and again in backward, which
   keeps nothing in memory the bf16 path does not keep (x and w are saved, not their fp8 copies).
-- Scales are amax / 448 per block (e4m3's largest finite value), amax floored at 1e-4 like DeepGEMM's casts
-  so an all-zero block gets a finite scale and quantizes to zeros; a NaN or Inf input stays NaN (a loss
-  that goes NaN is found, one that was clamped is not). Dimensions that are not multiples of 128 are
-  zero-padded to the next block, which changes no product.
-- Where it runs: on CUDA SM90 each expert's GEMM is one `torch.nn.functional.scaled_mm` (cuBLASLt's
-  DeepSeek-style 1x128 x 128x128 and 1x128 x 1x128 scaling, which torch implements only for SM90).
-  torch's grouped scaled GEMM (`scaled_grouped_mm`) takes only tensorwise or rowwise scales on SM90, so
-  this is a per-expert loop with one host sync for the token counts, like the bf16 path off the GPU. The
-  loop runs on each expert's rows padded with zero rows to whole 128-row blocks (`ExpertRows`: cuBLASLt
-  has no algorithm for a row count that is not a multiple of 4), dropped from the outputs. On
-  any other device a reference path dequantizes the same e4m3 payloads and scales (one quantizer for
-  both) and multiplies in fp32: what the GPU computes, up to accumulation order. It is what the CPU tests
-  check against bf16; it is not fast.
+- The recipe's quantizer (amax / 448 per block, floored, NaN kept, partial blocks zero-padded) is
+  `prime_rl.kernels.grouped_gemm.fp8_reference`, re-exported here; both GEMM paths reproduce it.
+- Where it runs: on CUDA SM90 with triton, the Triton grouped kernels of
+  `prime_rl.kernels.grouped_gemm.fp8_op` (one launch per GEMM for all experts, quantization in Triton, no
+  host sync, so the MoE block compiles as one graph as with bf16). Its speed is not measured yet: start-up
+  says so (FP8_TRITON_WARNING). Otherwise `fp8_grouped_swiglu_torch`, the reference and fallback: on SM90
+  each expert's GEMM is one `torch.nn.functional.scaled_mm` (cuBLASLt's DeepSeek-style 1x128 x 128x128 and
+  1x128 x 1x128 scaling, which torch implements only for SM90). torch's grouped scaled GEMM
+  (`scaled_grouped_mm`) takes only tensorwise or rowwise scales on SM90, so this is a per-expert loop with
+  one host sync for the token counts, 9-16x slower than bf16 (FP8_SLOW_WARNING). The loop runs on each
+  expert's rows padded with zero rows to whole 128-row blocks (`ExpertRows`: cuBLASLt has no algorithm
+  for a row count that is not a multiple of 4), dropped from the outputs. On any other device a reference
+  path dequantizes the same e4m3 payloads and scales and multiplies in fp32: what the GPU computes, up to
+  accumulation order. It is what the CPU tests check against bf16; it is not fast.
 - `type = "deepgemm_fp8"` (DeepGEMM's grouped kernels) and `type = "mxfp8"` (SM100) refuse at start-up,
   naming what is missing, as Mega MoE dispatch does: no untested kernel path is shipped for them.
-- Left out: FP8 for Nemotron-H's relu^2 experts (refused at start-up), a fused grouped FP8 kernel, and
-  FP8 weight caching across micro-batches (weights change every optimizer step only, but caching would
+- Left out: FP8 for Nemotron-H's relu^2 experts (refused at start-up), and FP8 weight caching across micro-batches (weights change every optimizer step only, but caching would
   hold one more copy of every expert weight).
 """
 
@@ -50,69 +50,36 @@ from prime_rl.common.config.trainer import (
     MXFP8ComputeConfig,
 )
 from prime_rl.kernels.grouped_gemm import grouped_swiglu
-
-BLOCK = 128
-"""Scale block edge: 1x128 for activations and gradients, 128x128 for weights."""
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-AMAX_FLOOR = 1e-4
-"""Smallest amax a scale is computed from: an all-zero block gets scale 1e-4 / 448, not 0 / 0."""
-FP8_SLOW_WARNING = (
-    '[model.moe.compute] type = "fp8" is a correctness path, not a fast one: its per-expert loop of '
-    'scaled_mm calls measured 9.0-16.4x the time of type = "bf16" (routed-expert forward + backward, '
-    "H200, 128 experts x 2048 x 768, three runs; 5.6-11.2x at 16 experts) with a max error of 0.07 vs 0.005 "
-    'against fp32 (benchmarks/results/grouped_gemm.md); use type = "bf16" for speed'
+from prime_rl.kernels.grouped_gemm.fp8_reference import (  # noqa: F401  (re-exported: the recipe's names)
+    AMAX_FLOOR,
+    BLOCK,
+    FP8,
+    FP8_MAX,
+    dequantize_1x128,
+    dequantize_128x128,
+    quantize_1x128,
+    quantize_128x128,
 )
-"""Logged at start-up when fp8 is chosen: what it costs, measured on 2026-12-02, so that nobody picks it
-for speed. A grouped blockwise FP8 kernel (DeepGEMM's) is what would change this."""
 
+try:  # resolved at import, as the bf16 path does: the Triton kernels exist only where triton imports
+    from prime_rl.kernels.grouped_gemm.fp8_op import fp8_grouped_swiglu_triton
+except ImportError:
+    fp8_grouped_swiglu_triton = None
 
-# --------------------------------------------------------------------------- quantization
-
-
-def _pad_to_block(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """Zero-pad the given dims of x up to a multiple of BLOCK (a view-free copy only when needed)."""
-    pad = [0] * (2 * x.dim())
-    for d in dims:
-        pad[2 * (x.dim() - 1 - d) + 1] = -x.shape[d] % BLOCK
-    return F.pad(x, pad) if any(pad) else x
-
-
-def _to_fp8(blocks: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX  # NaN amax stays NaN: clamp passes it through
-    # the clamp only catches rounding of amax / scale just above 448 (the cast's overflow differs by device)
-    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
-
-
-def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) -> q (M, Kp) e4m3, scale (M, Kp / 128) fp32; Kp = K rounded up to 128 (zero columns),
-    x[m, k] ~ q[m, k] * scale[m, k // 128]."""
-    xp = _pad_to_block(x.float(), (1,)).contiguous()  # the weight gradient passes transposed views
-    m, kp = xp.shape
-    blocks = xp.view(m, kp // BLOCK, BLOCK)  # (M, Kb, 128)
-    q, scale = _to_fp8(blocks, blocks.abs().amax(dim=-1, keepdim=True))
-    return q.view(m, kp), scale.squeeze(-1)
-
-
-def quantize_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (E, N, K) -> q (E, Np, Kp) e4m3, scale (E, Np / 128, Kp / 128) fp32, both dims padded to 128."""
-    wp = _pad_to_block(w.float(), (1, 2)).contiguous()
-    e, np_, kp = wp.shape
-    blocks = wp.view(e, np_ // BLOCK, BLOCK, kp // BLOCK, BLOCK)  # (E, Nb, 128, Kb, 128)
-    q, scale = _to_fp8(blocks, blocks.abs().amax(dim=(2, 4), keepdim=True))
-    return q.view(e, np_, kp), scale.view(e, np_ // BLOCK, kp // BLOCK)
-
-
-def dequantize_1x128(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(M, Kp) e4m3, (M, Kp / 128) -> (M, Kp) fp32."""
-    return (q.float().unflatten(-1, (-1, BLOCK)) * scale.unsqueeze(-1)).flatten(-2)
-
-
-def dequantize_128x128(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(E, Np, Kp) e4m3, (E, Np / 128, Kp / 128) -> (E, Np, Kp) fp32."""
-    full = scale.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
-    return q.float() * full
+FP8_SLOW_WARNING = (
+    '[model.moe.compute] type = "fp8" runs its fallback here, a correctness path, not a fast one: its '
+    'per-expert loop of scaled_mm calls measured 9.0-16.4x the time of type = "bf16" (routed-expert forward + '
+    "backward, H200, 128 experts x 2048 x 768, three runs; 5.6-11.2x at 16 experts) with a max error of 0.07 "
+    'vs 0.005 against fp32 (benchmarks/results/grouped_gemm.md); use type = "bf16" for speed'
+)
+"""Logged at start-up when fp8 runs the torch fallback (no triton, or off the GPU): what it costs, measured
+on 2026-12-02, so that nobody picks it for speed."""
+FP8_TRITON_WARNING = (
+    '[model.moe.compute] type = "fp8" runs the Triton grouped blockwise-FP8 GEMM, whose speed has not been '
+    "measured on a GPU yet (benchmarks/moe_compute.py); its error is ~12x bf16's (e4m3 operands, measured on CPU); "
+    'type = "bf16" is the measured default'
+)
+"""Logged at start-up when fp8 runs the Triton kernels: no speed is claimed before a GPU has measured it."""
 
 
 # --------------------------------------------------------------------------- expert row layout
@@ -299,10 +266,34 @@ class FP8GroupedLinear(torch.autograd.Function):
         return dx, dw, None
 
 
+@torch.compiler.assume_constant_result
+def _cuda_major() -> int:
+    """This process's GPU generation (0 without CUDA). Read while Dynamo traces the MoE block, which it could
+    not put in a graph (a non-tensor torch.cuda call); one value per process, so traced as a constant."""
+    return torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
+
+
+def fp8_triton_enabled(device_type: str) -> bool:
+    """Whether fp8 experts on this device type run the Triton grouped kernels: CUDA SM90 with triton (the
+    recipe's wgmma fp8 path is what the kernels are written and tested for)."""
+    return device_type == "cuda" and fp8_grouped_swiglu_triton is not None and _cuda_major() == 9
+
+
 def fp8_grouped_swiglu(
     x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
 ) -> torch.Tensor:
-    """The SwiGLU experts with every GEMM in blockwise FP8; same contract as `grouped_swiglu`."""
+    """The SwiGLU experts with every GEMM in blockwise FP8; same contract as `grouped_swiglu`. The Triton
+    grouped kernels on SM90 (one launch per GEMM, no host sync), else the torch path below."""
+    if fp8_triton_enabled(x.device.type):
+        return fp8_grouped_swiglu_triton(x, counts, w_gate, w_up, w_down)
+    return fp8_grouped_swiglu_torch(x, counts, w_gate, w_up, w_down)
+
+
+def fp8_grouped_swiglu_torch(
+    x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """The reference and fallback: a per-expert loop of torch's blockwise scaled_mm on SM90, dequantized
+    fp32 math elsewhere."""
     rows = ExpertRows(counts.tolist(), x.device)  # one host sync, shared by the three projections and backward
     gate = FP8GroupedLinear.apply(x, w_gate, rows)  # (M, I)
     up = FP8GroupedLinear.apply(x, w_up, rows)
@@ -350,13 +341,16 @@ def check_moe_compute(compute: MoEComputeConfig, model_type: str, device_type: s
                 '[model.moe.compute] type = "fp8" is implemented for SwiGLU experts, not nemotron_h\'s relu^2 '
                 'experts; use type = "bf16"'
             )
-        if device_type == "cuda" and (capability[0] != 9 or not hasattr(F, "scaled_mm")):
+        has_kernel = fp8_grouped_swiglu_triton is not None or hasattr(F, "scaled_mm")
+        if device_type == "cuda" and (capability[0] != 9 or not has_kernel):
             raise RuntimeError(
-                f'[model.moe.compute] type = "fp8" needs an SM90 GPU (H100/H200) and torch >= 2.10 for torch\'s '
-                f'blockwise scaled_mm, found {where} with torch {torch.__version__}; use type = "bf16"'
+                f'[model.moe.compute] type = "fp8" needs an SM90 GPU (H100/H200) with triton (or torch >= 2.10 '
+                f"for torch's blockwise scaled_mm), found {where} with torch {torch.__version__} and "
+                f'{"triton" if fp8_grouped_swiglu_triton is not None else "no triton"}; use type = "bf16"'
             )
         # the "trainer" logger: formatted where `rl` set it up already, stderr (logging's fallback) in `sft`
-        logging.getLogger("trainer").warning(FP8_SLOW_WARNING)
+        triton_path = device_type == "cuda" and fp8_grouped_swiglu_triton is not None
+        logging.getLogger("trainer").warning(FP8_TRITON_WARNING if triton_path else FP8_SLOW_WARNING)
 
 
 def _missing(module: str, attrs: tuple[str, ...]) -> str | None:

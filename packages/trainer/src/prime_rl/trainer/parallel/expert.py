@@ -25,8 +25,6 @@ capacity limits (dispatch is dropless). FP8 expert compute (`[model.moe.compute]
 the local expert shards.
 """
 
-import importlib
-
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -42,6 +40,7 @@ from prime_rl.common.config.trainer import (
     MoEDispatchConfig,
     TorchDispatchConfig,
 )
+from prime_rl.trainer.dispatch_kernels import dispatch_kernels_error
 from prime_rl.trainer.models.moe_compute import grouped_swiglu_for
 from prime_rl.trainer.models.nemotron_h import grouped_relu2
 from prime_rl.trainer.parallel.deepep import DeepEPDispatcher, apply_deepep_moe
@@ -69,16 +68,8 @@ def resolve_ep(ep: int | str, world_size: int, dp_replicate: int, cp: int, num_e
 def check_dispatch(moe: MoEConfig, ep: int) -> None:
     """Fail at start-up, naming what is missing, for dispatch backends that cannot run here."""
     dispatch = moe.dispatch
-    if isinstance(dispatch, MegaMoEDispatchConfig):
-        if ep < 2:
-            raise ValueError(f'[model.moe.dispatch] type = "mega_moe" needs model.ep > 1, got ep={ep}')
-        missing = _missing_attrs("deep_gemm", ("mega_moe_dispatch", "mega_moe_combine"))
-        raise ImportError(
-            f'[model.moe.dispatch] type = "mega_moe" needs the prime-mega-moe kernels {missing} (a deep_gemm '
-            'build from prime-mega-moe, installed with `uv pip install --no-deps <wheel>`); use type = "torch"'
-            if missing
-            else '[model.moe.dispatch] type = "mega_moe" is not wired into this trainer yet; use type = "torch"'
-        )
+    if isinstance(dispatch, MegaMoEDispatchConfig) and ep < 2:
+        raise ValueError(f'[model.moe.dispatch] type = "mega_moe" needs model.ep > 1, got ep={ep}')
     if isinstance(dispatch, DeepEPDispatchConfig):
         if ep < 2:
             raise ValueError(
@@ -90,19 +81,9 @@ def check_dispatch(moe: MoEConfig, ep: int) -> None:
                 f"[model.moe.dispatch] num_sms={dispatch.num_sms} must be even (DeepEP pairs send and receive "
                 f"SMs); use {dispatch.num_sms - 1} or {dispatch.num_sms + 1}"
             )
-        if _missing_attrs("deep_ep", ("Buffer",)):
-            raise ImportError(
-                '[model.moe.dispatch] type = "deepep" needs the `deep_ep` package (DeepEP), which is not '
-                'importable; install DeepEP or use type = "torch"'
-            )
-
-
-def _missing_attrs(module: str, attrs: tuple[str, ...]) -> list[str]:
-    try:
-        mod = importlib.import_module(module)
-    except Exception:  # a broken CUDA extension raises more than ImportError
-        return [f"{module}.{a}" for a in attrs]
-    return [f"{module}.{a}" for a in attrs if not hasattr(mod, a)]
+    error = dispatch_kernels_error(dispatch.type)  # the same line sft / trainer print before torchrun
+    if error:
+        raise ImportError(error)
 
 
 def build_ep_mesh(world_size: int, ep: int, device_type: str) -> DeviceMesh:

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.kernels.grouped_gemm import triton_grouped_enabled
-from prime_rl.trainer.models.moe_compute import apply_moe_compute
+from prime_rl.trainer.models.moe_compute import apply_moe_compute, fp8_triton_enabled
 from prime_rl.trainer.parallel.checkpointing import apply_ac
 from prime_rl.trainer.parallel.compile import apply_compile
 from prime_rl.trainer.parallel.context import apply_cp, build_cp_mesh
@@ -41,10 +41,12 @@ def parallelize_model(
     if cfg.ac_offloading is not None:  # offload what autograd saves outside the checkpoints
         apply_ac_offloading(root, cfg.ac_offloading.max_inflight_activations)
     if cfg.compile is not None:  # 3. compile after AC wrapping, before FSDP
-        # one graph per MoE block only with the Triton grouped GEMM (bf16 compute on CUDA) and no EP dispatch
-        # (fp8 compute reads the per-expert token counts on the host: never one graph)
-        moe_is_one_graph = (
-            triton_grouped_enabled(mesh.device_type) and not dims.ep_enabled and cfg.moe.compute.type == "bf16"
+        # one graph per MoE block only with a Triton grouped GEMM (bf16 on CUDA, fp8 on SM90) and no EP
+        # dispatch (fp8's torch fallback reads the per-expert token counts on the host: never one graph)
+        compute = cfg.moe.compute.type
+        moe_is_one_graph = not dims.ep_enabled and (
+            (compute == "bf16" and triton_grouped_enabled(mesh.device_type))
+            or (compute == "fp8" and fp8_triton_enabled(mesh.device_type))
         )
         apply_compile(blocks, fullgraph=cfg.compile.fullgraph, moe_is_one_graph=moe_is_one_graph)
     apply_fsdp(  # 4. FSDP last

@@ -35,6 +35,7 @@ from prime_rl.common.config import parse_config
 from prime_rl.common.config.rl_trainer import RLTrainerConfig, SequenceLossConfig, TokenLossConfig
 from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.common.rundir import RunDir
+from prime_rl.trainer.dispatch_kernels import exit_if_dispatch_kernels_missing
 from prime_rl.trainer.loop import to_host, train_loop
 from prime_rl.trainer.lora import BaseModelView
 from prime_rl.trainer.model import CausalLM, build_training_model
@@ -262,6 +263,7 @@ def train(cfg: RLTrainerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.captureWarnings(True)
     cfg = parse_config(RLTrainerConfig, argv, prog="trainer")
+    exit_if_dispatch_kernels_missing(cfg.model.moe.dispatch.type, "trainer")  # also in --dry-run
     if cfg.dry_run:
         from prime_rl.common.config import write_toml
 

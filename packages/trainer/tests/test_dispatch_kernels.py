@@ -1,0 +1,43 @@
+"""A `[model.moe.dispatch]` backend without its kernels ends `sft` and `trainer` with one line and exit 2
+before torchrun starts, in `--dry-run` too (issue 32's bad input), instead of a traceback from every rank."""
+
+import subprocess
+import sys
+
+import pytest
+
+from prime_rl.trainer.dispatch_kernels import dispatch_kernels_error
+from prime_rl.trainer.rl.train import main as trainer_main
+from prime_rl.trainer.sft.entrypoint import main as sft_main
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    for module in ("deep_ep", "deep_gemm"):  # import -> ImportError, installed or not
+        monkeypatch.setitem(sys.modules, module, None)
+
+
+@pytest.mark.parametrize("dispatch,needs", [("mega_moe", "deep_gemm.mega_moe_dispatch"), ("deepep", "`deep_ep`")])
+@pytest.mark.parametrize("prog", ["sft", "trainer"])
+def test_missing_dispatch_kernels_exit_2_in_one_line_before_torchrun(
+    no_kernels, tmp_path, capsys, prog, dispatch, needs
+):
+    main = sft_main if prog == "sft" else trainer_main
+    args = ["--model.name", "m", "--output-dir", str(tmp_path), "--model.moe.dispatch.type", dispatch, "--dry-run"]
+    with pytest.raises(SystemExit) as e:
+        main(args + (["--data.type", "fake"] if prog == "sft" else []))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"{prog}: error: ") and err.count("\n") == 1, err
+    assert needs in err and 'use type = "torch"' in err
+    assert not (tmp_path / "rl").exists() and not any(tmp_path.iterdir())  # nothing written, nothing launched
+
+
+def test_torch_dispatch_imports_nothing(no_kernels):
+    assert dispatch_kernels_error("torch") is None
+
+
+def test_the_check_keeps_sft_start_up_free_of_torch():
+    """`sft --help` / `--dry-run` stay fast: the check's module imports no torch (parallel/ would)."""
+    code = "import sys, prime_rl.trainer.sft.entrypoint; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
