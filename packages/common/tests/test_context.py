@@ -6,6 +6,7 @@ import pytest
 
 from prime_rl.common.config import ConfigError, load_config
 from prime_rl.common.config.context import ModelContext, fit_max_model_len, read_model_context
+from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.config.rl import RLConfig
 
 
@@ -65,8 +66,11 @@ def test_rl_config_fits_max_model_len_and_names_the_keys(tmp_path, monkeypatch):
     name = str(model_dir(tmp_path, max_position_embeddings=4096))
     cfg = load_config(RLConfig, ["--model.name", name, "--seq-len", "1024"])
     assert cfg.inference.vllm.max_model_len == 1024 and cfg.orchestrator.seq_len == cfg.trainer.data.seq_len == 1024
+    assert cfg.orchestrator.max_model_len == 1024 and cfg.orchestrator.max_sample_len == 1024
     cfg = load_config(RLConfig, ["--model.name", name, "--seq-len", "65536"])
     assert cfg.inference.vllm.max_model_len == 4096
+    # multi-turn rollouts stop where the server does, not at seq_len (vLLM answers 400 past max_model_len)
+    assert cfg.orchestrator.max_model_len == cfg.orchestrator.max_sample_len == 4096
     with pytest.raises(
         ConfigError, match=r"max_model_len=8192 .* \(inference.vllm.max_model_len from --inference.vllm.max-model-len "
     ):
@@ -76,3 +80,9 @@ def test_rl_config_fits_max_model_len_and_names_the_keys(tmp_path, monkeypatch):
         RLConfig, ["--model.name", name, "--seq-len", "8192", "--inference.vllm.max-model-len", "8192", *allowed]
     )
     assert cfg.inference.vllm.max_model_len == 8192
+
+
+def test_orchestrator_max_sample_len():
+    assert OrchestratorConfig(seq_len=1024).max_sample_len == 1024
+    assert OrchestratorConfig(seq_len=1024, max_model_len=512).max_sample_len == 512
+    assert OrchestratorConfig(seq_len=1024, max_model_len=4096).max_sample_len == 1024

@@ -188,7 +188,7 @@ class Orchestrator:
             advantage=config.advantage,
             curriculum=Curriculum(config.curriculum) if config.curriculum is not None else None,
             teacher=teacher,
-            max_len=config.seq_len,
+            max_len=config.max_sample_len,
             chat_template=config.model.chat_template,
             tool_call_parser=config.model.tool_call_parser,
             follow_load=config.concurrency == "load",
@@ -257,7 +257,7 @@ class Orchestrator:
         sampling = SamplingArgs.from_config(cfg.eval.sampling or cfg.sampling, cfg.model.chat_template)
         metrics = await run_evals(
             self.client, self.eval_envs or self.scheduler.envs, self._eval_renderers, cfg.eval, sampling,
-            max_len=cfg.seq_len, out_dir=self.run_dir.root / "evals" / f"step_{step}",
+            max_len=cfg.max_sample_len, out_dir=self.run_dir.root / "evals" / f"step_{step}",
         )  # fmt: skip
         metrics["eval/policy_version"] = float(version)
         if self.monitor is not None:
