@@ -16,10 +16,10 @@ still has room, so token counts per rank end up close.
 
 Packing never splits or cuts a sample: one longer than `seq_len` is dropped whole, its index
 returned so the caller can name it (`batch/dropped_overlong`). Cutting its completion would train on
-text the reward was not computed for, and on a sample of a length vLLM never produced. `rl` keeps
-vLLM's `max_model_len` at most `seq_len`, so single-turn samples always fit there; what gets here is a
-multi-turn rollout whose environment replies passed `seq_len`, or a server with a longer limit. Samples
-with no completion token are skipped (counted as `empty`).
+text the reward was not computed for, and on a sample of a length vLLM never produced. In `rl`
+none gets here: vLLM's `max_model_len` is at most `seq_len` and multi-turn rollouts stop at both; a
+standalone orchestrator whose server allows longer samples than `seq_len` can meet them. Samples with
+no completion token are skipped (counted as `empty`).
 """
 
 from __future__ import annotations
