@@ -194,6 +194,29 @@ def test_dry_run_refuses_a_layout_the_trainer_would_refuse(model_dir, tmp_path, 
     assert not (tmp_path / "rl" / "configs").exists()
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--inference.vllm.max-model-len", "4096"], "inference.vllm.max_model_len=4096 is above seq_len=2048"),
+        (
+            ["--seq-len", "8192", "--inference.vllm.max-model-len", "8192"],
+            "above the model's max_position_embeddings=4096",
+        ),
+        (["--inference.vllm.max-model-len", "256", "--orchestrator.sampling.max-tokens", "300"], "leaves no room"),
+        (["--orchestrator.seq-len", "1024"], "orchestrator.seq_len=1024 but trainer.data.seq_len=2048"),
+    ],
+)
+def test_dry_run_refuses_lengths_that_do_not_fit(model_dir, tmp_path, flags, message):
+    """seq_len, max_model_len, max_tokens and the model's context (config/context.py): one line, keys named."""
+    out = _rl("--model.name", str(model_dir), "--output-dir", str(tmp_path), *flags, "--dry-run")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert message in out.stderr and "on the command line)" in out.stderr
+    assert not (tmp_path / "rl" / "configs").exists()
+    out = _rl("--model.name", str(model_dir), "--output-dir", str(tmp_path), "--seq-len", "8192", "--dry-run")
+    assert out.returncode == 0, out.stderr  # unset: seq_len capped at the model's context
+    assert tomllib.loads((tmp_path / "rl" / "configs" / "inference.toml").read_text())["vllm"]["max_model_len"] == 4096
+
+
 def test_context_parallel_rl_sends_per_data_parallel_group(model_dir, tmp_path):
     """cp=2 on 4 trainer ranks: the orchestrator packs for 2 data-parallel groups (one socket each)."""
     out = _rl("--model.name", str(model_dir), "--output-dir", str(tmp_path), "--trainer.model.cp", "2",

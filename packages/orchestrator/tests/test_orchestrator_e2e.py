@@ -182,7 +182,7 @@ def test_rollouts_to_trainer_batches_end_to_end(tmp_path, make_server, ports):
         assert 0.0 < m["reward/mean"] < 1.0 and m["reward/std"] > 0
         assert (
             m["off_policy/dropped"] == 0
-            and m["packing/dropped_too_long"] == 0
+            and m["batch/dropped_overlong"] == 0
             and m["seq_len/mean"] > 0
             and m["perf/rollout_throughput"] > 0
         )

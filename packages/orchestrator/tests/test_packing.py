@@ -77,17 +77,29 @@ def test_no_samples_still_gives_every_rank_a_micro_batch():
     assert stats.num_padding_micro_batches == 2
 
 
-def test_overlong_completion_truncated_and_overlong_prompt_dropped():
+def test_overlong_samples_are_dropped_whole_never_cut_or_split():
     fits = make_sample(4, 4, 1.0)
+    exact = make_sample(6, 10, 5.0)  # exactly seq_len: kept, alone in its micro-batch
     long_completion = make_sample(6, 50, 2.0)
     long_prompt = make_sample(20, 3, 3.0)
     empty = Sample([1, 2], [], [], 4.0)
-    per_rank, stats = pack_batch([fits, long_completion, long_prompt, empty], seq_len=16, num_ranks=1)
-    assert stats.num_truncated == 1 and stats.num_dropped_too_long == 1 and stats.num_empty == 1
+    per_rank, stats = pack_batch([fits, long_completion, exact, long_prompt, empty], seq_len=16, num_ranks=1)
+    assert stats.dropped_overlong == [1, 3] and stats.num_empty == 1
+    assert stats.metrics(16)["batch/dropped_overlong"] == 2.0
     pieces = [p for mb in per_rank[0] for p in unpack(mb)]
-    assert sorted(float(adv[mask][0]) for _, mask, adv, _ in pieces) == [1.0, 2.0]
-    cut = next(p for p in pieces if float(p[2][p[1]][0]) == 2.0)
-    assert len(cut[0]) == 16 and cut[1].sum() == 10  # prompt kept whole, completion cut to fit
+    assert sorted(float(adv[mask][0]) for _, mask, adv, _ in pieces) == [1.0, 5.0]
+    for ids, mask, _, _ in pieces:  # every kept sample whole, inside one micro-batch
+        assert len(ids) in (8, 16) and mask.sum() in (4, 10)
+
+
+def test_packing_never_splits_a_sample_across_micro_batches():
+    rng = np.random.default_rng(2)
+    samples = [make_sample(int(rng.integers(1, 30)), int(rng.integers(1, 40)), float(i)) for i in range(40)]
+    per_rank, stats = pack_batch(samples, seq_len=48, num_ranks=2)
+    kept = [s for i, s in enumerate(samples) if i not in stats.dropped_overlong]
+    assert stats.dropped_overlong == [i for i, s in enumerate(samples) if s.num_tokens > 48]
+    pieces = {float(adv[mask][0]): len(ids) for mbs in per_rank for mb in mbs for ids, mask, adv, _ in unpack(mb)}
+    assert pieces == {s.advantage: s.num_tokens for s in kept}
 
 
 def test_first_fit_decreasing_capacity():
@@ -127,3 +139,25 @@ def test_a_step_collects_its_groups_in_draw_order_not_completion_order():
     )
     groups = asyncio.run(Orchestrator.collect(fake, 1))
     assert [g.task_index for g in groups] == [0, 1, 2, 3]
+
+
+def test_orchestrator_names_each_dropped_sample(caplog):
+    """The orchestrator logs every overlong sample with its environment, task draw index and rollout."""
+    from prime_rl.orchestrator.orchestrator import log_overlong
+    from prime_rl.orchestrator.rollout import Completion, Group
+
+    def group(env, index, lengths):
+        completions = [Completion(list(range(n)), [-0.1] * n, "x") for n in lengths]
+        return Group({"question": f"q{index}"}, [7, 7], completions, [0.0, 1.0], 0, env=env,
+                     advantages=[-0.5, 0.5], task_index=index)  # fmt: skip
+
+    groups = [group("short", 3, [4, 5]), group("long", 8, [6, 30])]
+    samples = [s for g in groups for s in g.samples()]
+    _, stats = pack_batch(samples, seq_len=16, num_ranks=1)
+    assert stats.dropped_overlong == [3]
+    with caplog.at_level("WARNING", logger="prime_rl.orchestrator.orchestrator"):
+        log_overlong(groups, samples, stats.dropped_overlong, 16)
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert "env long, task #8, rollout 1 of 2: 32 tokens (prompt 2 + completion 30) > seq_len=16" in message
+    assert '"question": "q8"' in message

@@ -44,7 +44,7 @@ from prime_rl.orchestrator.filtering import split_by_difficulty
 from prime_rl.orchestrator.off_policy import OffPolicyFilter
 from prime_rl.orchestrator.packing import pack_batch
 from prime_rl.orchestrator.policy import PolicyState
-from prime_rl.orchestrator.rollout import Group
+from prime_rl.orchestrator.rollout import Group, Sample
 from prime_rl.orchestrator.scheduler import RolloutScheduler, start_envs
 from prime_rl.orchestrator.state import OrchestratorState, load_state, save_state
 from prime_rl.orchestrator.teacher import Distiller
@@ -116,6 +116,22 @@ def env_metrics(groups: list[Group], counters: dict[str, float]) -> dict[str, fl
     return metrics
 
 
+def log_overlong(groups: list[Group], samples: list[Sample], dropped: list[int], seq_len: int) -> None:
+    """Name each sample packing dropped for being longer than seq_len (``dropped`` indexes ``samples``, the
+    groups' samples in order): environment, the task's draw index, which rollout of its group, length, task."""
+    starts = np.cumsum([0] + [len(g.completions) for g in groups])
+    for i in dropped:
+        sample, g = samples[i], int(np.searchsorted(starts, i, side="right")) - 1
+        group = groups[g]
+        task = json.dumps(group.task, default=str)
+        logger.warning(
+            "dropped an overlong sample: env %s, task #%d, rollout %d of %d: %d tokens (prompt %d + completion %d) "
+            "> seq_len=%d; raise seq_len or lower sampling.max_tokens / the environment's turns. Task: %s",
+            group.env or "?", group.task_index, i - starts[g], len(group.completions), sample.num_tokens,
+            len(sample.prompt_ids), len(sample.completion_ids), seq_len, task[:300],
+        )  # fmt: skip
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -172,7 +188,7 @@ class Orchestrator:
             advantage=config.advantage,
             curriculum=Curriculum(config.curriculum) if config.curriculum is not None else None,
             teacher=teacher,
-            max_len=config.seq_len,
+            max_len=config.max_sample_len,
             chat_template=config.model.chat_template,
             tool_call_parser=config.model.tool_call_parser,
             follow_load=config.concurrency == "load",
@@ -241,7 +257,7 @@ class Orchestrator:
         sampling = SamplingArgs.from_config(cfg.eval.sampling or cfg.sampling, cfg.model.chat_template)
         metrics = await run_evals(
             self.client, self.eval_envs or self.scheduler.envs, self._eval_renderers, cfg.eval, sampling,
-            max_len=cfg.seq_len, out_dir=self.run_dir.root / "evals" / f"step_{step}",
+            max_len=cfg.max_sample_len, out_dir=self.run_dir.root / "evals" / f"step_{step}",
         )  # fmt: skip
         metrics["eval/policy_version"] = float(version)
         if self.monitor is not None:
@@ -277,6 +293,7 @@ class Orchestrator:
             trained = [g for g in trained if id(g) in in_band]
         samples = [s for g in trained for s in g.samples()]
         per_rank, packing = pack_batch(samples, cfg.seq_len, cfg.num_train_ranks)
+        log_overlong(trained, samples, packing.dropped_overlong, cfg.seq_len)
 
         metrics = batch_metrics(groups)  # rewards etc. over everything sampled, trained on or not
         num_zero = sum(not has_signal(g) for g in groups)

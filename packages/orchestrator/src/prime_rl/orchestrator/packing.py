@@ -14,14 +14,17 @@ Balancing gives every rank the same number of micro-batches (an all-zero, zero-l
 fills the gap) and assigns the heaviest remaining micro-batch to the least-loaded rank that
 still has room, so token counts per rank end up close.
 
-A sample longer than `seq_len` has its completion cut to fit (counted as `truncated`); one
-whose prompt alone fills `seq_len` cannot teach anything and is dropped (counted). Samples with
+Packing never splits or cuts a sample: one longer than `seq_len` is dropped whole, its index
+returned so the caller can name it (`batch/dropped_overlong`). Cutting its completion would train on
+text the reward was not computed for, and on a sample of a length vLLM never produced. In `rl`
+none gets here: vLLM's `max_model_len` is at most `seq_len` and multi-turn rollouts stop at both; a
+standalone orchestrator whose server allows longer samples than `seq_len` can meet them. Samples with
 no completion token are skipped (counted as `empty`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -46,8 +49,8 @@ class PackedMicroBatch:
 @dataclass
 class PackingStats:
     num_samples: int = 0
-    num_truncated: int = 0
-    num_dropped_too_long: int = 0
+    dropped_overlong: list[int] = field(default_factory=list)
+    """Indices (into the packed samples) of samples longer than seq_len, dropped whole."""
     num_empty: int = 0
     num_micro_batches: int = 0
     num_padding_micro_batches: int = 0
@@ -56,34 +59,12 @@ class PackingStats:
     def metrics(self, seq_len: int) -> dict[str, float]:
         capacity = max(1, self.num_micro_batches * seq_len)
         return {
-            "packing/truncated": float(self.num_truncated),
-            "packing/dropped_too_long": float(self.num_dropped_too_long),
+            "batch/dropped_overlong": float(len(self.dropped_overlong)),
             "packing/empty": float(self.num_empty),
             "packing/micro_batches": float(self.num_micro_batches),
             "packing/padding_micro_batches": float(self.num_padding_micro_batches),
             "packing/fill": self.num_tokens / capacity,
         }
-
-
-def fit_to_seq_len(sample: Sample, seq_len: int) -> tuple[Sample | None, str]:
-    """Return (sample that fits, what happened): "ok", "truncated", "too_long" (None) or "empty" (None)."""
-    if not sample.completion_ids:
-        return None, "empty"
-    if sample.num_tokens <= seq_len:
-        return sample, "ok"
-    room = seq_len - len(sample.prompt_ids)
-    if room <= 0:
-        return None, "too_long"
-    cut = Sample(
-        sample.prompt_ids,
-        sample.completion_ids[:room],
-        sample.completion_logprobs[:room],
-        sample.advantage,
-        sample.reward,
-        None if sample.token_advantages is None else sample.token_advantages[:room],
-        None if sample.completion_mask is None else sample.completion_mask[:room],
-    )
-    return cut, "truncated"
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -160,16 +141,17 @@ def build_micro_batch(samples: list[Sample], seq_len: int) -> PackedMicroBatch:
 def pack_batch(
     samples: list[Sample], seq_len: int, num_ranks: int
 ) -> tuple[list[list[PackedMicroBatch]], PackingStats]:
-    """Pack one step's samples: returns micro-batches per rank (equal counts, >= 1 each) and stats."""
+    """Pack one step's samples: returns micro-batches per rank (equal counts, >= 1 each) and stats. A sample
+    longer than ``seq_len`` is left out whole; its index is in ``stats.dropped_overlong``."""
     stats = PackingStats(num_samples=len(samples))
     fitted: list[Sample] = []
-    for sample in samples:
-        fit, outcome = fit_to_seq_len(sample, seq_len)
-        stats.num_truncated += outcome == "truncated"
-        stats.num_dropped_too_long += outcome == "too_long"
-        stats.num_empty += outcome == "empty"
-        if fit is not None:
-            fitted.append(fit)
+    for i, sample in enumerate(samples):
+        if not sample.completion_ids:
+            stats.num_empty += 1
+        elif sample.num_tokens > seq_len:
+            stats.dropped_overlong.append(i)
+        else:
+            fitted.append(sample)
     bins = first_fit_decreasing([s.num_tokens for s in fitted], seq_len)
     micro_batches = [build_micro_batch([fitted[i] for i in b], seq_len) for b in bins]
     per_rank = max(1, -(-len(micro_batches) // num_ranks))

@@ -396,6 +396,9 @@ class OrchestratorConfig(BaseConfig):
     """Completions sampled per task (>= 2); advantages are relative to the group."""
     seq_len: int = Field(default=2048, ge=2)
     """Tokens per packed micro-batch (samples are packed back to back, positions restart per sample)."""
+    max_model_len: int | None = Field(default=None, ge=2)
+    """Longest prompt + completion the inference server takes (its max_model_len): multi-turn rollouts stop at
+    the lower of this and seq_len. None = seq_len. `rl` sets it from inference.vllm.max_model_len."""
     max_off_policy_steps: int = Field(default=1, ge=0)
     """Most policy versions a rollout may lag the step it is trained in; older rollouts are dropped."""
     max_concurrent_groups: int | None = Field(default=None, ge=1)
@@ -501,6 +504,11 @@ class OrchestratorConfig(BaseConfig):
                 f"sampling.max_tokens={self.sampling.max_tokens} (the window ends at max_tokens); lower it"
             )
         return self
+
+    @property
+    def max_sample_len(self) -> int:
+        """Longest sample asked of inference: seq_len, or the server's max_model_len when that is lower."""
+        return min(self.seq_len, self.max_model_len or self.seq_len)
 
     @property
     def groups_per_step(self) -> int:

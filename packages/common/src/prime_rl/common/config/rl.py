@@ -198,6 +198,25 @@ class RLConfig(BaseConfig):
             raise ValueError("trainer.data.fake is for benchmarking the trainer alone; `rl` trains on rollouts")
         return self
 
+    @model_validator(mode="after")
+    def _fit_context(self) -> RLConfig:
+        """seq_len, max_model_len, max_tokens and the model's context against each other (config/context.py);
+        an unset max_model_len becomes seq_len, capped at the model's context, and the orchestrator learns it."""
+        from prime_rl.common.config.context import fit_max_model_len, long_context_allowed, read_model_context
+
+        vllm = self.inference.vllm
+        vllm.max_model_len = fit_max_model_len(
+            vllm.max_model_len,
+            self.orchestrator.seq_len,
+            self.trainer.data.seq_len,
+            self.orchestrator.sampling.max_tokens,
+            read_model_context(self.trainer.model.name),
+            long_context_allowed(self.inference.env_vars),
+        )
+        if "max_model_len" not in self.orchestrator.model_fields_set:  # multi-turn rollouts stop there
+            self.orchestrator.max_model_len = vllm.max_model_len
+        return self
+
     def _link_tool_call_parser(self) -> None:
         """One tool-call format per model: `[inference.vllm] tool_call_parser` (vLLM's chat-API parser, for chat
         clients of the same server) and `orchestrator.model.tool_call_parser` (what tool environments' rollouts
