@@ -1,4 +1,4 @@
-"""Turn packed micro-batches into wire messages and ship them: one `TrainingBatch` per rank per step.
+"""Ship one `TrainingBatch` per trainer rank per step (built by `prime_rl.common.wire.build_training_batch`).
 
 Trainer rank r receives exactly its own `TrainingBatch` (its balanced share of micro-batches, each a
 `[seq_len]` array set sent as zero-copy frames) on its own PUSH socket bound at `port + r`. One
@@ -12,37 +12,9 @@ import logging
 import numpy as np
 
 from prime_rl.common.transport import Sender
-from prime_rl.common.wire import TrainingBatch, build_micro_batch
-from prime_rl.orchestrator.packing import PackedMicroBatch
+from prime_rl.common.wire import TrainingBatch
 
 logger = logging.getLogger(__name__)
-
-
-def build_training_batch(
-    step: int,
-    micro_batches: list[PackedMicroBatch],
-    *,
-    temperature: float,
-    policy_version: int,
-    metrics: dict[str, float] | None = None,
-) -> tuple[TrainingBatch, dict[str, np.ndarray]]:
-    """One rank's TrainingBatch header and its frames (named `mb<i>/<field>`)."""
-    headers = []
-    arrays: dict[str, np.ndarray] = {}
-    for i, mb in enumerate(micro_batches):
-        header, frames = build_micro_batch(
-            f"mb{i}",
-            input_ids=mb.input_ids,
-            position_ids=mb.position_ids,
-            loss_mask=mb.loss_mask,
-            advantages=mb.advantages,
-            inference_logprobs=mb.inference_logprobs,
-            temperature=temperature,
-        )
-        headers.append(header)
-        arrays.update(frames)
-    batch = TrainingBatch(step=step, policy_version=policy_version, micro_batches=headers, metrics=metrics or {})
-    return batch, arrays
 
 
 class BatchSender:

@@ -33,8 +33,7 @@ import numpy as np
 from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.monitor import FileMonitor, Monitor
 from prime_rl.common.rundir import RunDir
-from prime_rl.common.wire import TrainingBatch
-from prime_rl.orchestrator.batch import build_training_batch
+from prime_rl.common.wire import TrainingBatch, build_training_batch
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
 from prime_rl.orchestrator.curriculum import Curriculum
 from prime_rl.orchestrator.envs.base import Environment
@@ -321,9 +320,7 @@ class Orchestrator:
         metrics["weights/updates"] = float(self.updater.num_updates)
 
         batches = [
-            build_training_batch(
-                step, mbs, temperature=cfg.sampling.temperature, policy_version=policy_version, metrics=metrics
-            )
+            build_training_batch(step, policy_version, [mb.fields() for mb in mbs], cfg.sampling.temperature, metrics)
             for mbs in per_rank
         ]
         await asyncio.to_thread(self.send, batches)

@@ -45,6 +45,16 @@ class PackedMicroBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def fields(self) -> dict[str, np.ndarray]:
+        """The five arrays `prime_rl.common.wire.build_training_batch` sends, by field name."""
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "loss_mask": self.loss_mask,
+            "advantages": self.advantages,
+            "inference_logprobs": self.inference_logprobs,
+        }
+
 
 @dataclass
 class PackingStats:
@@ -113,7 +123,7 @@ def empty_micro_batch(seq_len: int) -> PackedMicroBatch:
     )
 
 
-def build_micro_batch(samples: list[Sample], seq_len: int) -> PackedMicroBatch:
+def pack_row(samples: list[Sample], seq_len: int) -> PackedMicroBatch:
     """Lay `samples` (which must fit together) back to back into one `[seq_len]` micro-batch."""
     mb = empty_micro_batch(seq_len)
     start = 0
@@ -153,7 +163,7 @@ def pack_batch(
         else:
             fitted.append(sample)
     bins = first_fit_decreasing([s.num_tokens for s in fitted], seq_len)
-    micro_batches = [build_micro_batch([fitted[i] for i in b], seq_len) for b in bins]
+    micro_batches = [pack_row([fitted[i] for i in b], seq_len) for b in bins]
     per_rank = max(1, -(-len(micro_batches) // num_ranks))
     num_padding = per_rank * num_ranks - len(micro_batches)
     micro_batches += [empty_micro_batch(seq_len) for _ in range(num_padding)]
