@@ -20,7 +20,7 @@ from prime_rl.trainer.data.sft import load_sft_samples
 
 
 @dataclass
-class MicroBatch:
+class SFTMicroBatch:
     """One forward pass: tensors of shape (1, T), T = micro_batch_size * seq_len."""
 
     input_ids: torch.Tensor
@@ -31,8 +31,10 @@ class MicroBatch:
     def num_loss_tokens(self) -> int:
         return int((self.targets != IGNORE_INDEX).sum())
 
-    def to(self, device: torch.device) -> "MicroBatch":
-        return MicroBatch(*(t.to(device, non_blocking=True) for t in (self.input_ids, self.position_ids, self.targets)))
+    def to(self, device: torch.device) -> "SFTMicroBatch":
+        return SFTMicroBatch(
+            *(t.to(device, non_blocking=True) for t in (self.input_ids, self.position_ids, self.targets))
+        )
 
 
 def num_micro_batches(batch_size: int, micro_batch_size: int, dp_world: int) -> int:
@@ -68,7 +70,7 @@ class DataLoader:
             assert samples, "SFT data needs tokenized samples"
             self.rows_per_epoch = len(self._pack_epoch(0))
 
-    def micro_batches(self, step: int) -> list[MicroBatch]:
+    def micro_batches(self, step: int) -> list[SFTMicroBatch]:
         """This rank's micro-batches for optimizer step `step` (0-based)."""
         per_rank = self.cfg.batch_size // self.dp_world
         first = step * self.cfg.batch_size + self.dp_rank * per_rank
@@ -95,8 +97,8 @@ class DataLoader:
         return pack_samples(samples, self.cfg.seq_len, self.pad_id)
 
 
-def _concat(rows: list[Row]) -> MicroBatch:
-    return MicroBatch(
+def _concat(rows: list[Row]) -> SFTMicroBatch:
+    return SFTMicroBatch(
         input_ids=torch.cat([r.input_ids for r in rows])[None],
         position_ids=torch.cat([r.position_ids for r in rows])[None],
         targets=torch.cat([r.targets for r in rows])[None],

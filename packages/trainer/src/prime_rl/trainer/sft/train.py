@@ -23,7 +23,7 @@ import torch.distributed as dist
 from prime_rl.common.config import parse_config
 from prime_rl.common.config.trainer import SFTConfig, SFTDataConfig
 from prime_rl.trainer.ckpt import export_hf
-from prime_rl.trainer.data import DataLoader, MicroBatch, build_data_loader
+from prime_rl.trainer.data import DataLoader, SFTMicroBatch, build_data_loader
 from prime_rl.trainer.loop import to_host, train_loop
 from prime_rl.trainer.lora import export_lora
 from prime_rl.trainer.model import CausalLM
@@ -60,9 +60,9 @@ class SFTSource:
 
     def __init__(self, loader: DataLoader):
         self.loader = loader
-        self.next: tuple[int, list[MicroBatch]] | None = None
+        self.next: tuple[int, list[SFTMicroBatch]] | None = None
 
-    def get(self, step: int) -> list[MicroBatch]:
+    def get(self, step: int) -> list[SFTMicroBatch]:
         if self.next is not None and self.next[0] == step:
             return self.next[1]
         return self.loader.micro_batches(step)
@@ -81,7 +81,7 @@ class SFTObjective:
         self.dims, self.world = dims, world
 
     def forward_backward(
-        self, model: CausalLM, micro_batches: list[MicroBatch], before_last: Callable[[], None]
+        self, model: CausalLM, micro_batches: list[SFTMicroBatch], before_last: Callable[[], None]
     ) -> dict:
         return forward_backward(model, micro_batches, self.dims, self.world, before_last)
 
@@ -130,7 +130,7 @@ def train_step(model: CausalLM, loader: DataLoader, step: int, dims: ParallelDim
 
 def forward_backward(
     model: CausalLM,
-    micro_batches: list[MicroBatch],
+    micro_batches: list[SFTMicroBatch],
     dims: ParallelDims,
     world: World,
     before_last: Callable[[], None] | None = None,
