@@ -29,6 +29,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from prime_rl.common.config.layout import read_hf_config
+
 ALLOW_LONG_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 """vLLM's switch that lets max_model_len pass the model's context."""
 
@@ -48,11 +50,9 @@ class ModelContext:
 def read_model_context(name: str | Path) -> ModelContext | None:
     """The context of the local model directory ``name``; None when config.json is unreadable or has no
     max_position_embeddings."""
-    try:
-        hf = json.loads((Path(name) / "config.json").read_text())
-    except (OSError, ValueError):
+    hf = read_hf_config(name)
+    if hf is None:
         return None
-    hf = hf.get("text_config", hf)
     positions = hf.get("max_position_embeddings")
     if not isinstance(positions, int):
         return None

@@ -38,13 +38,21 @@ class ModelShape:
     """0 for a dense model"""
 
 
-def read_model_shape(name: str | Path) -> ModelShape | None:
-    """The shape of the model in local directory ``name``; None when there is no readable config.json."""
+def read_hf_config(name: str | Path) -> dict | None:
+    """The text model's part of ``name``/config.json, read as JSON (no transformers import on the dry-run
+    path); None when there is no readable config.json."""
     try:
         hf = json.loads((Path(name) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    hf = hf.get("text_config", hf)
+    return hf.get("text_config", hf) if isinstance(hf, dict) else None
+
+
+def read_model_shape(name: str | Path) -> ModelShape | None:
+    """The shape of the model in local directory ``name``; None when there is no readable config.json."""
+    hf = read_hf_config(name)
+    if hf is None:
+        return None
     heads = hf.get("num_attention_heads")
     if not isinstance(heads, int):
         return None
