@@ -34,6 +34,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -41,6 +42,8 @@ from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.transport import ControlClient, Receiver
 from prime_rl.common.wire import (
     ControlReply,
+    HealthReply,
+    HealthRequest,
     LoadWeightsRequest,
     Message,
     PauseRequest,
@@ -67,6 +70,10 @@ class InferenceControl(Protocol):
 
     async def resume(self) -> None: ...
 
+    async def health(self) -> list[HealthReply | None]:
+        """Every server's health (None for one that does not answer in a few seconds); [] without servers."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -82,6 +89,9 @@ class NoInferenceControl:
     async def resume(self) -> None:
         pass
 
+    async def health(self) -> list[HealthReply | None]:
+        return []
+
     def close(self) -> None:
         pass
 
@@ -93,10 +103,15 @@ class InferenceControlError(RuntimeError):
 class ZmqInferenceControl:
     """Sends PauseRequest / LoadWeightsRequest / ResumeRequest to every server, in parallel threads."""
 
+    HEALTH_TIMEOUT_S = 3.0
+
     def __init__(self, addresses: list[str], timeout: float = 600.0) -> None:
         if not addresses:
             raise ValueError("ZmqInferenceControl needs at least one control address (tcp://host:port)")
         self._clients = [ControlClient(address, timeout_s=timeout) for address in addresses]
+        # sockets of their own: health is polled while a weight update may be waiting on the others (REQ sockets
+        # hold one request at a time)
+        self._health = [ControlClient(address, timeout_s=self.HEALTH_TIMEOUT_S) for address in addresses]
 
     async def _broadcast(self, message: Message) -> None:
         # ZeroMQ REQ sockets are blocking: one thread per server keeps the event loop (and rollouts) moving.
@@ -115,8 +130,18 @@ class ZmqInferenceControl:
     async def resume(self) -> None:
         await self._broadcast(ResumeRequest())
 
+    async def health(self) -> list[HealthReply | None]:
+        def ask(client: ControlClient) -> HealthReply | None:
+            try:
+                reply = client.request(HealthRequest())
+            except TimeoutError:  # down, or restarting (the socket was reopened for the next try)
+                return None
+            return reply if isinstance(reply, HealthReply) else None
+
+        return list(await asyncio.gather(*(asyncio.to_thread(ask, c) for c in self._health)))
+
     def close(self) -> None:
-        for client in self._clients:
+        for client in self._clients + self._health:
             client.close()
 
 
@@ -195,6 +220,9 @@ class WeightUpdater:
         self.last_announcement: WeightsPublished | None = None
         """The newest announcement applied (the trainer's publish / background times ride along)."""
         self._lock = asyncio.Lock()  # the poller and wait_for_version must not load the same version twice
+        self.before_update: Callable[[], Awaitable[None]] | None = None
+        """Awaited before a version is applied (the orchestrator's InferenceWatch: inference is back), outside the
+        lock, which the watch's reload takes."""
         self.failure: BaseException | None = None
         """The poller's error: a failed update stops the run, and every later call re-raises it (re-opening
         the version socket the poller closed would fail with 'Address already in use' and hide it)."""
@@ -203,6 +231,8 @@ class WeightUpdater:
         """Apply the newest announced version if it is newer than the served one; True if it did."""
         if self.failure is not None:
             raise self.failure
+        if self.before_update is not None:
+            await self.before_update()
         async with self._lock:
             self.listener.poll()
             message = self.listener.latest
@@ -219,6 +249,29 @@ class WeightUpdater:
                 return False
             await self._apply(WeightsPublished(version=step, path=str(broadcasts_dir / f"step_{step}")))
             return True
+
+    async def reload(self, broadcasts_dir: Path) -> int | None:
+        """Load the served version again (a restarted server came back with its start-up weights); returns it, or
+        None when it is the model's own weights (version 0: nothing to load)."""
+        async with self._lock:
+            version = self.policy.version
+            if version == 0:
+                return None
+            announced = self.last_announcement
+            path = announced.path if announced is not None and announced.version == version else None
+            path = Path(path) if path is not None else broadcasts_dir / f"step_{version}"
+            if not (path / BROADCAST_MARKER).is_file():
+                raise FileNotFoundError(
+                    f"inference came back without policy version {version} and {path} (its weights) is gone; "
+                    "raise weight_broadcast.keep_last so the served version stays on disk"
+                )
+            await self.control.pause(self.pause_mode)
+            try:
+                await self.control.load_weights(path, version)
+            finally:
+                await self.control.resume()
+            logger.info("reloaded policy version %d into the restarted inference server (%s)", version, path)
+            return version
 
     async def _apply(self, message: WeightsPublished) -> None:
         start = time.perf_counter()
