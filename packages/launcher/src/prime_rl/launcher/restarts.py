@@ -6,7 +6,7 @@ Design:
   its last deaths instead of restarting forever. ``max_restarts = 0`` is the old behaviour: the first death
   stops the run.
 - Every death is described by its origin (exit code or signal, and the wall-clock time) so that the run's
-  final reason tells the whole story: "inference died (signal 9) at 05:01:02; restart 1/1 died during
+  final reason tells the whole story: "inference died (SIGKILL) at 05:01:02; restart 1/1 died during
   start-up (exit 1)".
 - Pure bookkeeping (no processes, no clock of its own): the supervisor passes the time in, tests do too.
 """
@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 
 def describe_exit(rc: int) -> str:
-    """'exit 1' or 'signal 9 (SIGKILL)' from a Popen return code (negative: killed by that signal)."""
+    """'exit 1' or 'SIGKILL' from a Popen return code (negative: killed by that signal)."""
     if rc >= 0:
         return f"exit {rc}"
     try:
-        return f"signal {-rc} ({signal.Signals(-rc).name})"
+        return signal.Signals(-rc).name
     except ValueError:
         return f"signal {-rc}"
 
