@@ -223,3 +223,44 @@ def test_restart_settings_reach_the_orchestrator_and_bad_ones_are_one_line(model
     ]:  # fmt: skip
         out = _rl("--model.name", str(model_dir), "--output-dir", str(tmp_path), *flags, "--dry-run")
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr, (flags, out.stderr)
+
+
+# First start: beats "serving" once (deadline 1 s), says ready, then never beats again (a wedged engine).
+# Later starts: beat every 0.2 s.
+WEDGED = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from prime_rl.common.heartbeat import Heartbeat
+    starts, ready, beats = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    first = not starts.exists()
+    with starts.open("a") as f:
+        f.write("start\\n")
+    hb = Heartbeat(beats, "inference", min_interval_s=0.0)
+    hb.beat("serving", 0, deadline_s=1.0, progress=True)
+    ready.write_text("ok")
+    while True:
+        time.sleep(0.2)
+        if not first:
+            hb.beat("serving", 0, deadline_s=1.0, progress=True)
+    """
+)
+
+
+@pytest.mark.chaos
+def test_a_wedged_server_is_restarted_not_blamed_by_the_watchdog(tmp_path, caplog):
+    """Probe: an inference heartbeat past its deadline stopped the run; with restarts left it restarts the server."""
+    beats = tmp_path / "heartbeats"
+    comps = [
+        Component("inference", [sys.executable, "-c", WEDGED, str(tmp_path / "starts"), str(tmp_path / "ready"),
+                                str(beats)],
+                  tmp_path / "inf.log", ready=lambda: (tmp_path / "ready").exists(), ready_timeout_s=30,
+                  max_restarts=1),
+        Component("trainer", [sys.executable, "-c", "import time; time.sleep(8)"], tmp_path / "t.log",
+                  finishes_run=True),
+    ]  # fmt: skip
+    sup = Supervisor(comps, poll_s=0.05, stop_timeout_s=5, heartbeat_dir=beats, watch_interval_s=0.2)
+    with caplog.at_level(logging.INFO, logger="prime_rl.launcher"):
+        assert sup.run() == 0, sup.reason
+    assert (tmp_path / "starts").read_text().count("start") == 2
+    assert "stalled in phase 'serving'" in caplog.text and "restart 1/1" in caplog.text

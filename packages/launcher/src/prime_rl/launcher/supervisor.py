@@ -19,6 +19,7 @@ Design:
   component marked ``finishes_run`` that exits 0 ends the job successfully; the others are stopped.
 - Ctrl-C (SIGINT) or SIGTERM to the launcher stops every component and exits 130 / 143.
 - Restarts: a component with ``max_restarts > 0`` (the inference server, `inference.max_restarts`) that exits,
+  whose heartbeat is past its deadline (a wedged engine core: the watchdog's verdict for any other component),
   or whose ``alive`` probe fails for ``unhealthy_after_s``, is stopped whole (its process group, and the orphans
   the launcher adopted from it: vLLM's engine core), its shared memory released, and started again with the
   same argv and environment while the others keep running; the supervisor waits for ``ready`` again without
@@ -133,6 +134,7 @@ class _Running:
     died_at: float = 0.0
     unhealthy_since: float | None = None
     last_probe: float = 0.0
+    last_watch: float = 0.0
 
 
 class JobFailed(RuntimeError):
@@ -275,15 +277,39 @@ class Supervisor:
             self._notify(event)
             return None
         if rc is None:
-            rc_cause = self._lost_health(r, now)
-            if rc_cause is None:
+            lost = self._stalled(r, now) or self._lost_health(r, now)
+            if lost is None:
                 return None
-            cause = rc_cause
+            cause = lost
         else:
             cause = f"{comp.name} died ({describe_exit(rc)}) at {clock(now)}"
         if not policy.allows(now):
             return self._fail(r, policy.exhausted_reason(cause, now))
         self._restart(r, cause, policy.record(now, cause), now)
+        return None
+
+    def _healing_pids(self) -> set[int]:
+        """Processes of the serving restartable components (ready, not restarting) and their descendants."""
+        pids: set[int] = set()
+        for r in self.running:
+            if r.component.name in self.restarts and r.was_ready and not r.restarting:
+                pids.add(r.proc.pid)
+                pids.update(descendants(r.proc.pid))
+        return pids
+
+    def _stalled(self, r: _Running, now: float) -> str | None:
+        """The cause when a heartbeat of a live restartable component is past its deadline (a wedged engine core,
+        a pause never resumed): what stops the job for any other component restarts this one."""
+        if self.heartbeat_dir is None or time.monotonic() - r.last_watch < self.watch_interval_s:
+            return None
+        r.last_watch = time.monotonic()
+        mine = {r.proc.pid, *descendants(r.proc.pid)}
+        for beat in read_beats(self.heartbeat_dir, newer_than=self._started_at):
+            if beat.component == r.component.name and beat.pid in mine and beat.overdue_s(now) > 0:
+                return (
+                    f"{r.component.name} (pid {beat.pid}) stalled in phase '{beat.phase}' for {now - beat.since:.0f}s "
+                    f"(deadline {beat.deadline_s:.0f}s) at {clock(now)}"
+                )
         return None
 
     def _lost_health(self, r: _Running, now: float) -> str | None:
@@ -370,8 +396,12 @@ class Supervisor:
         if self.heartbeat_dir is None or time.monotonic() - self._last_watch < self.watch_interval_s:
             return None
         self._last_watch = time.monotonic()
+        healing = self._healing_pids()  # a restartable component's stall restarts it (_stalled), not the job
         verdict = find_stall(
-            self.heartbeat_dir, self._started_at, lambda beat, _group: self._log_of(beat.component), alive=_alive
+            self.heartbeat_dir,
+            self._started_at,
+            lambda beat, _group: self._log_of(beat.component),
+            alive=lambda pid: _alive(pid) and pid not in healing,
         )
         if verdict is None:
             return None
