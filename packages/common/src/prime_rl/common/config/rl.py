@@ -210,6 +210,11 @@ class RLConfig(BaseConfig):
                 "restarted server could not get the current policy back (pushed weights have no copy on disk); "
                 "use weight_broadcast.type='filesystem' or inference.max_restarts=0"
             )
+        if self.slurm is not None:
+            raise ValueError(
+                f"inference.max_restarts={self.inference.max_restarts} with [slurm]: only the local launcher restarts "
+                "inference so far; set inference.max_restarts=0 (the job fails naming the dead step)"
+            )
         control = self.orchestrator.inference
         if "outage_timeout" not in control.model_fields_set:
             control.outage_timeout = self.inference.router.startup_timeout + 60.0
