@@ -258,3 +258,67 @@ def test_an_outage_past_its_deadline_fails_naming_the_setting(make_server):
         assert policy.is_open  # waiters are released to see the failure, never left blocked
 
     asyncio.run(go())
+
+
+class DiesDuringLoad(RestartingControl):
+    """The first load of ``version`` never answers: the server died in the middle of it (and restarts at 0)."""
+
+    def __init__(self, server_holder: list, version: int) -> None:
+        super().__init__()
+        self.server_holder, self.die_at, self.died = server_holder, version, False
+
+    async def load_weights(self, path, version):
+        if version == self.die_at and not self.died:
+            self.died, self.up, self.version = True, False, 0
+            self.calls.append(("died", Path(path).name, version))
+            server = self.server_holder[0]
+            server.die()
+            threading.Timer(1.0, self._come_back, args=(server,)).start()
+            raise TimeoutError(f"no reply to LoadWeightsRequest within 0.1s (version {version})")
+        await super().load_weights(path, version)
+
+    def _come_back(self, server) -> None:
+        self.up = True
+        server.come_back()
+
+
+def test_a_server_that_dies_mid_update_is_waited_out_and_updated_again(tmp_path, make_server, ports):
+    """Probe: a server dying during a weight load left that control request unanswered, and its timeout ended the run."""
+    holder: list = []
+    control = DiesDuringLoad(holder, version=2)
+    server = RestartingServer(make_server(), lambda: control.version)
+    holder.append(server)
+    port = ports.free_range(2)
+    config = make_config(tmp_path, server.base_url, port, max_steps=4, inference={"outage_timeout": 30})
+    run_dir = RunDir(tmp_path, "run")
+    trainer = FakeTrainer(run_dir, port, num_ranks=2, num_steps=4, weights_port=config.trainer.weights_port)
+
+    async def go() -> None:
+        client = InferenceClient(config.model.client.base_url, config.model.name, max_retries=1, retry_backoff=0.01)
+        sender = BatchSender("127.0.0.1", config.trainer.port, config.num_train_ranks, timeout=30)
+        monitor = FileMonitor(run_dir)
+        orchestrator = Orchestrator(config, ReverseTextEnv(min_len=3, max_len=6), client, control, sender.send, monitor)
+        orchestrator.watch.poll_interval = 0.1
+        try:
+            await asyncio.wait_for(orchestrator.run(), timeout=60)
+        finally:
+            await client.aclose()
+            sender.close()
+            monitor.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        server.close()
+    trainer.join()
+    assert control.died
+    loads = [(c[0], c[2]) for c in control.calls if c[0] in ("load", "died")]
+    # the load of 2 died; the restarted server got the served version back (if not the model's own), then 2 again
+    died = loads.index(("died", 2))
+    served = loads[died - 1][1] if died else 0
+    expected = [("load", served), ("load", 2)] if served else [("load", 2)]
+    assert loads[died + 1 : died + 1 + len(expected)] == expected, control.calls
+    metrics = read_metrics(run_dir.metrics_path)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert sum(m["inference/outages"] for m in metrics) == 1
+    assert sum(m["inference/reloads"] for m in metrics) == (1 if served else 0)

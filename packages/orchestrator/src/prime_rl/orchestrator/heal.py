@@ -22,8 +22,11 @@ load around its request gate, which is what keeps tags exact; it knows the versi
 server that reloaded by itself could not tell the orchestrator when it is safe to send. Push transports
 (nccl, nixl) have no copy to reload from: `rl` refuses `max_restarts > 0` with them.
 
-Not handled: a server that dies in the middle of a weight load leaves that control request waiting for
-`orchestrator.inference.timeout` (its REQ socket has no reply to wait for); the update then fails the run.
+A server that dies in the middle of a weight update never answers that control request: after
+`orchestrator.inference.timeout` the updater hands the outage to the watch (`WeightUpdater.on_unanswered`)
+and applies the version again once the server is back. That wait is the timeout (600 s by default), not the
+restart: the REQ socket cannot tell a dead peer from a slow load. A server already gone when a request is sent
+is no such case: ZeroMQ queues the request and the new server answers it.
 """
 
 from __future__ import annotations

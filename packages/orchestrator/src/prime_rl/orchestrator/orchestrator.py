@@ -163,6 +163,7 @@ class Orchestrator:
             )  # fmt: skip
             client.watch = self.watch
             self.updater.before_update = self.watch.wait  # a version is loaded into a server that is there
+            self.updater.on_unanswered = self.watch.lost  # ... and one that died mid-update is waited out
         self.off_policy = OffPolicyFilter(config.max_off_policy_steps)
         self.scheduler = RolloutScheduler(
             env,

@@ -223,6 +223,9 @@ class WeightUpdater:
         self.before_update: Callable[[], Awaitable[None]] | None = None
         """Awaited before a version is applied (the orchestrator's InferenceWatch: inference is back), outside the
         lock, which the watch's reload takes."""
+        self.on_unanswered: Callable[[str], Awaitable[None]] | None = None
+        """Called when a control request of an update times out (the orchestrator's InferenceWatch.lost); None: the
+        timeout stops the run."""
         self.failure: BaseException | None = None
         """The poller's error: a failed update stops the run, and every later call re-raises it (re-opening
         the version socket the poller closed would fail with 'Address already in use' and hide it)."""
@@ -238,8 +241,7 @@ class WeightUpdater:
             message = self.listener.latest
             if message is None or message.version <= self.policy.version:
                 return False
-            await self._apply(message)
-            return True
+            return await self._apply(message)
 
     async def recover(self, broadcasts_dir: Path, max_version: int) -> bool:
         """At start-up: load the newest complete filesystem version <= ``max_version`` (a resumed run)."""
@@ -247,8 +249,7 @@ class WeightUpdater:
             step = latest_published_step(broadcasts_dir, max_version)
             if step is None or step <= self.policy.version:
                 return False
-            await self._apply(WeightsPublished(version=step, path=str(broadcasts_dir / f"step_{step}")))
-            return True
+            return await self._apply(WeightsPublished(version=step, path=str(broadcasts_dir / f"step_{step}")))
 
     async def reload(self, broadcasts_dir: Path) -> int | None:
         """Load the served version again (a restarted server came back with its start-up weights); returns it, or
@@ -273,7 +274,8 @@ class WeightUpdater:
             logger.info("reloaded policy version %d into the restarted inference server (%s)", version, path)
             return version
 
-    async def _apply(self, message: WeightsPublished) -> None:
+    async def _apply(self, message: WeightsPublished) -> bool:
+        """Make ``message``'s version the served one; False when a server went away during it (see below)."""
         start = time.perf_counter()
         version = message.version
         if message.path is not None:
@@ -284,6 +286,15 @@ class WeightUpdater:
                     await self.control.load_weights(Path(message.path), version)
                 finally:
                     await self.control.resume()
+            except TimeoutError as e:
+                await self.policy.open()  # keep the old version
+                if self.on_unanswered is None:
+                    raise
+                # A server that dies mid-update never answers (inference restarts, `inference.max_restarts`): the
+                # watch brings the new one to the served version, then the next poll applies this one again. Not
+                # waited for here: the watch's reload takes this lock.
+                await self.on_unanswered(f"weight update to version {version} got no answer ({e})")
+                return False
             except BaseException:
                 await self.policy.open()  # keep the old version; the error stops the run
                 raise
@@ -293,6 +304,7 @@ class WeightUpdater:
         self.last_announcement = message
         where = f"loaded {message.path}" if message.path else "pushed by the trainer"
         logger.info("inference now serves policy version %d (%s, %.2fs)", version, where, self.last_update_s)
+        return True
 
     async def run(self) -> None:
         """Poll forever (cancelled when the orchestrator stops); closes the listener when it ends."""
