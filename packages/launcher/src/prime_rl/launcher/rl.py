@@ -344,6 +344,10 @@ def build_components(
             env=gpu_env(infer_gpus),
             ready=lambda: inference_ready(cfg, secret),
             ready_timeout_s=cfg.inference.router.startup_timeout,  # the deadline of this wait, from config
+            max_restarts=cfg.inference.max_restarts,
+            restart_window_s=cfg.inference.restart_window,
+            alive=lambda: _http_ok(f"http://127.0.0.1:{cfg.inference.server.port}/health"),
+            unhealthy_after_s=120.0,  # vLLM answers 503 once its engine is dead, then exits: this is for a wedged one
         ),
         Component(
             "orchestrator",
@@ -438,11 +442,17 @@ def main(argv: list[str] | None = None) -> None:
     # final STATUS): the default action killed it outright and left STATUS at "running".
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _stopped_before_start)
-    write_status(run_dir.root, "running", pid=os.getpid(), host=socket.gethostname())
+    write_status(run_dir.root, "running", pid=os.getpid(), host=socket.gethostname())  # restarts update it
     rc, reason = 1, "the launcher failed before the run ended"
     try:
         components = build_components(cfg, run_dir, configs, infer_gpus, train_gpus, secret)
-        supervisor = Supervisor(components, heartbeat_dir=heartbeat_dir)
+        status = {"pid": os.getpid(), "host": socket.gethostname()}
+        supervisor = Supervisor(
+            components,
+            heartbeat_dir=heartbeat_dir,
+            # STATUS stays "running" through a restart and says so: the dashboard shows the last event
+            on_restart=lambda event, n: write_status(run_dir.root, "running", **status, restarts=n, last_restart=event),
+        )
         rc = supervisor.run()
         reason = "" if rc == 0 else supervisor.reason or f"exit code {rc}"
     except StoppedBeforeStart as e:

@@ -12,16 +12,25 @@ Faults: connection errors, timeouts and 5xx answers are retried with exponential
 (`retry_backoff * 2**attempt`, capped by `max_backoff`); after `max_retries` retries the call raises
 `InferenceUnreachableError` naming the URL. A 4xx is the request's fault and raises at once with
 the server's message.
+
+With a ``watch`` (`heal.InferenceWatch`: `rl` restarts inference, `inference.max_restarts`), a failure that
+looks like the server going away (transport errors, 502/503/504) is not retried blindly: the watch holds
+new requests until the server is back with the served policy, then the request is sent again. Inside a
+``resent_by_caller()`` block (the rollout scheduler) it raises `InferenceLost` instead, so that the caller
+sends its whole group again after the gate and tags it with the version that samples it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -29,7 +38,25 @@ from prime_rl.common.config.orchestrator import SamplingConfig
 from prime_rl.orchestrator.envs.base import Messages
 from prime_rl.orchestrator.rollout import Completion
 
+if TYPE_CHECKING:
+    from prime_rl.orchestrator.heal import InferenceWatch
+
 logger = logging.getLogger(__name__)
+
+_GONE_STATUSES = (502, 503, 504)
+"""Answers of a server (or a router in front of it) that is going away or not back yet."""
+_RESENT_BY_CALLER: contextvars.ContextVar[bool] = contextvars.ContextVar("prime_rl_resent_by_caller", default=False)
+
+
+@contextlib.contextmanager
+def resent_by_caller() -> Iterator[None]:
+    """In this block (this asyncio task), a request lost to an outage raises `InferenceLost`."""
+    token = _RESENT_BY_CALLER.set(True)
+    try:
+        yield
+    finally:
+        _RESENT_BY_CALLER.reset(token)
+
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
@@ -40,6 +67,10 @@ class InferenceError(RuntimeError):
 
 class InferenceUnreachableError(InferenceError):
     """The inference server could not be reached (or kept failing) after all retries."""
+
+
+class InferenceLost(InferenceUnreachableError):
+    """The server went away during this request (e.g. it is being restarted): send it again once it is back."""
 
 
 @dataclass
@@ -105,6 +136,7 @@ class InferenceClient:
         max_backoff: float = 10.0,
         max_connections: int = 1024,
         metrics_urls: list[str] | None = None,
+        watch: InferenceWatch | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.metrics_roots = [url.rstrip("/") for url in metrics_urls or []] or [self.server_root]
@@ -112,6 +144,10 @@ class InferenceClient:
         self.url = f"{self.base_url}/chat/completions"
         self.model = model
         self.max_retries, self.retry_backoff, self.max_backoff = max_retries, retry_backoff, max_backoff
+        self.watch = watch
+        """Set by the orchestrator when inference may be restarted under it (see the module docstring)."""
+        self.num_resent = 0
+        """Requests this client sent again itself after an outage (not counting the scheduler's groups)."""
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
             headers={"Authorization": f"Bearer {api_key}"},
@@ -216,15 +252,26 @@ class InferenceClient:
         )
         return parse_completion_response(data, n)
 
+    async def healthy(self) -> bool:
+        """The server (or router) answers its HTTP health route."""
+        try:
+            response = await self._http.get(f"{self.server_root}/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
     async def _post(self, body: dict[str, Any], url: str | None = None) -> dict[str, Any]:
         url = url or self.url
         start = time.monotonic()
         last_error = ""
-        for attempt in range(self.max_retries + 1):
+        attempt = resends = 0
+        while True:
+            gone = False
             try:
                 response = await self._http.post(url, json=body)
             except httpx.TransportError as e:  # connect refused, DNS, timeouts, dropped connections
                 last_error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                gone = True
             else:
                 if response.status_code < 400:
                     return response.json()
@@ -233,6 +280,16 @@ class InferenceClient:
                         f"{url} refused the request with HTTP {response.status_code}: {response.text[:500]}"
                     )
                 last_error = f"HTTP {response.status_code}: {response.text[:200]}"
+                gone = response.status_code in _GONE_STATUSES
+            # bounded: a request the server keeps answering 503 while healthy must not loop forever
+            if gone and self.watch is not None and resends <= self.max_retries:
+                await self.watch.lost(f"{url}: {last_error}")
+                if _RESENT_BY_CALLER.get():
+                    raise InferenceLost(f"{url} went away during the request ({last_error})")
+                await self.watch.wait()  # raises when it never came back
+                self.num_resent += 1
+                resends += 1
+                continue
             if attempt == self.max_retries:
                 break
             delay = min(self.max_backoff, self.retry_backoff * 2**attempt)
@@ -241,6 +298,7 @@ class InferenceClient:
                 url, last_error, attempt + 1, self.max_retries, delay,
             )  # fmt: skip
             await asyncio.sleep(delay)
+            attempt += 1
         raise InferenceUnreachableError(
             f"inference server at {url} unreachable after {self.max_retries + 1} attempts over "
             f"{time.monotonic() - start:.1f}s (last error: {last_error}); check that it is running and that "

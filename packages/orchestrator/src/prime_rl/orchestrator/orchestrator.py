@@ -40,6 +40,7 @@ from prime_rl.orchestrator.envs.base import Environment
 from prime_rl.orchestrator.envs.handle import EnvHandle
 from prime_rl.orchestrator.evaluate import run_evals
 from prime_rl.orchestrator.filtering import split_by_difficulty
+from prime_rl.orchestrator.heal import InferenceWatch
 from prime_rl.orchestrator.off_policy import OffPolicyFilter
 from prime_rl.orchestrator.packing import pack_batch
 from prime_rl.orchestrator.policy import PolicyState
@@ -169,6 +170,15 @@ class Orchestrator:
             pause_mode=config.inference.pause_mode,
             poll_interval=config.weights_poll_interval,
         )
+        self.watch: InferenceWatch | None = None
+        if config.inference.outage_timeout > 0:  # `rl` may restart inference under us (heal.py)
+            self.watch = InferenceWatch(
+                self.policy, self.updater, control, client.healthy, self.run_dir.broadcasts_dir,
+                outage_timeout=config.inference.outage_timeout,
+            )  # fmt: skip
+            client.watch = self.watch
+            self.updater.before_update = self.watch.wait  # a version is loaded into a server that is there
+            self.updater.on_unanswered = self.watch.lost  # ... and one that died mid-update is waited out
         self.off_policy = OffPolicyFilter(config.max_off_policy_steps)
         self.scheduler = RolloutScheduler(
             env,
@@ -308,6 +318,11 @@ class Orchestrator:
         metrics["env/failed"] = float(sum(g.num_failed for g in groups))
         for key in ("env/prompt_failed", "rollouts/aborted"):
             metrics[key] = float(counters.get(key, 0))
+        if self.watch is not None:  # inference outages waited out this step, and what they cost
+            heal = self.watch.pop_counters()
+            for key in ("inference/outages", "inference/reloads", "inference/outage_s"):
+                metrics[key] = float(heal.get(key, 0))
+            metrics["rollouts/resent"] = float(counters.get("rollouts/resent", 0))
         metrics.update(env_metrics(groups, counters))
         metrics.update(packing.metrics(cfg.seq_len))
         # the trainer logs the same count as loss/tokens in this batch's row: a check that both rows match

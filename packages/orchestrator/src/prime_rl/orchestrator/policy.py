@@ -1,4 +1,5 @@
-"""Which policy version inference serves, and whether new requests may start (closed while weights load)."""
+"""Which policy version inference serves, and whether new requests may start (closed while weights load, held
+while inference is away: see heal.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,22 @@ class PolicyState:
     def __init__(self, version: int = 0) -> None:
         self.version = version
         self._open = True
+        self._held = False
+        """Inference is away (restarting): no request may start, whatever the weight updater does with the gate."""
         self._changed = asyncio.Condition()
 
     @property
     def is_open(self) -> bool:
-        return self._open
+        return self._open and not self._held
+
+    async def hold(self) -> None:
+        async with self._changed:
+            self._held = True
+
+    async def release(self) -> None:
+        async with self._changed:
+            self._held = False
+            self._changed.notify_all()
 
     async def close(self) -> None:
         async with self._changed:
@@ -31,5 +43,5 @@ class PolicyState:
     async def wait_for(self, min_version: int) -> int:
         """Wait until the gate is open and `version >= min_version`; return the version to tag with."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self._open and self.version >= min_version)
+            await self._changed.wait_for(lambda: self.is_open and self.version >= min_version)
             return self.version

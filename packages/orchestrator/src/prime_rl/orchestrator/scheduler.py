@@ -23,6 +23,10 @@ same ticket with a fresh task: its step still gets `groups_per_step` groups. Dro
 synchronous step one group short while every later ticket waited for the next version, which needs this
 step's batch first: a deadlock. An environment that never gives a prompt is retried until the run's
 `stall_timeout`, when the watchdog stops the run in the orchestrator's "rollouts" phase.
+
+A group whose request is lost to an inference outage (the client's watch, heal.py) is sent again whole
+once the server is back, after the policy gate again: it is tagged with the version that samples it, never
+with the one before the outage. Counted as `rollouts/resent` (rollouts, not groups).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections import Counter
 
@@ -38,7 +43,7 @@ import numpy as np
 from prime_rl.common.config.orchestrator import AdvantageConfig
 from prime_rl.common.seeding import sample_seed
 from prime_rl.orchestrator.advantages import group_advantages
-from prime_rl.orchestrator.client import ChatResult, InferenceClient, SamplingArgs
+from prime_rl.orchestrator.client import ChatResult, InferenceClient, InferenceLost, SamplingArgs, resent_by_caller
 from prime_rl.orchestrator.concurrency import LoadLimit, follow_load
 from prime_rl.orchestrator.curriculum import Curriculum
 from prime_rl.orchestrator.envs.base import Environment, Score
@@ -176,23 +181,27 @@ class RolloutScheduler:
 
     async def _worker(self) -> None:
         try:
-            while True:
-                if self.limit is not None:
-                    await self.limit.acquire()  # before the ticket: tickets keep request order
-                try:
-                    ticket = self._tickets
-                    self._tickets += 1
-                    # a discarded group is retried under its ticket, or its step would never fill (module docstring)
-                    while (group := await self.generate_group(ticket)) is None:
-                        pass
-                    self.queue.put_nowait(group)
-                finally:
-                    if self.limit is not None:
-                        await self.limit.release()
+            with resent_by_caller():  # a request lost to an outage comes back here: the group is sent again
+                await self._work()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # fatal: hand it to the orchestrator loop, which stops the run
             self.queue.put_nowait(e)
+
+    async def _work(self) -> None:
+        while True:
+            if self.limit is not None:
+                await self.limit.acquire()  # before the ticket: tickets keep request order
+            try:
+                ticket = self._tickets
+                self._tickets += 1
+                # a discarded group is retried under its ticket, or its step would never fill (module docstring)
+                while (group := await self.generate_group(ticket)) is None:
+                    pass
+                self.queue.put_nowait(group)
+            finally:
+                if self.limit is not None:
+                    await self.limit.release()
 
     async def generate_group(self, ticket: int | None = None) -> Group | None:
         """One task's group of rollouts for ``ticket`` (default: the next one), or None when it was discarded
@@ -219,17 +228,26 @@ class RolloutScheduler:
             logger.warning("environment %s failed to give a task and prompt: %s", env.name, e)
             self.counters["env/prompt_failed"] += 1
             return None
-        # a group waiting for its policy version holds a slot but not the server (LoadLimit.parked_while)
-        with self.limit.parked_while() if self.limit is not None else contextlib.nullcontext():
-            version = await self.policy.wait_for(target_step - self.max_off_policy_steps)
         sampling = self.sampling
         if sampling.seed is not None:  # vLLM seeds the group's n samples seed, seed + 1, ...
             # from (run seed, step, task index) alone: a resumed run sends the uninterrupted run's seeds
             sampling = dataclasses.replace(sampling, seed=sample_seed(sampling.seed, target_step, task_index, 0))
         renderer = self.renderers.get(env.name)
-        rollouts = await rollout_group(
-            self.client, env, renderer, task, messages, self.group_size, sampling, self.max_len, budgets
-        )
+        for resend in itertools.count():
+            # a group waiting for its policy version holds a slot but not the server (LoadLimit.parked_while)
+            with self.limit.parked_while() if self.limit is not None else contextlib.nullcontext():
+                version = await self.policy.wait_for(target_step - self.max_off_policy_steps)
+            try:
+                rollouts = await rollout_group(
+                    self.client, env, renderer, task, messages, self.group_size, sampling, self.max_len, budgets
+                )
+                break
+            except InferenceLost as e:
+                if self.client.watch is None or resend >= self.client.max_retries:
+                    raise
+                self.counters["rollouts/resent"] += self.group_size
+                logger.warning("%s: group of task %d is sent again once inference is back", e, task_index)
+                await self.client.watch.wait()  # raises when inference never came back
         if rollouts is None:
             self.counters["rollouts/aborted"] += 1
             return None

@@ -34,6 +34,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -41,6 +42,8 @@ from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.transport import ControlClient, Receiver
 from prime_rl.common.wire import (
     ControlReply,
+    HealthReply,
+    HealthRequest,
     LoadWeightsRequest,
     Message,
     PauseRequest,
@@ -67,6 +70,10 @@ class InferenceControl(Protocol):
 
     async def resume(self) -> None: ...
 
+    async def health(self) -> list[HealthReply | None]:
+        """Every server's health (None for one that does not answer in a few seconds); [] without servers."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -82,6 +89,9 @@ class NoInferenceControl:
     async def resume(self) -> None:
         pass
 
+    async def health(self) -> list[HealthReply | None]:
+        return []
+
     def close(self) -> None:
         pass
 
@@ -93,10 +103,15 @@ class InferenceControlError(RuntimeError):
 class ZmqInferenceControl:
     """Sends PauseRequest / LoadWeightsRequest / ResumeRequest to every server, in parallel threads."""
 
+    HEALTH_TIMEOUT_S = 3.0
+
     def __init__(self, addresses: list[str], timeout: float = 600.0) -> None:
         if not addresses:
             raise ValueError("ZmqInferenceControl needs at least one control address (tcp://host:port)")
         self._clients = [ControlClient(address, timeout_s=timeout) for address in addresses]
+        # sockets of their own: health is polled while a weight update may be waiting on the others (REQ sockets
+        # hold one request at a time)
+        self._health = [ControlClient(address, timeout_s=self.HEALTH_TIMEOUT_S) for address in addresses]
 
     async def _broadcast(self, message: Message) -> None:
         # ZeroMQ REQ sockets are blocking: one thread per server keeps the event loop (and rollouts) moving.
@@ -115,8 +130,18 @@ class ZmqInferenceControl:
     async def resume(self) -> None:
         await self._broadcast(ResumeRequest())
 
+    async def health(self) -> list[HealthReply | None]:
+        def ask(client: ControlClient) -> HealthReply | None:
+            try:
+                reply = client.request(HealthRequest())
+            except TimeoutError:  # down, or restarting (the socket was reopened for the next try)
+                return None
+            return reply if isinstance(reply, HealthReply) else None
+
+        return list(await asyncio.gather(*(asyncio.to_thread(ask, c) for c in self._health)))
+
     def close(self) -> None:
-        for client in self._clients:
+        for client in self._clients + self._health:
             client.close()
 
 
@@ -195,6 +220,12 @@ class WeightUpdater:
         self.last_announcement: WeightsPublished | None = None
         """The newest announcement applied (the trainer's publish / background times ride along)."""
         self._lock = asyncio.Lock()  # the poller and wait_for_version must not load the same version twice
+        self.before_update: Callable[[], Awaitable[None]] | None = None
+        """Awaited before a version is applied (the orchestrator's InferenceWatch: inference is back), outside the
+        lock, which the watch's reload takes."""
+        self.on_unanswered: Callable[[str], Awaitable[None]] | None = None
+        """Called when a control request of an update times out (the orchestrator's InferenceWatch.lost); None: the
+        timeout stops the run."""
         self.failure: BaseException | None = None
         """The poller's error: a failed update stops the run, and every later call re-raises it (re-opening
         the version socket the poller closed would fail with 'Address already in use' and hide it)."""
@@ -203,13 +234,14 @@ class WeightUpdater:
         """Apply the newest announced version if it is newer than the served one; True if it did."""
         if self.failure is not None:
             raise self.failure
+        if self.before_update is not None:
+            await self.before_update()
         async with self._lock:
             self.listener.poll()
             message = self.listener.latest
             if message is None or message.version <= self.policy.version:
                 return False
-            await self._apply(message)
-            return True
+            return await self._apply(message)
 
     async def recover(self, broadcasts_dir: Path, max_version: int) -> bool:
         """At start-up: load the newest complete filesystem version <= ``max_version`` (a resumed run)."""
@@ -217,10 +249,33 @@ class WeightUpdater:
             step = latest_published_step(broadcasts_dir, max_version)
             if step is None or step <= self.policy.version:
                 return False
-            await self._apply(WeightsPublished(version=step, path=str(broadcasts_dir / f"step_{step}")))
-            return True
+            return await self._apply(WeightsPublished(version=step, path=str(broadcasts_dir / f"step_{step}")))
 
-    async def _apply(self, message: WeightsPublished) -> None:
+    async def reload(self, broadcasts_dir: Path) -> int | None:
+        """Load the served version again (a restarted server came back with its start-up weights); returns it, or
+        None when it is the model's own weights (version 0: nothing to load)."""
+        async with self._lock:
+            version = self.policy.version
+            if version == 0:
+                return None
+            announced = self.last_announcement
+            path = announced.path if announced is not None and announced.version == version else None
+            path = Path(path) if path is not None else broadcasts_dir / f"step_{version}"
+            if not (path / BROADCAST_MARKER).is_file():
+                raise FileNotFoundError(
+                    f"inference came back without policy version {version} and {path} (its weights) is gone; "
+                    "raise weight_broadcast.keep_last so the served version stays on disk"
+                )
+            await self.control.pause(self.pause_mode)
+            try:
+                await self.control.load_weights(path, version)
+            finally:
+                await self.control.resume()
+            logger.info("reloaded policy version %d into the restarted inference server (%s)", version, path)
+            return version
+
+    async def _apply(self, message: WeightsPublished) -> bool:
+        """Make ``message``'s version the served one; False when a server went away during it (see below)."""
         start = time.perf_counter()
         version = message.version
         if message.path is not None:
@@ -231,6 +286,15 @@ class WeightUpdater:
                     await self.control.load_weights(Path(message.path), version)
                 finally:
                     await self.control.resume()
+            except TimeoutError as e:
+                await self.policy.open()  # keep the old version
+                if self.on_unanswered is None:
+                    raise
+                # A server that dies mid-update never answers (inference restarts, `inference.max_restarts`): the
+                # watch brings the new one to the served version, then the next poll applies this one again. Not
+                # waited for here: the watch's reload takes this lock.
+                await self.on_unanswered(f"weight update to version {version} got no answer ({e})")
+                return False
             except BaseException:
                 await self.policy.open()  # keep the old version; the error stops the run
                 raise
@@ -240,6 +304,7 @@ class WeightUpdater:
         self.last_announcement = message
         where = f"loaded {message.path}" if message.path else "pushed by the trainer"
         logger.info("inference now serves policy version %d (%s, %.2fs)", version, where, self.last_update_s)
+        return True
 
     async def run(self) -> None:
         """Poll forever (cancelled when the orchestrator stops); closes the listener when it ends."""

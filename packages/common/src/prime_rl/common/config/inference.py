@@ -195,6 +195,11 @@ class InferenceConfig(BaseConfig):
     """Serve LoRA adapters (`[lora]`, needed by LoRA RL); None serves the base model only."""
     deployment: InferenceDeployment = LocalInferenceDeployment()
     """single_node (one server, or [router] replicas), or disaggregated (prefill and decode instances)."""
+    max_restarts: int = Field(0, ge=0)
+    """`rl` only: times the launcher restarts a dead inference server within `restart_window` (the orchestrator
+    waits, then reloads the current policy); 0 stops the run naming the dead server."""
+    restart_window: float = Field(3600.0, gt=0)
+    """Seconds over which `max_restarts` is counted: a restart older than this no longer counts."""
 
     @property
     def disaggregated(self) -> DisaggregatedDeployment | None:

@@ -315,6 +315,10 @@ class InferenceControlConfig(BaseConfig):
     """What servers do with in-flight requests during a weight update (aborted rollouts are discarded)."""
     timeout: float = Field(default=600.0, gt=0)
     """Seconds to wait for a server to answer one control request."""
+    outage_timeout: float = Field(default=0.0, ge=0)
+    """Seconds to wait for inference to come back after it went away (restarted by `rl`, see
+    `inference.max_restarts`): rollouts wait, the current policy is reloaded, then they are sent again.
+    0: no waiting, a server that stays unreachable past the client's retries stops the run."""
 
 
 class CheckpointConfig(BaseConfig):

@@ -170,6 +170,7 @@ class RLConfig(BaseConfig):
         if not self.orchestrator.inference.addresses and self.trainer.weight_broadcast.type == "filesystem":
             self.orchestrator.inference.addresses = controls
         wb = self.trainer.weight_broadcast
+        self._wire_restarts(wb.type)
         if wb.type in ("nccl", "nixl") and not wb.inference_addresses:
             wb.inference_addresses = list(controls)
         if wb.announce is None:  # trainer rank 0 runs beside the orchestrator (SLURM: on TRAIN_HEAD)
@@ -216,6 +217,26 @@ class RLConfig(BaseConfig):
         if "max_model_len" not in self.orchestrator.model_fields_set:  # multi-turn rollouts stop there
             self.orchestrator.max_model_len = vllm.max_model_len
         return self
+
+    def _wire_restarts(self, transport: str) -> None:
+        """`inference.max_restarts`: the orchestrator waits out a restart (start-up deadline plus a minute) and
+        reloads the current policy from `broadcasts/` itself; a push transport has no such copy to reload."""
+        if self.inference.max_restarts == 0:
+            return
+        if transport != "filesystem":
+            raise ValueError(
+                f"inference.max_restarts={self.inference.max_restarts} with weight_broadcast.type={transport!r}: a "
+                "restarted server could not get the current policy back (pushed weights have no copy on disk); "
+                "use weight_broadcast.type='filesystem' or inference.max_restarts=0"
+            )
+        if self.slurm is not None:
+            raise ValueError(
+                f"inference.max_restarts={self.inference.max_restarts} with [slurm]: only the local launcher restarts "
+                "inference so far; set inference.max_restarts=0 (the job fails naming the dead step)"
+            )
+        control = self.orchestrator.inference
+        if "outage_timeout" not in control.model_fields_set:
+            control.outage_timeout = self.inference.router.startup_timeout + 60.0
 
     def _link_tool_call_parser(self) -> None:
         """One tool-call format per model: `[inference.vllm] tool_call_parser` (vLLM's chat-API parser, for chat

@@ -1,0 +1,140 @@
+"""Waiting out an inference restart: hold rollouts, see the server back, reload the policy, send again.
+
+`rl` restarts a dead inference server (`inference.max_restarts`, the launcher's supervisor). The restarted
+server serves the model's own weights (version 0), not the policy the orchestrator tags rollouts with, so:
+
+1. The first request that fails because the server went away (connection refused or dropped, a 502/503/504,
+   a timeout) calls ``InferenceWatch.lost``: the policy gate is held (`PolicyState.hold`), so no request starts
+   on a server whose weights are unknown; the orchestrator's heartbeat says "waiting for inference" with the
+   outage deadline (a waiting phase: the watchdog does not blame the orchestrator for the outage).
+2. A recovery task polls the HTTP health route and every server's control plane until all answer (at most
+   ``outage_timeout`` seconds, `orchestrator.inference.outage_timeout`, which `rl` derives from the server's
+   start-up deadline); a server reporting another weight version than the served one gets it loaded again
+   from `broadcasts/step_<n>` (`WeightUpdater.reload`, under the updater's lock so a new announcement is
+   applied after it, not beside it). Then the gate is released.
+3. The failed requests are sent again (never dropped): a rollout group is sent again whole by the scheduler,
+   after the gate, so it is tagged with the version that really samples it; other calls (evals, chat-template
+   probes) are re-sent by the client itself once the server is back. Counted: `inference/outages`,
+   `inference/reloads`, `rollouts/resent`.
+
+Why the orchestrator owns the reload (not the server, not the launcher): it already drives every filesystem
+load around its request gate, which is what keeps tags exact; it knows the version it tags with; and a
+server that reloaded by itself could not tell the orchestrator when it is safe to send. Push transports
+(nccl, nixl) have no copy to reload from: `rl` refuses `max_restarts > 0` with them.
+
+A server that dies in the middle of a weight update never answers that control request: after
+`orchestrator.inference.timeout` the updater hands the outage to the watch (`WeightUpdater.on_unanswered`)
+and applies the version again once the server is back. That wait is the timeout (600 s by default), not the
+restart: the REQ socket cannot tell a dead peer from a slow load. A server already gone when a request is sent
+is no such case: ZeroMQ queues the request and the new server answers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from prime_rl.common.heartbeat import Heartbeat
+from prime_rl.orchestrator.policy import PolicyState
+from prime_rl.orchestrator.weights import InferenceControl, WeightUpdater
+
+logger = logging.getLogger(__name__)
+
+
+class InferenceGoneError(RuntimeError):
+    """Inference did not come back within the outage deadline."""
+
+
+class InferenceWatch:
+    """Holds requests while inference is away and brings it back to the served policy before releasing them."""
+
+    def __init__(
+        self,
+        policy: PolicyState,
+        updater: WeightUpdater,
+        control: InferenceControl,
+        http_healthy: Callable[[], Awaitable[bool]],
+        broadcasts_dir: Path,
+        *,
+        outage_timeout: float,
+        poll_interval: float = 1.0,
+        heartbeat: Heartbeat | None = None,
+    ) -> None:
+        self.policy, self.updater, self.control = policy, updater, control
+        self.http_healthy = http_healthy
+        self.broadcasts_dir = broadcasts_dir
+        self.outage_timeout, self.poll_interval = outage_timeout, poll_interval
+        self.heartbeat = heartbeat if heartbeat is not None else updater.heartbeat
+        self.counters: Counter[str] = Counter()
+        self.failure: BaseException | None = None
+        self._back = asyncio.Event()
+        self._back.set()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def down(self) -> bool:
+        return not self._back.is_set()
+
+    async def lost(self, reason: str) -> None:
+        """A request failed as if the server were gone: hold new requests and start a recovery (once)."""
+        if self.failure is not None:
+            raise self.failure
+        if self.down:
+            return
+        self._back.clear()
+        await self.policy.hold()
+        self.counters["inference/outages"] += 1
+        logger.warning(
+            "inference unreachable (%s): holding rollouts until it answers again (at most %.0fs)",
+            reason, self.outage_timeout,
+        )  # fmt: skip
+        self.heartbeat.beat("waiting for inference", self.policy.version, deadline_s=self.outage_timeout, progress=True)
+        self._task = asyncio.create_task(self._recover(time.monotonic()), name="inference-recovery")
+
+    async def wait(self) -> None:
+        """Until inference is back (serving the policy version again); raises if it never came back."""
+        await self._back.wait()
+        if self.failure is not None:
+            raise self.failure
+
+    async def _recover(self, since: float) -> None:
+        try:
+            replies = await self._until_healthy(since)
+            if any(reply.weight_version != self.policy.version for reply in replies):
+                if await self.updater.reload(self.broadcasts_dir) is not None:
+                    self.counters["inference/reloads"] += 1
+            outage = time.monotonic() - since
+            self.counters["inference/outage_s"] += outage
+            logger.warning(
+                "inference answers again after %.1fs, serving policy version %d: rollouts resume",
+                outage, self.policy.version,
+            )  # fmt: skip
+            self.heartbeat.beat("rollouts", self.policy.version, progress=True)
+        except Exception as e:  # kept, not raised: every waiter and the next lost() raise it
+            self.failure = e
+        finally:
+            await self.policy.release()  # a failure must not leave waiters blocked: they see `failure` instead
+            self._back.set()
+
+    async def _until_healthy(self, since: float) -> list:
+        while True:
+            replies = await self.control.health()
+            if await self.http_healthy() and all(r is not None and r.ok for r in replies):
+                return replies
+            waited = time.monotonic() - since
+            if waited > self.outage_timeout:
+                states = ", ".join("no answer" if r is None else f"ok={r.ok} {r.error}".strip() for r in replies)
+                raise InferenceGoneError(
+                    f"inference did not come back within orchestrator.inference.outage_timeout="
+                    f"{self.outage_timeout:.0f}s (control planes: {states or 'none'}); see the launcher's log for "
+                    "why it was not restarted, or raise inference.router.startup_timeout"
+                )
+            await asyncio.sleep(self.poll_interval)
+
+    def pop_counters(self) -> Counter[str]:
+        counters, self.counters = self.counters, Counter()
+        return counters

@@ -1,0 +1,324 @@
+"""Waiting out an inference restart (heal.py): a fake server that disappears mid-run (requests in flight dropped,
+new ones refused) and comes back with its start-up weights; the real orchestrator loop must hold rollouts,
+reload the served policy before any request reaches the new server, send the lost groups again and train on."""
+
+import asyncio
+import importlib.util
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from prime_rl.common.monitor import FileMonitor, read_metrics
+from prime_rl.common.net import free_port
+from prime_rl.common.rundir import RunDir
+from prime_rl.common.wire import HealthReply
+from prime_rl.orchestrator.batch import BatchSender
+from prime_rl.orchestrator.client import InferenceClient, InferenceLost, resent_by_caller
+from prime_rl.orchestrator.envs.reverse_text import ReverseTextEnv
+from prime_rl.orchestrator.heal import InferenceGoneError, InferenceWatch
+from prime_rl.orchestrator.orchestrator import Orchestrator
+from prime_rl.orchestrator.policy import PolicyState
+
+_spec = importlib.util.spec_from_file_location(
+    "_orchestrator_e2e", Path(__file__).with_name("test_orchestrator_e2e.py")
+)
+_e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_e2e)
+FakeTrainer, make_config = _e2e.FakeTrainer, _e2e.make_config
+
+
+class Server(ThreadingHTTPServer):
+    request_queue_size = 256
+    daemon_threads = True
+
+
+class RestartingServer:
+    """An OpenAI-compatible server (answers from ``fake.respond``) that can go away and come back on its port.
+
+    Each answered request records the weight version the server served when answering it."""
+
+    def __init__(self, fake, served_version, delay: float = 0.05) -> None:
+        self.fake, self.served_version, self.delay = fake, served_version, delay
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.down = False
+        self.answered: list[int] = []
+        self.dropped = 0
+        self._lock = threading.Lock()
+        self._start()
+
+    def _start(self) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._reply(503 if outer.down else 200, {})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                time.sleep(outer.delay)
+                if outer.down:  # died mid-request: the connection closes without an answer
+                    with outer._lock:
+                        outer.dropped += 1
+                    self.close_connection = True
+                    return
+                with outer._lock:
+                    outer.answered.append(outer.served_version())
+                self._reply(200, outer.fake.respond(body))
+
+            def _reply(self, status: int, payload: dict):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = Server(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def die(self) -> None:
+        self.down = True
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def come_back(self) -> None:
+        self.down = False
+        self._start()
+
+    def close(self) -> None:
+        if not self.down:
+            self.die()
+
+
+class RestartingControl:
+    """Control plane of one server: loads set its version, a restart resets it to the model's own (0)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.up = True
+        self.calls: list[tuple] = []
+
+    async def pause(self, mode):
+        self.calls.append(("pause", mode))
+
+    async def load_weights(self, path, version):
+        assert self.up, "a weight load was sent to a server that is down"
+        self.calls.append(("load", Path(path).name, version))
+        self.version = version
+
+    async def resume(self):
+        self.calls.append(("resume",))
+
+    async def health(self):
+        return [HealthReply(ok=True, weight_version=self.version) if self.up else None]
+
+    def close(self):
+        pass
+
+
+def test_an_outage_holds_rollouts_reloads_the_policy_and_resends_them(tmp_path, make_server, ports):
+    control = RestartingControl()
+    server = RestartingServer(make_server(), lambda: control.version)
+    port = ports.free_range(2)
+    config = make_config(tmp_path, server.base_url, port, max_steps=5, inference={"outage_timeout": 30})
+    run_dir = RunDir(tmp_path, "run")
+    trainer = FakeTrainer(run_dir, port, num_ranks=2, num_steps=5, weights_port=config.trainer.weights_port)
+    outage: dict[str, float] = {}
+
+    def restart_once_policy_2_serves() -> None:
+        deadline = time.monotonic() + 30
+        while control.version < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        outage["version"] = control.version
+        control.up = False
+        server.die()
+        outage["answered_before"] = len(server.answered)
+        time.sleep(1.5)
+        control.version = 0  # the restarted server serves the checkpoint's weights
+        control.up = True
+        server.come_back()
+
+    killer = threading.Thread(target=restart_once_policy_2_serves)
+    killer.start()
+
+    async def go() -> Orchestrator:
+        client = InferenceClient(config.model.client.base_url, config.model.name, max_retries=1, retry_backoff=0.01)
+        sender = BatchSender("127.0.0.1", config.trainer.port, config.num_train_ranks, timeout=30)
+        monitor = FileMonitor(run_dir)
+        orchestrator = Orchestrator(config, ReverseTextEnv(min_len=3, max_len=6), client, control, sender.send, monitor)
+        orchestrator.watch.poll_interval = 0.1
+        try:
+            await asyncio.wait_for(orchestrator.run(), timeout=60)
+        finally:
+            await client.aclose()
+            sender.close()
+            monitor.close()
+        return orchestrator
+
+    try:
+        asyncio.run(go())
+    finally:
+        killer.join()
+        server.close()
+    trainer.join()
+
+    served = outage["version"]
+    assert served >= 2
+    # after the outage, the served version was loaded again before any request reached the new server
+    after = server.answered[outage["answered_before"] :]
+    assert after and min(after) >= served, (served, after[:10])
+    reloads = [c for c in control.calls if c[0] == "load" and c[2] == served]
+    assert len(reloads) == 2, control.calls  # once announced, once after the restart
+    metrics = read_metrics(run_dir.metrics_path)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]  # no step missing
+    assert sum(m["inference/outages"] for m in metrics) == 1
+    assert sum(m["inference/reloads"] for m in metrics) == 1
+    resent = sum(m["rollouts/resent"] for m in metrics)
+    assert resent >= config.group_size and resent % config.group_size == 0
+    assert sum(m["inference/outage_s"] for m in metrics) >= 1.0
+    # the off-policy rule still holds: each batch's version within max_off_policy_steps of its step
+    for m in metrics:
+        assert m["step"] - 1 - m["policy/batch_version"] <= config.max_off_policy_steps
+
+
+class _Updater:
+    def __init__(self) -> None:
+        from prime_rl.common.heartbeat import Heartbeat
+
+        self.heartbeat = Heartbeat(None, "orchestrator")
+        self.reloads = 0
+
+    async def reload(self, _dir):
+        self.reloads += 1
+        return 1
+
+
+def test_a_request_lost_to_an_outage_is_sent_again_by_the_client_or_raised_to_the_scheduler(make_server):
+    """Outside the scheduler (evals, template probes) the client waits and sends again; inside it raises
+    InferenceLost so the scheduler re-gates the group."""
+    control = RestartingControl()
+    server = RestartingServer(make_server(), lambda: control.version, delay=0.0)
+
+    async def go() -> None:
+        policy = PolicyState(version=1)
+        client = InferenceClient(server.base_url, "tiny", max_retries=0, retry_backoff=0.01)
+        watch = InferenceWatch(policy, _Updater(), control, client.healthy, Path("/nonexistent"),
+                               outage_timeout=10, poll_interval=0.05)  # fmt: skip
+        client.watch = watch
+        server.die()
+        control.up = False
+        messages = [{"role": "user", "content": "abc"}]
+        from prime_rl.orchestrator.client import SamplingArgs
+
+        sampling = SamplingArgs(max_tokens=8, temperature=1.0)
+        with resent_by_caller(), pytest.raises(InferenceLost):
+            await client.sample(messages, 2, sampling)
+        assert watch.down and not policy.is_open
+
+        async def back_later() -> None:
+            await asyncio.sleep(0.5)
+            control.up = True
+            server.come_back()
+
+        asyncio.get_running_loop().create_task(back_later())
+        result = await client.sample(messages, 2, sampling)  # waits for the recovery, then sends again
+        assert len(result.completions) == 2 and client.num_resent >= 0
+        assert policy.is_open and watch.counters["inference/outages"] == 1
+        assert watch.counters["inference/reloads"] == 1  # the server said version 0, the policy is 1
+        await client.aclose()
+
+    try:
+        asyncio.run(go())
+    finally:
+        server.close()
+
+
+def test_an_outage_past_its_deadline_fails_naming_the_setting(make_server):
+    control = RestartingControl()
+    control.up = False
+
+    async def go() -> None:
+        policy = PolicyState(version=0)
+
+        async def never() -> bool:
+            return False
+
+        watch = InferenceWatch(policy, _Updater(), control, never, Path("/x"), outage_timeout=0.3, poll_interval=0.05)
+        await watch.lost("test")
+        with pytest.raises(InferenceGoneError, match="outage_timeout=0s"):
+            await watch.wait()
+        assert policy.is_open  # waiters are released to see the failure, never left blocked
+
+    asyncio.run(go())
+
+
+class DiesDuringLoad(RestartingControl):
+    """The first load of ``version`` never answers: the server died in the middle of it (and restarts at 0)."""
+
+    def __init__(self, server_holder: list, version: int) -> None:
+        super().__init__()
+        self.server_holder, self.die_at, self.died = server_holder, version, False
+
+    async def load_weights(self, path, version):
+        if version == self.die_at and not self.died:
+            self.died, self.up, self.version = True, False, 0
+            self.calls.append(("died", Path(path).name, version))
+            server = self.server_holder[0]
+            server.die()
+            threading.Timer(1.0, self._come_back, args=(server,)).start()
+            raise TimeoutError(f"no reply to LoadWeightsRequest within 0.1s (version {version})")
+        await super().load_weights(path, version)
+
+    def _come_back(self, server) -> None:
+        self.up = True
+        server.come_back()
+
+
+def test_a_server_that_dies_mid_update_is_waited_out_and_updated_again(tmp_path, make_server, ports):
+    """Probe: a server dying during a weight load left that control request unanswered, and its timeout ended the run."""
+    holder: list = []
+    control = DiesDuringLoad(holder, version=2)
+    server = RestartingServer(make_server(), lambda: control.version)
+    holder.append(server)
+    port = ports.free_range(2)
+    config = make_config(tmp_path, server.base_url, port, max_steps=4, inference={"outage_timeout": 30})
+    run_dir = RunDir(tmp_path, "run")
+    trainer = FakeTrainer(run_dir, port, num_ranks=2, num_steps=4, weights_port=config.trainer.weights_port)
+
+    async def go() -> None:
+        client = InferenceClient(config.model.client.base_url, config.model.name, max_retries=1, retry_backoff=0.01)
+        sender = BatchSender("127.0.0.1", config.trainer.port, config.num_train_ranks, timeout=30)
+        monitor = FileMonitor(run_dir)
+        orchestrator = Orchestrator(config, ReverseTextEnv(min_len=3, max_len=6), client, control, sender.send, monitor)
+        orchestrator.watch.poll_interval = 0.1
+        try:
+            await asyncio.wait_for(orchestrator.run(), timeout=60)
+        finally:
+            await client.aclose()
+            sender.close()
+            monitor.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        server.close()
+    trainer.join()
+    assert control.died
+    loads = [(c[0], c[2]) for c in control.calls if c[0] in ("load", "died")]
+    # the load of 2 died; the restarted server got the served version back (if not the model's own), then 2 again
+    died = loads.index(("died", 2))
+    served = loads[died - 1][1] if died else 0
+    expected = [("load", served), ("load", 2)] if served else [("load", 2)]
+    assert loads[died + 1 : died + 1 + len(expected)] == expected, control.calls
+    metrics = read_metrics(run_dir.metrics_path)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert sum(m["inference/outages"] for m in metrics) == 1
+    assert sum(m["inference/reloads"] for m in metrics) == (1 if served else 0)

