@@ -40,8 +40,15 @@ def chat_template(messages: list[dict]) -> str:
 
 
 class FakeOpenAIServer:
-    def __init__(self, boom_last: bool = False, slow_requests: dict[int, float] | None = None, fail_first: int = 0):
+    def __init__(
+        self,
+        boom_last: bool = False,
+        slow_requests: dict[int, float] | None = None,
+        fail_first: int = 0,
+        max_prompt_chars: int | None = None,
+    ):
         self.boom_last = boom_last
+        self.max_prompt_chars = max_prompt_chars  # longer prompts get vLLM's HTTP 400 "maximum context length"
         self.slow_requests = slow_requests or {}  # request index -> seconds to sleep first
         self.fail_first = fail_first  # answer the first k requests with HTTP 503
         self.requests: list[dict] = []
@@ -61,6 +68,14 @@ class FakeOpenAIServer:
                     return self._reply(503, {"error": "warming up"})
                 if self.path != "/v1/chat/completions":
                     return self._reply(404, {"error": f"no route {self.path}"})
+                prompt = chat_template(body["messages"])
+                if server.max_prompt_chars is not None and len(prompt) > server.max_prompt_chars:
+                    message = (
+                        f"This model's maximum context length is {server.max_prompt_chars} tokens. However, your "
+                        f"prompt contains {len(prompt)} input tokens, which exceeds this limit even without any "
+                        "output tokens. Please reduce the length of the input prompt."
+                    )  # vLLM 0.26-0.32's words (renderers/params.py)
+                    return self._reply(400, {"error": {"message": message, "type": "BadRequestError", "code": 400}})
                 time.sleep(server.slow_requests.get(index, 0.0))
                 self._reply(200, server.respond(body))
 

@@ -3,7 +3,13 @@ import time
 
 import pytest
 
-from prime_rl.orchestrator.client import InferenceClient, InferenceError, InferenceUnreachableError, SamplingArgs
+from prime_rl.orchestrator.client import (
+    InferenceClient,
+    InferenceError,
+    InferenceUnreachableError,
+    PromptTooLongError,
+    SamplingArgs,
+)
 
 MESSAGES = [{"role": "user", "content": "Reverse this.\nabc"}]
 
@@ -91,3 +97,20 @@ def test_4xx_fails_at_once(make_server):
     with pytest.raises(InferenceError, match="HTTP 404"):
         asyncio.run(go())
     assert time.monotonic() - start < 1.0 and len(server.requests) == 1
+
+
+def test_a_prompt_over_max_model_len_is_refused_as_too_long_at_once(make_server):
+    """vLLM's 400 for a prompt that alone exceeds max_model_len is its own error (the scheduler skips the task),
+    not retried; any other 4xx stays a plain InferenceError."""
+    server = make_server(max_prompt_chars=10)
+
+    async def go():
+        client = InferenceClient(server.base_url, "tiny", max_retries=5, retry_backoff=1.0)
+        try:
+            await client.sample(MESSAGES, 1, SamplingArgs(max_tokens=8, temperature=1.0))
+        finally:
+            await client.aclose()
+
+    with pytest.raises(PromptTooLongError, match="HTTP 400.*maximum context length is 10 tokens"):
+        asyncio.run(go())
+    assert len(server.requests) == 1

@@ -65,6 +65,14 @@ class InferenceError(RuntimeError):
     """The inference server answered, but not with something usable."""
 
 
+class PromptTooLongError(InferenceError):
+    """The server refused a prompt that alone does not fit its max_model_len (HTTP 400); the task is skipped."""
+
+
+# vLLM's refusal (0.26 to 0.32, renderers/params.py) of a prompt longer than max_model_len allows
+_CONTEXT_REFUSAL = "maximum context length"
+
+
 class InferenceUnreachableError(InferenceError):
     """The inference server could not be reached (or kept failing) after all retries."""
 
@@ -276,9 +284,8 @@ class InferenceClient:
                 if response.status_code < 400:
                     return response.json()
                 if response.status_code < 500:
-                    raise InferenceError(
-                        f"{url} refused the request with HTTP {response.status_code}: {response.text[:500]}"
-                    )
+                    error = PromptTooLongError if _CONTEXT_REFUSAL in response.text else InferenceError
+                    raise error(f"{url} refused the request with HTTP {response.status_code}: {response.text[:500]}")
                 last_error = f"HTTP {response.status_code}: {response.text[:200]}"
                 gone = response.status_code in _GONE_STATUSES
             # bounded: a request the server keeps answering 503 while healthy must not loop forever

@@ -316,7 +316,7 @@ class Orchestrator:
         counters = self.scheduler.pop_counters()
         # env/failed counts this batch's rollouts whose scoring raised (they train with reward 0).
         metrics["env/failed"] = float(sum(g.num_failed for g in groups))
-        for key in ("env/prompt_failed", "rollouts/aborted"):
+        for key in ("env/prompt_failed", "rollouts/aborted", "rollouts/prompt_too_long"):
             metrics[key] = float(counters.get(key, 0))
         if self.watch is not None:  # inference outages waited out this step, and what they cost
             heal = self.watch.pop_counters()

@@ -43,7 +43,14 @@ import numpy as np
 from prime_rl.common.config.orchestrator import AdvantageConfig
 from prime_rl.common.seeding import sample_seed
 from prime_rl.orchestrator.advantages import group_advantages
-from prime_rl.orchestrator.client import ChatResult, InferenceClient, InferenceLost, SamplingArgs, resent_by_caller
+from prime_rl.orchestrator.client import (
+    ChatResult,
+    InferenceClient,
+    InferenceLost,
+    PromptTooLongError,
+    SamplingArgs,
+    resent_by_caller,
+)
 from prime_rl.orchestrator.concurrency import LoadLimit, follow_load
 from prime_rl.orchestrator.curriculum import Curriculum
 from prime_rl.orchestrator.envs.base import Environment, Score
@@ -54,6 +61,8 @@ from prime_rl.orchestrator.rollout import Group
 from prime_rl.orchestrator.teacher import Distiller
 
 logger = logging.getLogger(__name__)
+MAX_TOO_LONG_STREAK = 100
+"""Prompts refused in a row for not fitting max_model_len before the run stops (a dataset of such prompts)."""
 
 
 class RolloutScheduler:
@@ -106,7 +115,8 @@ class RolloutScheduler:
         self._num_rollouts = 0
         self._length_penalties: list[float] = []
         self.queue: asyncio.Queue[Group | BaseException] = asyncio.Queue()
-        self.counters: Counter[str] = Counter()  # env/prompt_failed, rollouts/aborted
+        self._too_long_streak = 0  # prompts refused in a row for not fitting max_model_len
+        self.counters: Counter[str] = Counter()  # env/prompt_failed, rollouts/aborted, rollouts/prompt_too_long
         self._tickets = 0
         self._workers: list[asyncio.Task] = []
         self.step_marks: dict[int, tuple[int, dict]] = {}
@@ -242,12 +252,26 @@ class RolloutScheduler:
                     self.client, env, renderer, task, messages, self.group_size, sampling, self.max_len, budgets
                 )
                 break
+            except PromptTooLongError as e:  # counted and skipped: the ticket is retried with another task
+                self.counters["rollouts/prompt_too_long"] += 1
+                self._too_long_streak += 1
+                if self._too_long_streak >= MAX_TOO_LONG_STREAK:  # every prompt is too long: skipping never ends
+                    raise PromptTooLongError(
+                        f"{self._too_long_streak} prompts in a row do not fit inference.vllm.max_model_len; the "
+                        f"last: {e}. Raise seq_len / inference.vllm.max_model_len, or use shorter prompts"
+                    ) from e
+                logger.warning(
+                    "environment %s task %d (%s) skipped: its prompt does not fit inference.vllm.max_model_len (%s)",
+                    env.name, task_index, str(task)[:200], e,
+                )  # fmt: skip
+                return None
             except InferenceLost as e:
                 if self.client.watch is None or resend >= self.client.max_retries:
                     raise
                 self.counters["rollouts/resent"] += self.group_size
                 logger.warning("%s: group of task %d is sent again once inference is back", e, task_index)
                 await self.client.watch.wait()  # raises when inference never came back
+        self._too_long_streak = 0
         if rollouts is None:
             self.counters["rollouts/aborted"] += 1
             return None
