@@ -328,7 +328,7 @@ def test_verdict_names_the_stalled_process_not_the_one_waiting_on_it(tmp_path):
     its phase first, so it is overdue first) and listed the orchestrator's 'rollouts' last. The orchestrator, a
     second short of its own deadline, is named; the trainer is listed as waiting on it. Per-step subdirectories
     (SLURM) are read and named; a process far from its deadline is not listed."""
-    from prime_rl.launcher.supervisor import find_stall
+    from prime_rl.launcher.stall import find_stall
 
     beats = tmp_path / "heartbeats"
     _write_beat(beats / "trainer-node0", "trainer", 0, "step", age_s=32, deadline_s=30)
@@ -351,7 +351,7 @@ def test_verdict_names_the_stalled_process_not_the_one_waiting_on_it(tmp_path):
 
 def test_verdict_names_the_most_overdue_when_none_waits_on_another(tmp_path):
     """An orchestrator in 'waiting for policy' waits on the trainer: the trainer's stuck 'step' is named."""
-    from prime_rl.launcher.supervisor import find_stall
+    from prime_rl.launcher.stall import find_stall
 
     _write_beat(tmp_path / "hb", "orchestrator", 0, "waiting for policy", age_s=40, deadline_s=30)
     _write_beat(tmp_path / "hb", "trainer", 0, "step", age_s=29, deadline_s=30)
@@ -361,7 +361,7 @@ def test_verdict_names_the_most_overdue_when_none_waits_on_another(tmp_path):
 
 
 def test_verdict_lists_at_most_a_few_of_many_stuck_ranks(tmp_path):
-    from prime_rl.launcher.supervisor import MAX_LISTED, find_stall
+    from prime_rl.launcher.stall import MAX_LISTED, find_stall
 
     for rank in range(20):
         _write_beat(tmp_path / "hb", "trainer", rank, "step", age_s=12 - rank * 0.01, deadline_s=10)

@@ -3,7 +3,7 @@
 The job script (on the batch node, the allocation's first) starts this beside its components. Every
 process of the job writes its heartbeat to the shared run directory, one subdirectory per job step
 (``heartbeats/<step name>/<component>-<rank>.json``, see base.sbatch.j2); once a second this reads them
-all with the local launcher's rule (``prime_rl.launcher.supervisor.find_stall``). When one is past its
+all with the local launcher's rule (``prime_rl.launcher.stall.find_stall``). When one is past its
 phase's deadline it writes the verdict (component, rank, step, phase, last log line) to ``REASON_FILE``,
 prints it and exits ``STALL_EXIT_CODE``; the job script then stops every step, writes the run's STATUS
 with that reason and exits 1.
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prime_rl.common.heartbeat import Beat
-from prime_rl.launcher.supervisor import find_stall
+from prime_rl.launcher.stall import find_stall
 
 STALL_EXIT_CODE = 3
 """Exit code for "a process stalled" (the verdict is in REASON_FILE); any other non-zero exit is a crash."""
