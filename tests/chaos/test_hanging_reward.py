@@ -46,6 +46,7 @@ from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.rundir import RunDir  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
+from prime_rl.common.testing_rl import write_cpu_rl_config  # noqa: E402
 
 pytestmark = [pytest.mark.chaos, pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(400)]  # one vLLM at a time
 BIN = Path(sys.executable).parent
@@ -85,49 +86,14 @@ HANGING_ENV = textwrap.dedent(
 
 
 def _config(path: Path, model: Path, out: Path, mode_file: Path) -> Path:
-    path.write_text(
-        f"""
-output_dir = "{out}"
-max_steps = 1000
-seq_len = 256
-stall_timeout = {STALL_S}
-
-[run]
-name = "hang"
-
-[model]
-name = "{model}"
-
-[orchestrator]
-batch_size = {BATCH_SIZE}
-group_size = 4
-max_off_policy_steps = 0
-
-[[orchestrator.env]]
-type = "python"
-name = "hang"
-entrypoint = "hang_env:HangingReward"
-workers = 2
-timeout = {BUDGET_S}
-kwargs = {{ mode_file = "{mode_file}" }}
-
-[orchestrator.sampling]
-max_tokens = 8
-
-[inference.server]
-port = {free_port()}
-
-[inference.vllm]
-enforce_eager = true
-max_model_len = 256
-dtype = "float32"
-
-[inference.env_vars]
-VLLM_CPU_KVCACHE_SPACE = "1"
-VLLM_HOST_IP = "127.0.0.1"
-"""
-    )
-    return path
+    env = {
+        "type": "python", "name": "hang", "entrypoint": "hang_env:HangingReward", "workers": 2,
+        "timeout": BUDGET_S, "kwargs": {"mode_file": str(mode_file)},
+    }  # fmt: skip
+    return write_cpu_rl_config(
+        path, model, out, "hang", free_port(),
+        max_steps=1000, stall_timeout=STALL_S, orchestrator={"batch_size": BATCH_SIZE, "env": [env]},
+    )  # fmt: skip
 
 
 def _orchestrator_rows(run: RunDir) -> dict[int, dict]:

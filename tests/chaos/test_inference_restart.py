@@ -29,6 +29,7 @@ from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.rundir import RunDir  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
+from prime_rl.common.testing_rl import write_cpu_rl_config  # noqa: E402
 from prime_rl.common.transport import ControlClient  # noqa: E402
 from prime_rl.common.wire import HealthReply, HealthRequest  # noqa: E402
 from prime_rl.orchestrator.weights import latest_published_step  # noqa: E402
@@ -40,43 +41,7 @@ KILL_AFTER = 3
 
 
 def _config(path: Path, model: Path, out: Path, port: int) -> Path:
-    path.write_text(
-        f"""
-output_dir = "{out}"
-max_steps = {MAX_STEPS}
-seq_len = 256
-
-[run]
-name = "heal"
-
-[model]
-name = "{model}"
-
-[orchestrator]
-batch_size = 16
-group_size = 4
-max_off_policy_steps = 0
-
-[orchestrator.sampling]
-max_tokens = 8
-
-[inference]
-max_restarts = 1
-
-[inference.server]
-port = {port}
-
-[inference.vllm]
-enforce_eager = true
-max_model_len = 256
-dtype = "float32"
-
-[inference.env_vars]
-VLLM_CPU_KVCACHE_SPACE = "1"
-VLLM_HOST_IP = "127.0.0.1"
-"""
-    )
-    return path
+    return write_cpu_rl_config(path, model, out, "heal", port, max_steps=MAX_STEPS, inference={"max_restarts": 1})
 
 
 def _rows(run: RunDir) -> list[dict]:

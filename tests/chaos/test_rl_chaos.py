@@ -37,6 +37,7 @@ from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.rundir import RunDir  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
+from prime_rl.common.testing_rl import write_cpu_rl_config  # noqa: E402
 from prime_rl.common.transport import ControlClient, Receiver  # noqa: E402
 from prime_rl.common.wire import HealthReply, HealthRequest, LoadWeightsRequest, PauseRequest  # noqa: E402
 
@@ -47,46 +48,10 @@ STALL_S = 30  # stall_timeout of the resumed run: above its slowest step on 2 lo
 
 
 def _config(path: Path, model: Path, out: Path, port: int) -> Path:
-    path.write_text(
-        f"""
-output_dir = "{out}"
-max_steps = 200
-seq_len = 256
-
-[run]
-name = "chaos"
-
-[model]
-name = "{model}"
-
-[ckpt]
-interval = 2
-
-[orchestrator]
-batch_size = 16
-group_size = 4
-max_off_policy_steps = 0
-
-[orchestrator.sampling]
-max_tokens = 8
-
-[inference.server]
-port = {port}
-
-[inference.weights]
-max_pause = {MAX_PAUSE_S}
-
-[inference.vllm]
-enforce_eager = true
-max_model_len = 256
-dtype = "float32"
-
-[inference.env_vars]
-VLLM_CPU_KVCACHE_SPACE = "1"
-VLLM_HOST_IP = "127.0.0.1"
-"""
-    )
-    return path
+    return write_cpu_rl_config(
+        path, model, out, "chaos", port,
+        max_steps=200, ckpt={"interval": 2}, inference={"weights": {"max_pause": MAX_PAUSE_S}},
+    )  # fmt: skip
 
 
 def _start(config: Path, out: Path, *flags: str) -> subprocess.Popen:
