@@ -37,7 +37,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,9 +58,11 @@ def _set_subreaper(on: bool) -> None:
         pass  # not Linux: orphans of a killed torchrun agent go to init
 
 
-def _children_map() -> dict[int, list[int]]:
-    """Parent pid -> child pids of every live process, from /proc; empty where /proc is absent."""
-    children: dict[int, list[int]] = {}
+def _proc_stats() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, /proc/<pid>/stat fields from the state on) of every process; nothing where /proc is absent.
+
+    Fields 3, 4, 5 of stat(5) (state, parent pid, process group) come out as [0], [1], [2]: field 2 (the
+    command) may hold spaces, so the line is split after its ")"."""
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not entry.isdigit():
             continue
@@ -68,10 +70,15 @@ def _children_map() -> dict[int, list[int]]:
             with open(f"/proc/{entry}/stat", "rb") as f:
                 stat = f.read()
         except OSError:
-            continue
-        # Field 4 is the parent pid; field 2 (the command) may hold spaces, so split after its ")".
-        ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
+            continue  # exited meanwhile
+        yield int(entry), stat[stat.rfind(b")") + 2 :].split()
+
+
+def _children_map() -> dict[int, list[int]]:
+    """Parent pid -> child pids of every live process, from /proc; empty where /proc is absent."""
+    children: dict[int, list[int]] = {}
+    for pid, fields in _proc_stats():
+        children.setdefault(int(fields[1]), []).append(pid)
     return children
 
 
@@ -600,18 +607,7 @@ def _group_alive(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != b"Z":
-            return True
-    return False
+    return any(int(fields[2]) == pgid and fields[0] != b"Z" for _, fields in _proc_stats())
 
 
 def _killpg(pid: int, sig: int) -> None:
