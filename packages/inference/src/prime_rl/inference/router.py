@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from prime_rl.common import commands
 from prime_rl.common.config import write_toml
 from prime_rl.common.config.deployment import NIXL_CONNECTORS
 from prime_rl.common.config.inference import InferenceConfig
@@ -231,11 +232,9 @@ def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], ex
             env = dict(os.environ)
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus
-            cmd = [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(base)]
             port, control = config.instance_http_ports[i], config.instance_control_ports[i]
-            cmd += ["--server.port", str(port), "--server.control-port", str(control)]
+            cmd = commands.inference_replica_command(sys.executable, base, port, control, role)
             if role is not None:
-                cmd += ["--deployment.role", role]
                 env.update(_side_channel_env(config, i))
             print(
                 f"instance {i}{f' ({role})' if role else ''}: {endpoints[i].url} on {f'GPUs {gpus}' if gpus else 'CPU'}",

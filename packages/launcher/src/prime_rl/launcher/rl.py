@@ -33,6 +33,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prime_rl.common import commands
 from prime_rl.common.auth import SECRET_FILE_NAME, RunSecret
 from prime_rl.common.config import ConfigError, ConfigWarning, parse_config, write_toml
 from prime_rl.common.config.deployment import SingleNodeDeployment, unknown_kv_connector
@@ -332,14 +333,11 @@ def build_components(
     gpu_env = lambda gpus: {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}  # noqa: E731
     nproc = cfg.deployment.num_train_gpus
     torchrun_log_dir = run_dir.trainer_log_dir()
-    trainer_cmd = [
-        py, "-m", "prime_rl.trainer.torchrun_loopback", "--nproc-per-node", str(nproc),  # torchrun, store on 127.0.0.1
-        "--local-ranks-filter", "0", "-m", "prime_rl.trainer.rl.train", "@", str(configs["trainer"]),
-    ]  # fmt: skip
+    trainer_cmd = commands.torchrun_loopback_command(py, nproc, commands.RL_TRAINER, configs["trainer"])
     return [
         Component(
             "inference",
-            [py, "-m", "prime_rl.inference.entrypoint", "@", str(configs["inference"])],
+            commands.inference_command(py, configs["inference"]),
             logs / "inference.log",
             env=gpu_env(infer_gpus),
             ready=lambda: inference_ready(cfg, secret),
@@ -351,7 +349,7 @@ def build_components(
         ),
         Component(
             "orchestrator",
-            [py, "-m", "prime_rl.orchestrator.entrypoint", "@", str(configs["orchestrator"])],
+            commands.orchestrator_command(py, configs["orchestrator"]),
             logs / "orchestrator.log",
             env={STDOUT_IS_LOG_ENV: "1"},
             echo=True,
@@ -370,10 +368,8 @@ def build_components(
 
 
 def submit_slurm(run_dir: RunDir, configs: dict[str, Path], dry_run: bool) -> int:
-    cmd = [sys.executable, "-m", "prime_rl.launcher.slurm", "rl", "@", str(configs["rl"])]
-    if dry_run:
-        cmd.append("--dry-run")
-    return subprocess.call(cmd)
+    argv = ["@", configs["rl"], *(["--dry-run"] if dry_run else [])]
+    return subprocess.call(commands.slurm_command(sys.executable, "rl", argv))
 
 
 class StoppedBeforeStart(SystemExit):

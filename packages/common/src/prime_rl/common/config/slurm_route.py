@@ -16,6 +16,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from prime_rl.common import commands
+
 
 def wants_slurm(argv: list[str]) -> bool:
     """True when argv sets any ``slurm`` key, directly or through an ``@ file.toml``."""
@@ -40,4 +42,4 @@ def run_through_slurm(kind: str, argv: list[str], prog: str) -> int:
             "pip install prime-rl-launcher (it writes and submits the sbatch script)\n"
         )
         return 2
-    return subprocess.call([sys.executable, "-m", "prime_rl.launcher.slurm", kind, *argv])
+    return subprocess.call(commands.slurm_command(sys.executable, kind, argv))

@@ -3,6 +3,10 @@
 Everything decidable at submit time is computed here (paths, ports, env vars, the Python that runs
 every component) so that the templates hold only the job's shape. Placement (which host is which)
 is left to the script itself, which reads the allocation with ``scontrol show hostnames``.
+
+Every component's command line comes from ``prime_rl.common.commands`` (the one owner of the project's
+argv), rendered into bash here: words known only inside the job (the node's rank, the head trainer node,
+the replicas' addresses) are ``ShellWord``s, written as they are; every other word is shell-quoted.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 
 import jinja2
 
+from prime_rl.common import commands
 from prime_rl.common.auth import SECRET_FILE_NAME
 from prime_rl.common.env import SECRET_FILE_ENV, STALL_TIMEOUT_ENV
 from prime_rl.launcher.slurm.job import KINDS, SlurmJob
@@ -40,6 +45,64 @@ def project_dir() -> Path:
 def _double_quoted(value: Any) -> str:
     """Escape for the inside of "..." in bash; ``$VAR`` still expands (``PATH = "/x/bin:${PATH}"``)."""
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`")
+
+
+class ShellWord(str):
+    """An argv word the job's shell expands (``"$i"``, ``"${CONTROL_ADDRS[@]}"``): written into the script as is."""
+
+
+def shell_command(argv: list[str], indent: str = "    ", width: int = 110) -> str:
+    """``argv`` as bash words (``ShellWord``s as they are, the rest shell-quoted), continued over lines of at
+    most ``width`` characters where it can: a line breaks only before an option, which keeps its values."""
+    units: list[str] = []  # the program, then each option with its values
+    for word in (w if isinstance(w, ShellWord) else shlex.quote(w) for w in argv):
+        if units and not word.startswith("-"):
+            units[-1] += f" {word}"
+        else:
+            units.append(word)
+    lines = [units[0]]
+    for unit in units[1:]:
+        if len(indent) + len(lines[-1]) + 1 + len(unit) > width:
+            lines.append(unit)
+        else:
+            lines[-1] += f" {unit}"
+    return (" \\\n" + indent).join(lines)
+
+
+def component_commands(job: SlurmJob, python: str) -> dict[str, str]:
+    """The bash command of every component the job's template starts, by name (``trainer``, ``inference``,
+    ``orchestrator``), from ``prime_rl.common.commands`` with the job's shell words."""
+    configs = {name: str(job.run_dir.config_path(name).resolve()) for name in job.process_configs}
+    control_addrs = [ShellWord('"${CONTROL_ADDRS[@]}"')]
+    head = ShellWord('"$TRAIN_HEAD"')
+    broadcast = job.extra.get("weight_broadcast")
+    out: dict[str, str] = {}
+    if "inference" in configs:
+        role = ShellWord('"$role"') if job.extra.get("pd") else None
+        port, control = ShellWord('"$port"'), ShellWord('"$((port + 100))"')
+        argv = commands.inference_node_command(python, configs["inference"], port, control, role)
+        out["inference"] = shell_command(argv, indent="      ")
+    if "orchestrator" in configs:
+        cp = getattr(getattr(getattr(job.config, "trainer", None), "model", None), "cp", 1)
+        argv = commands.orchestrator_node_command(
+            python, configs["orchestrator"], ShellWord('"$ROUTER_URL"'), ShellWord('"$VLLM_API_KEY"'),
+            [ShellWord('"${METRICS_URLS[@]}"')], job.num_train_nodes * job.deployment.gpus_per_node // cp,
+            control_addrs if broadcast in (None, "filesystem") else None,
+        )  # fmt: skip
+        out["orchestrator"] = shell_command(argv)
+    if "trainer" in configs:
+        if job.kind == "rl":
+            module = commands.RL_TRAINER
+            args = commands.rl_trainer_node_args(head, control_addrs if broadcast in ("nccl", "nixl") else None)
+        else:
+            module, args = commands.SFT_TRAINER, []
+        argv = commands.torchrun_static_command(
+            python, job.num_train_nodes, ShellWord('"$i"'), job.deployment.gpus_per_node,
+            ShellWord(f'"$TRAIN_HEAD:{job.slurm.rdzv_port}"'), ShellWord('"$SLURM_JOB_ID"'), module,
+            configs["trainer"], args,
+        )  # fmt: skip
+        out["trainer"] = shell_command(argv, indent="      ")
+    return out
 
 
 def watchdog_env(job: SlurmJob) -> dict[str, str]:
@@ -102,6 +165,7 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "ready_timeout_s": 1800,
         "pd": None,  # P/D-disaggregated inference: its shape (prime_rl.launcher.slurm.job._place_disaggregated)
         **job.extra,
+        "commands": component_commands(job, python),
     }
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from prime_rl.common import commands
 from prime_rl.common.config import parse_config, write_toml
 from prime_rl.common.config.slurm_route import run_through_slurm, wants_slurm
 from prime_rl.common.config.trainer import SFTConfig
@@ -35,12 +36,7 @@ def num_processes(cfg: SFTConfig) -> int:
 
 
 def torchrun_command(config_path: Path, nproc: int) -> list[str]:
-    return [
-        sys.executable, "-m", "prime_rl.trainer.torchrun_loopback",  # torchrun --standalone, store on 127.0.0.1
-        "--nproc-per-node", str(nproc),
-        "--local-ranks-filter", "0",  # console: rank 0 only (each rank also writes its own file)
-        "-m", "prime_rl.trainer.sft.train", "@", str(config_path),
-    ]  # fmt: skip
+    return commands.torchrun_loopback_command(sys.executable, nproc, commands.SFT_TRAINER, config_path)
 
 
 def main(argv: list[str] | None = None) -> None:
