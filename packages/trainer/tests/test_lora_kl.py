@@ -8,6 +8,8 @@ import torch
 
 from prime_rl.trainer.testing import torchrun
 
+pytestmark = pytest.mark.multiprocess  # several processes: the dev-venv suite runs them
+
 WORKER = Path(__file__).with_name("lora_kl_worker.py")
 
 

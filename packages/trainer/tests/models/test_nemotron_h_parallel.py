@@ -81,12 +81,14 @@ def test_ac_leaves_results_unchanged(single, variant):
     _assert_close(single["plain"], single[variant])
 
 
+@pytest.mark.multiprocess
 def test_fsdp2_with_selective_ac_matches_single_process(single, pair):
     assert pair["fsdp2_ac"]["dims"] == (2, 1, 1)  # (dp, cp, ep)
     assert any(".mixer.A_log" in k for k in single["plain"]["grads"])  # the Mamba-2 parameters train
     _assert_close(single["plain"], pair["fsdp2_ac"])
 
 
+@pytest.mark.multiprocess
 def test_ep2_of_relu2_experts_matches_single_process(single, pair):
     assert pair["ep2"]["dims"] == (2, 1, 2)
     _assert_close(single["plain"], pair["ep2"])

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from prime_rl.trainer.testing import torchrun
+
+pytestmark = pytest.mark.multiprocess  # several processes: the dev-venv suite runs them
 
 WORKER = Path(__file__).with_name("sharded_weights_worker.py")
 

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.trainer.testing import torchrun
 
+pytestmark = pytest.mark.multiprocess  # several processes: the dev-venv suite runs them
+
 WORKER = Path(__file__).with_name("scaling_worker.py")
 PLAIN = ["--model.ac", "None", "--model.ac-offloading", "None", "--model.offload", "none"]
 FP8 = ["--model.moe.compute.type", "fp8"]

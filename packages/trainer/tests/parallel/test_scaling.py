@@ -111,16 +111,19 @@ def _assert_close(
         assert rel <= grad_rel, f"{name}: relative error in norm {rel:.2e} > {grad_rel}"
 
 
+@pytest.mark.multiprocess
 def test_cp2_matches_single_process(single, pair):
     assert pair["cp2"]["dims"] == (1, 2, 1)  # (dp, cp, ep)
     _assert_close(single["dense"], pair["cp2"])
 
 
+@pytest.mark.multiprocess
 def test_ep2_matches_single_process(single, pair):
     assert pair["ep2"]["dims"] == (2, 1, 2)
     _assert_close(single["moe"], pair["ep2"])
 
 
+@pytest.mark.multiprocess
 def test_glm_ep2_matches_single_process(single, pair):
     """Shared experts stay outside the expert all-to-all; the routing bias is a buffer, not a gradient."""
     assert pair["glm_ep2"]["dims"] == (2, 1, 2)
@@ -128,16 +131,19 @@ def test_glm_ep2_matches_single_process(single, pair):
     _assert_close(single["glm"], pair["glm_ep2"])
 
 
+@pytest.mark.multiprocess
 def test_ep2_with_cp2_and_selective_ac_matches_single_process(single, pair):
     assert pair["ep2_cp2_ac"]["dims"] == (1, 2, 2)
     _assert_close(single["moe"], pair["ep2_cp2_ac"])
 
 
+@pytest.mark.multiprocess
 def test_fullgraph_compile_with_ep2_or_cp2_matches_single_process(single, pair):
     _assert_close(single["moe_fullgraph"], pair["ep2_fullgraph"])
     _assert_close(single["dense_ac_fullgraph"], pair["cp2_ac_fullgraph"])
 
 
+@pytest.mark.multiprocess
 def test_hsdp_with_ac_matches_single_process(single, pair):
     _assert_close(single["dense"], pair["hsdp_ac"])
 

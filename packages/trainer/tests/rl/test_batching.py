@@ -115,6 +115,7 @@ def test_merged_forwards_match_rows(models, rows_ref, tmp_path):
     assert _worst_grad_error(rows_ref["token"], broken["token"]) > 10 * GRAD_REL_TOL
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_merged_match_one_process(models, rows_ref, tmp_path):
     """2 gloo ranks, each merging its own rows, give the one-process row-by-row step; rank 1 has one forward
     fewer (its zero-loss row is dropped) and gets a padding forward, or FSDP's collectives would hang."""
@@ -135,6 +136,7 @@ def _assert_cp_sums_matter(ref: dict, got: dict) -> None:
     assert control["stats"]["loss/mean"] != pytest.approx(ref["sequence"]["stats"]["loss/mean"], rel=1e-3)
 
 
+@pytest.mark.multiprocess
 def test_context_parallel_matches_one_process(models, rows_ref, tmp_path):
     """cp=2 on 2 gloo ranks: rank 0 alone holds the rows (as the orchestrator's socket feeds it) and broadcasts
     them; each rank computes its half of every forward. Samples cut by the slice boundary (at least one, with loss
@@ -148,6 +150,7 @@ def test_context_parallel_matches_one_process(models, rows_ref, tmp_path):
     _assert_cp_sums_matter(rows_ref, two)
 
 
+@pytest.mark.multiprocess
 def test_dp2_by_cp2_matches_one_process(models, rows_ref, tmp_path):
     """dp=2 x cp=2 on 4 gloo ranks, each data-parallel group on its own rows: the one-process step again."""
     four = _run(models, tmp_path / "dp2cp2.pt", 4, "128", "cp=2")  # one row per forward, sliced at 64 tokens

@@ -5,10 +5,13 @@ data-parallel groups on their own rows: test_batching.py::test_dp2_by_cp2_matche
 import os
 import socket
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from prime_rl.trainer.rl.batching import padding_run
+
+pytestmark = pytest.mark.multiprocess  # several processes: the dev-venv suite runs them
 
 
 class _Rows:

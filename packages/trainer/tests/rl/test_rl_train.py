@@ -114,6 +114,7 @@ LORA = ["--model.lora.rank", "4", "--model.lora.target-modules", '["q_proj", "v_
         "--optim.lr", "1e-2"]  # fmt: skip
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("extra", "steps"), [([], 1), (LORA, 2)], ids=["full", "lora"])
 def test_context_parallel_matches_one_process(tiny_model, tmp_path, extra, steps):
     """cp=2 over 2 gloo ranks trains on the same fake rows as one process: same loss and grad norm, with full
@@ -206,6 +207,7 @@ def _serve(port: int, batches) -> threading.Thread:
     return thread
 
 
+@pytest.mark.multiprocess
 def test_context_parallel_on_orchestrator_batches(tiny_model, tmp_path):
     """cp=2 on 2 ranks fed by one orchestrator socket (cp rank 0 receives, broadcasts) trains GSPO with
     norm = "sequence" on samples cut by the slice boundary like one process on the same batches: per-step
