@@ -50,19 +50,18 @@ class FakeClient:
         return ChatResult(prompt_ids=[1, 2, 3], completions=completions)
 
 
+def _scheduler(client, env: ReverseTextEnv | None = None) -> RolloutScheduler:
+    """Synchronous steps of 3 groups of 2 on ``env`` (reverse_text by default)."""
+    return RolloutScheduler(
+        LocalEnv(env or ReverseTextEnv(), timeout=5.0), client, PolicyState(version=0), np.random.default_rng(0),
+        SamplingArgs(max_tokens=4, temperature=1.0), group_size=2, groups_per_step=3, max_off_policy_steps=0,
+        max_concurrent=3,
+    )  # fmt: skip
+
+
 def test_a_discarded_group_is_retried_so_a_synchronous_step_fills() -> None:
     async def go() -> tuple[list, dict]:
-        scheduler = RolloutScheduler(
-            LocalEnv(FailingPrompts(fail=2), timeout=5.0),
-            FakeClient(),
-            PolicyState(version=0),
-            np.random.default_rng(0),
-            SamplingArgs(max_tokens=4, temperature=1.0),
-            group_size=2,
-            groups_per_step=3,
-            max_off_policy_steps=0,
-            max_concurrent=3,
-        )
+        scheduler = _scheduler(FakeClient(), FailingPrompts(fail=2))
         scheduler.start()
         try:
             # Before the fix: 1 of 3 groups for step 0, the next tickets gated on version 1 (never served).
@@ -87,14 +86,6 @@ class TooLongFirst(FakeClient):
         if self.calls <= self.refuse:
             raise PromptTooLongError("HTTP 400: This model's maximum context length is 8 tokens")
         return await super().sample(messages, n, sampling)
-
-
-def _scheduler(client) -> RolloutScheduler:
-    return RolloutScheduler(
-        LocalEnv(ReverseTextEnv(), timeout=5.0), client, PolicyState(version=0), np.random.default_rng(0),
-        SamplingArgs(max_tokens=4, temperature=1.0), group_size=2, groups_per_step=3, max_off_policy_steps=0,
-        max_concurrent=3,
-    )  # fmt: skip
 
 
 def test_a_prompt_over_max_model_len_is_counted_and_its_task_skipped(caplog) -> None:
