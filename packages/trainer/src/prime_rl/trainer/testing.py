@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-LAUNCHER = "prime_rl.trainer.torchrun_loopback"
+from prime_rl.common.commands import TORCHRUN_LOOPBACK
 
 
 def torchrun(
@@ -28,7 +28,7 @@ def torchrun(
     ``env`` is added to this process's environment (OMP_NUM_THREADS=1 unless given). With ``check`` a
     non-zero exit fails the calling test with the tail of both streams; the finished process is returned.
     """
-    cmd = [sys.executable, "-m", LAUNCHER, "--nproc-per-node", str(nproc), *(str(a) for a in argv)]
+    cmd = [sys.executable, "-m", TORCHRUN_LOOPBACK, "--nproc-per-node", str(nproc), *(str(a) for a in argv)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
     if check and proc.returncode != 0:
