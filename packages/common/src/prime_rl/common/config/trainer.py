@@ -209,8 +209,9 @@ class TrainerModelConfig(BaseConfig):
     fused_lm_head_token_chunk_size: int | Literal["disabled"] = 8192
     """Tokens per chunk of the fused LM head + log-softmax kernel; "disabled" materializes the full logits."""
 
-    compile: CompileConfig | None = None
-    """torch.compile each transformer block (`--model.compile` to enable with defaults)."""
+    compile: CompileConfig | Literal["auto"] | None = "auto"
+    """torch.compile each transformer block: a `[model.compile]` table (or `--model.compile`) turns it on, "None"
+    off; "auto" compiles on CUDA and not on CPU (where Inductor's start-up costs more than it saves)."""
 
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter / all-reduce (parameters compute in bf16, masters stay fp32)."""

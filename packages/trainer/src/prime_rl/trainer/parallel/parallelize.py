@@ -14,7 +14,7 @@ from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.kernels.grouped_gemm import triton_grouped_enabled
 from prime_rl.trainer.models.moe_compute import apply_moe_compute, fp8_triton_enabled
 from prime_rl.trainer.parallel.checkpointing import apply_ac
-from prime_rl.trainer.parallel.compile import apply_compile
+from prime_rl.trainer.parallel.compile import apply_compile, resolve_compile
 from prime_rl.trainer.parallel.context import apply_cp, build_cp_mesh
 from prime_rl.trainer.parallel.dims import ParallelDims, fsdp_mesh
 from prime_rl.trainer.parallel.expert import apply_ep, build_ep_mesh
@@ -40,7 +40,8 @@ def parallelize_model(
         apply_ac(blocks, cfg.ac)
     if cfg.ac_offloading is not None:  # offload what autograd saves outside the checkpoints
         apply_ac_offloading(root, cfg.ac_offloading.max_inflight_activations)
-    if cfg.compile is not None:  # 3. compile after AC wrapping, before FSDP
+    compile_cfg = resolve_compile(cfg.compile, mesh.device_type)
+    if compile_cfg is not None:  # 3. compile after AC wrapping, before FSDP
         # one graph per MoE block only with a Triton grouped GEMM (bf16 on CUDA, fp8 on SM90) and no EP
         # dispatch (fp8's torch fallback reads the per-expert token counts on the host: never one graph)
         compute = cfg.moe.compute.type
@@ -48,7 +49,7 @@ def parallelize_model(
             (compute == "bf16" and triton_grouped_enabled(mesh.device_type))
             or (compute == "fp8" and fp8_triton_enabled(mesh.device_type))
         )
-        apply_compile(blocks, fullgraph=cfg.compile.fullgraph, moe_is_one_graph=moe_is_one_graph)
+        apply_compile(blocks, fullgraph=compile_cfg.fullgraph, moe_is_one_graph=moe_is_one_graph)
     apply_fsdp(  # 4. FSDP last
         root,
         blocks,
