@@ -28,19 +28,27 @@ SHAPES = {
 
 def make_model_dir(shape: str, out: Path) -> Path:
     """A Qwen3 config.json + random bf16 safetensors of the given shape (written once)."""
+    config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, max_position_embeddings=40960, hidden_act="silu", attention_bias=False,
+                  initializer_range=0.02, torch_dtype="bfloat16", **SHAPES[shape])  # fmt: skip
+    return write_model_dir(config, out)
+
+
+def write_model_dir(config: dict, out: Path) -> Path:
+    """An HF config.json + random bf16 safetensors built from `config` (written once; on the GPU if any)."""
     if (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file():
         return out
     import torch
 
     from prime_rl.trainer.models import build_model, save_hf_weights
 
-    config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, rms_norm_eps=1e-6,
-                  rope_theta=1000000.0, max_position_embeddings=40960, hidden_act="silu", attention_bias=False,
-                  initializer_range=0.02, torch_dtype="bfloat16", **SHAPES[shape])  # fmt: skip
     torch.manual_seed(0)
     model = build_model(config, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
     save_hf_weights(model, out, config)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the trainer runs in a child process: leave it the whole GPU
     return out
 
 
