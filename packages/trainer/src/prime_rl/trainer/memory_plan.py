@@ -18,10 +18,14 @@ The estimate (bytes on one rank), with N parameters (T trainable), FSDP shard co
   hidden (each block's bf16 input; 0 with AC offloading) plus one block recomputed without AC; the fused LM
   head's chunk of bf16 logits (min(t, chunk) x vocab x 2; the whole fp32 logits when it is disabled).
 
-Calibration (one H200, torch 2.11, seq 8192, fp32 masters, bf16 compute, FSDP over one rank): Qwen3-1.7B, no AC,
-offload none, fused LM head: peak 38.8 GiB; Qwen3-4B, full AC (torchtitan 0.2.2): 64.7 GiB. `NO_AC_BYTES` is
-fitted to the first (the model predicts 38.9 GiB), `AC_BYTES` is the bf16 block input (it predicts 65.3 GiB
-for the second, 0.9% high). MoE layers count the active experts' width; Nemotron-H the wider of its MLP and
+Calibration (one H200, torch 2.11, fp32 masters, bf16 compute, compiled blocks, FSDP over one rank, fused LM
+head), Qwen3-1.7B, no AC, offload none: the RL trainer on rollout-shaped batches peaked at 43.75 GiB with 8,192
+tokens per forward and 91.98 GiB with 32,768 (2026-12-03; at 65,536 it ran out of the H200's 139.8 GiB where the
+first fit, `NO_AC_BYTES` = 5.8 from `sft` at 8,192 tokens alone, had predicted 110 GiB). `NO_AC_BYTES` is
+the slope of those two RL points (the model predicts 44.9 and 93.2 GiB); for `sft` at 8,192 tokens (38.8
+GiB measured) it is 6 GiB high, which only turns AC on a little earlier. With full AC: Qwen3-4B at 8,192
+tokens (torchtitan 0.2.2) 64.7 GiB, predicted 65.6; the RL trainer at 131,072 tokens 48.0 GiB, predicted
+52. `AC_BYTES` is the bf16 block input. MoE layers count the active experts' width; Nemotron-H the wider of its MLP and
 Mamba mixer: both uncalibrated. The plan is a pure function of these numbers (`plan_memory`, tested on
 CPU); `resolve_memory` measures the free memory (the minimum over ranks, so every rank takes the same plan)
 and returns the config with "auto" replaced. On CPU every lever only costs time, so "auto" is none / none.
@@ -41,7 +45,7 @@ import torch.distributed as dist
 from prime_rl.common.config.trainer import ACConfig, ACOffloadingConfig, TrainerModelConfig
 
 GiB = 2**30
-NO_AC_BYTES = 5.8
+NO_AC_BYTES = 9.2
 """Saved activations without AC, bytes per token, layer and unit of (hidden + MLP width); fitted on Qwen3-1.7B."""
 AC_BYTES = 2.0
 """Saved activations with full AC, bytes per token, layer and hidden unit: the bf16 block input."""

@@ -137,9 +137,18 @@ def uniform_docs(seqs: PackedSeqs) -> bool:
     return seqs.num_docs * seqs.max_seqlen == seqs.num_tokens
 
 
+def is_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """(T, H, D) inputs with fewer key than query heads, as a Python bool. Under compile with dynamic shapes the
+    comparison is a SymBool, which SDPA's `enable_gqa` refuses (Nemotron-H failed so on an H200) and `bool()`
+    keeps symbolic; a branch makes Dynamo guard on the head counts and return a constant."""
+    if q.shape[1] != k.shape[1]:
+        return True
+    return False
+
+
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_docs: int) -> torch.Tensor:
     """(T, H, D) packed documents of equal length T / num_docs -> causal SDPA over a (num_docs, H, L, D) batch."""
-    num_tokens, gqa = q.shape[0], q.shape[1] != k.shape[1]
+    num_tokens, gqa = q.shape[0], is_gqa(q, k)
     length = num_tokens // num_docs
 
     def to_batch(x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +164,7 @@ class SDPAAttention(nn.Module):
         if uniform_docs(seqs):
             return dense_causal_attention(q, k, v, seqs.num_docs)
         mask = document_causal_mask(seqs)
-        gqa = q.shape[1] != k.shape[1]
+        gqa = is_gqa(q, k)
         out = F.scaled_dot_product_attention(_to_bhtd(q), _to_bhtd(k), _to_bhtd(v), attn_mask=mask, enable_gqa=gqa)
         return _from_bhtd(out)
 
@@ -174,7 +183,7 @@ class FlexAttention(nn.Module):
 
         block_mask = self.block_mask(seqs)
         fn = _compiled_flex() if q.is_cuda else flex_attention
-        out = fn(_to_bhtd(q), _to_bhtd(k), _to_bhtd(v), block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        out = fn(_to_bhtd(q), _to_bhtd(k), _to_bhtd(v), block_mask=block_mask, enable_gqa=is_gqa(q, k))
         return _from_bhtd(out)
 
     @staticmethod
