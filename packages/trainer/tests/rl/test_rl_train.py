@@ -90,6 +90,29 @@ def test_trains_on_orchestrator_batches(tiny_model, tmp_path):
     assert (tmp_path / "orch" / "broadcasts" / "step_2" / "STABLE").exists()
 
 
+@pytest.mark.parametrize(
+    ("cp", "world", "message"),
+    [
+        ("3", None, "model.cp=3 must divide the model's num_attention_heads=4; use 1, 2 or 4"),
+        ("2", "3", "model.cp=2 must divide the 3 ranks of an FSDP island (WORLD_SIZE=3 // model.dp_replicate=1)"),
+    ],
+)
+def test_dry_run_refuses_a_layout_the_ranks_would_refuse(tiny_model, tmp_path, monkeypatch, capsys, cp, world, message):
+    """`trainer --dry-run` checks cp against the model's heads (4 here) and $WORLD_SIZE as `rl --dry-run` does:
+    one line naming the key and where it was set; nothing written."""
+    from prime_rl.trainer.rl.train import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    if world is not None:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model.name", str(tiny_model), "--output-dir", str(tmp_path), "--model.cp", cp, "--dry-run"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"trainer: error: {message}") and err.endswith("from --model.cp on the command line)\n")
+    assert not (tmp_path / "rl").exists()
+
+
 def test_arrays_are_aligned_to_positions_for_the_lm_head():
     """Token t's mask/advantage/logprob move to position t-1, where the head predicts token t."""
     import torch
