@@ -37,7 +37,7 @@ from prime_rl.common.config.rl_trainer import RLTrainerConfig, SequenceLossConfi
 from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.dispatch_kernels import exit_if_dispatch_kernels_missing
-from prime_rl.trainer.loop import to_host, train_loop
+from prime_rl.trainer.loop import train_loop
 from prime_rl.trainer.lora import BaseModelView
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import PackedSeqs
@@ -175,13 +175,6 @@ class RLObjective:
             f"Loss {m['loss/mean']:.4f} | Entropy {m['entropy/mean']:.3f} | Mismatch KL {m['mismatch_kl']:.2e} | "
             f"Masked {masked:.1%}"
         )
-
-
-def train_step(
-    model: CausalLM, batches: list[RLMicroBatch], dims: ParallelDims, world: World, settings: LossSettings
-) -> dict[str, float]:
-    """One forward + backward over ``batches``; the step's global statistics on the host."""
-    return to_host(RLObjective(dims, world, settings).forward_backward(model, batches))
 
 
 def build_objective(
