@@ -1,6 +1,7 @@
 """The RL trainer end to end on CPU: fake data, and batches from an orchestrator-like ZeroMQ sender."""
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -23,9 +24,13 @@ def tiny_model(tmp_path_factory):
 
 
 def _run_trainer(args, timeout=240):
+    """One trainer process, one intra-op thread like the ranks `torchrun` starts: on a busy 2-core machine torch's
+    default (a thread per core) made the tiny MoE's steps 8x slower."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "prime_rl.trainer.rl.train", *args], capture_output=True, text=True, timeout=timeout
-    )
+        [sys.executable, "-m", "prime_rl.trainer.rl.train", *args], capture_output=True, text=True, timeout=timeout,
+        env=env,
+    )  # fmt: skip
 
 
 def _metrics(run_dir):
@@ -160,8 +165,6 @@ def test_context_parallel_matches_one_process(tiny_model, tmp_path, extra, steps
 
 def test_trainer_env_vars_expand_and_apply(monkeypatch):
     """scaling.md's [trainer.env_vars] block: PATH = "/usr/local/cuda-13.0/bin:${PATH}"."""
-    import os
-
     from prime_rl.common.config import load_config
     from prime_rl.common.config.rl import RLConfig
     from prime_rl.trainer.rl.train import apply_env_vars
