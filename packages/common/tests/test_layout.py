@@ -22,6 +22,14 @@ def model_dir(tmp_path, heads=16, kv_heads=8, experts=0):
 def test_read_model_shape(tmp_path):
     assert read_model_shape(model_dir(tmp_path, 16, 8, 64)) == ModelShape(16, 8, 64)
     assert read_model_shape(tmp_path / "missing") is None
+    # Nemotron-H: Mamba-2 layers from layers_block_type (transformers>=5), else from hybrid_override_pattern
+    nemotron = {"model_type": "nemotron_h", "num_attention_heads": 32, "num_key_value_heads": 2}
+    for extra, mamba in [({"hybrid_override_pattern": "M*M-"}, True), ({"hybrid_override_pattern": "*-*-"}, False),
+                         ({"layers_block_type": ["linear_attention", "full_attention"]}, True)]:  # fmt: skip
+        d = tmp_path / f"nemotron-{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(nemotron | extra))
+        assert read_model_shape(d) == ModelShape(32, 2, 0, mamba=mamba)
 
 
 @pytest.mark.parametrize(
@@ -32,7 +40,9 @@ def test_read_model_shape(tmp_path):
         ({"cp": 2, "dp_replicate": 2}, 2, None, "model.cp=2 must divide the 1 rank of an FSDP island"),
         ({"cp": 3}, 3, ModelShape(16, 8, 0), "model.cp=3 must divide the model's num_attention_heads=16; use 1, 2"),
         ({"cp": 4}, 4, ModelShape(16, 2, 0), None),  # cp a multiple of the KV heads: they are replicated
-        ({"cp": 4}, 4, ModelShape(12, 3, 0), "must divide the model's num_key_value_heads=3 or be a multiple of it"),
+        ({"cp": 4}, 4, ModelShape(12, 3, 0), r"num_key_value_heads=3 or be a multiple of it .*; use 1, 3, 6 or 12$"),
+        ({"cp": 2}, 2, ModelShape(32, 2, 0, mamba=True), r"model.cp=2: .* Mamba-2 .*; use model.cp=1"),
+        ({"cp": 1}, 2, ModelShape(32, 2, 0, mamba=True), None),
         ({"ep": 3}, 4, ModelShape(16, 8, 64), "model.ep=3 must divide the model's 64 experts"),
         ({"ep": 8}, 4, ModelShape(16, 8, 64), "model.ep=8 must divide the 4 ranks of an FSDP island"),
         ({"ep": 4}, 4, ModelShape(16, 8, 64), None),
@@ -74,3 +84,16 @@ def test_sft_config_checks_layout_and_batch_against_num_gpus(tmp_path, monkeypat
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match="data.batch_size=6 must be a multiple"):
         load_config(SFTConfig, [*base, "--data.batch-size", "6"])
+
+
+def test_sft_config_refuses_cp_over_mamba_layers(tmp_path, monkeypatch):
+    """The trainer's rule (no context parallelism for Nemotron-H's Mamba-2 layers) at config time, keys named."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    d = tmp_path / "nemotron"
+    d.mkdir()
+    hf = {"model_type": "nemotron_h", "num_attention_heads": 32, "num_key_value_heads": 2}
+    (d / "config.json").write_text(json.dumps(hf | {"hybrid_override_pattern": "M*M-"}))
+    base = ["--model.name", str(d), "--data.type", "fake", "--deployment.num-gpus", "2"]
+    with pytest.raises(ConfigError, match=r"^model.cp=2: .*Mamba-2 .*use model.cp=1 \(from --model.cp on the command"):
+        load_config(SFTConfig, [*base, "--model.cp", "2"])
+    load_config(SFTConfig, base)

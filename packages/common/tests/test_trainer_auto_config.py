@@ -50,3 +50,9 @@ def test_micro_batch_tokens():
     assert cfg.data.micro_batch_tokens == 32768
     with pytest.raises(ConfigError, match="micro_batch_tokens=1 must be >= 2"):
         load_config(RLTrainerConfig, ["--model.name", "m", "--data.micro-batch-tokens", "1"])
+    # one forward per row: context parallelism cuts each row into cp equal slices
+    none = ["--model.name", "m", "--data.micro-batch-tokens", "None", "--data.seq-len", "2048"]
+    with pytest.raises(ConfigError, match=r"model.cp=3: .* data.seq_len=2048 .*; use data.seq_len=2049 or a"):
+        load_config(RLTrainerConfig, [*none, "--model.cp", "3"])
+    load_config(RLTrainerConfig, [*none, "--model.cp", "2"])
+    load_config(RLTrainerConfig, [*none[:2], "--data.seq-len", "2048", "--model.cp", "3"])  # padded forwards

@@ -177,7 +177,7 @@ def test_ep_auto_resolution():
 def test_cp_validation_errors():
     with pytest.raises(ValueError, match=r"^cp=3 must divide num_attention_heads=16; use 1, 2, 4, 8 or 16$"):
         validate_cp(3, world_size=6, dp_replicate=1, num_heads=16, num_kv_heads=16)
-    with pytest.raises(ValueError, match="num_key_value_heads=6"):
+    with pytest.raises(ValueError, match=r"num_key_value_heads=6 or be a multiple of it .*; use 1 or 2$"):
         validate_cp(4, world_size=4, dp_replicate=1, num_heads=16, num_kv_heads=6)
     with pytest.raises(ValueError, match="FSDP island"):
         validate_cp(4, world_size=8, dp_replicate=4, num_heads=16, num_kv_heads=8)

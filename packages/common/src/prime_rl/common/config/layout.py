@@ -1,7 +1,7 @@
 """Parallel-layout checks at config time (no torch): `sft`/`rl` `--dry-run` catch what would otherwise
 fail minutes later on the GPUs: dp_replicate / cp / ep against the number of trainer ranks, cp against
-the attention heads and ep against the experts (when the model's config.json is readable), the batch
-against micro-batch x data-parallel ranks. Knobs that do nothing for this model (ep on a dense model)
+the attention heads and Mamba-2 layers, ep against the experts (when the model's config.json is readable),
+the batch against micro-batch x data-parallel ranks. Knobs that do nothing for this model (ep on a dense model)
 warn instead of failing.
 
 The trainer re-checks all of this at start-up with the resolved mesh; these are the same rules, written
@@ -36,6 +36,8 @@ class ModelShape:
     num_key_value_heads: int
     num_experts: int
     """0 for a dense model"""
+    mamba: bool = False
+    """Has Mamba-2 layers (Nemotron-H), which context parallelism does not cover"""
 
 
 def read_hf_config(name: str | Path) -> dict | None:
@@ -57,7 +59,17 @@ def read_model_shape(name: str | Path) -> ModelShape | None:
     if not isinstance(heads, int):
         return None
     experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
-    return ModelShape(heads, hf.get("num_key_value_heads") or heads, int(experts))
+    return ModelShape(heads, hf.get("num_key_value_heads") or heads, int(experts), _has_mamba(hf))
+
+
+def _has_mamba(hf: dict) -> bool:
+    """Nemotron-H's layer list: `layers_block_type` (transformers>=5) or else `hybrid_override_pattern` ("M")."""
+    if hf.get("model_type") != "nemotron_h":
+        return False
+    blocks = hf.get("layers_block_type")
+    if isinstance(blocks, list) and blocks:
+        return "linear_attention" in blocks
+    return "M" in str(hf.get("hybrid_override_pattern") or "")
 
 
 def _ranks(n: int) -> str:
@@ -98,6 +110,12 @@ def check_layout(
             )
     if shape is None:
         return
+    if model.cp > 1 and shape.mamba:  # the trainer's rule (prime_rl.trainer.parallel.layout)
+        raise LayoutError(
+            f"{m}.cp={model.cp}: context parallelism is not implemented for Mamba-2 layers ({model.name} has them: "
+            f"the scan would need the previous rank's state); use {m}.cp=1",
+            [f"{m}.cp"],
+        )
     heads, kv = shape.num_attention_heads, shape.num_key_value_heads
     if heads % model.cp:
         raise LayoutError(
@@ -105,8 +123,10 @@ def check_layout(
             [f"{m}.cp"],
         )
     if kv % model.cp and model.cp % kv:
+        fits = [str(d) for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)]
         raise LayoutError(
-            f"{m}.cp={model.cp} must divide the model's num_key_value_heads={kv} or be a multiple of it",
+            f"{m}.cp={model.cp} must divide the model's num_key_value_heads={kv} or be a multiple of it (KV heads are "
+            f"replicated up to cp); use {', '.join(fits[:-1])} or {fits[-1]}",
             [f"{m}.cp"],
         )
     if shape.num_experts == 0:

@@ -234,6 +234,14 @@ class RLTrainerConfig(BaseConfig):
         fake = self.data.fake
         if fake is not None and fake.doc_len is not None and not fake.generate_samples:
             raise ValueError("data.fake.doc_len needs data.fake.generate_samples = true (it sets each sample's length)")
+        cp, seq_len = self.model.cp, self.data.seq_len
+        if self.data.micro_batch_tokens is None and seq_len % cp:  # rows go to the cp ranks as received, uncut
+            fit = -(-seq_len // cp) * cp
+            raise ValueError(
+                f"data.micro_batch_tokens=None with model.cp={cp}: every received row of data.seq_len={seq_len} tokens "
+                f"is one forward, split into {cp} equal slices; use data.seq_len={fit} or a data.micro_batch_tokens "
+                "budget (forwards are then padded to a multiple of cp)"
+            )
         lora = self.model.lora
         if lora is not None and self.weight_broadcast.type != "filesystem":
             raise ValueError(

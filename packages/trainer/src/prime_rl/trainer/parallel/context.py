@@ -43,9 +43,10 @@ def validate_cp(cp: int, world_size: int, dp_replicate: int, num_heads: int, num
             f"cp={cp} must divide num_attention_heads={num_heads}; use {', '.join(map(str, head))} or {last}"
         )
     if num_kv_heads % cp and cp % num_kv_heads:
+        *head, last = [d for d in _divisors(num_heads) if num_kv_heads % d == 0 or d % num_kv_heads == 0]
         raise ValueError(
             f"model.cp={cp} must divide num_key_value_heads={num_kv_heads} or be a multiple of it "
-            "(KV heads are replicated when there are fewer than cp)"
+            f"(KV heads are replicated when there are fewer than cp); use {', '.join(map(str, head))} or {last}"
         )
     island = world_size // dp_replicate
     if island % cp:

@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from prime_rl.common.config import parse_config
+from prime_rl.common.config import ConfigError, parse_config
+from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl_trainer import RLTrainerConfig, SequenceLossConfig, TokenLossConfig
 from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.dispatch_kernels import exit_if_dispatch_kernels_missing
-from prime_rl.trainer.loop import to_host, train_loop
+from prime_rl.trainer.loop import train_loop
 from prime_rl.trainer.lora import BaseModelView
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import PackedSeqs
@@ -176,13 +177,6 @@ class RLObjective:
         )
 
 
-def train_step(
-    model: CausalLM, batches: list[RLMicroBatch], dims: ParallelDims, world: World, settings: LossSettings
-) -> dict[str, float]:
-    """One forward + backward over ``batches``; the step's global statistics on the host."""
-    return to_host(RLObjective(dims, world, settings).forward_backward(model, batches))
-
-
 def build_objective(
     loss: TokenLossConfig | SequenceLossConfig,
     model_cfg: TrainerModelConfig,
@@ -260,9 +254,24 @@ def train(cfg: RLTrainerConfig) -> None:
     close_world()
 
 
+def check_dry_run(cfg: RLTrainerConfig) -> None:
+    """At ``--dry-run``: the parallel layout against the model's config.json (and $WORLD_SIZE when set), as
+    `rl --dry-run` checks it for a whole run. A started trainer checks the same on every rank before reading
+    any weight (`prime_rl.trainer.run.inspect_model`) and reports it once, from rank 0."""
+    if not cfg.dry_run:
+        return
+    world = os.environ.get("WORLD_SIZE", "")
+    try:
+        check_layout(
+            cfg.model, int(world) if world.isdigit() else None, read_model_shape(cfg.model.name), "", "WORLD_SIZE"
+        )
+    except LayoutError as e:
+        raise ConfigError(str(e), keys=e.keys) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.captureWarnings(True)
-    cfg = parse_config(RLTrainerConfig, argv, prog="trainer")
+    cfg = parse_config(RLTrainerConfig, argv, prog="trainer", check=check_dry_run)
     exit_if_dispatch_kernels_missing(cfg.model.moe.dispatch.type, "trainer")  # also in --dry-run
     if cfg.dry_run:
         from prime_rl.common.config import write_toml
