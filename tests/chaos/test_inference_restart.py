@@ -161,3 +161,91 @@ def test_a_killed_inference_server_is_restarted_and_the_run_goes_on(model, tmp_p
     )
     left = subprocess.run(["pgrep", "-f", str(run.root)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"
+
+
+def _logs(path: Path, text: str):
+    return lambda: path.exists() and text in path.read_text()
+
+
+def _stop_mid_load(log: Path, version: int, server_pid: int, proc: subprocess.Popen, out: Path) -> bool:
+    """SIGSTOP the API server as soon as it logs the load of ``version``; True if its reply was not sent by then (the
+    load is in progress), else it is continued and False. The reply follows the log line "loaded weights version"."""
+    request, done = f"LoadWeightsRequest(version={version}, ".encode(), f"loaded weights version {version} ".encode()
+    start = log.stat().st_size  # this server's lines only (a restart appends to the same log)
+    _wait(lambda: request in log.read_bytes()[start:], proc, out, f"the load of version {version}", 120, poll_s=0.002)
+    os.kill(server_pid, signal.SIGSTOP)
+    if done in log.read_bytes()[start:]:
+        os.kill(server_pid, signal.SIGCONT)
+        return False
+    return True
+
+
+def test_an_engine_killed_in_the_middle_of_a_weight_load_is_restarted_and_reloaded_at_once(model, tmp_path):
+    """Probe (issue 35): a server killed while it loads a version never answered that load; the orchestrator waited out
+    `orchestrator.inference.timeout` (600 s) before it healed. Two kills in one run (`max_restarts = 2`): vLLM's engine
+    core during the load of one version (the API server answers the load with an error, then exits), then the API
+    server during a later load (its control connection drops). Each must be healed in the time of a restart."""
+    port = free_port()
+    run = RunDir(tmp_path, "heal")
+    steps = 8
+    config = write_cpu_rl_config(
+        tmp_path / "rl.toml", model, tmp_path, "heal", port, max_steps=steps, inference={"max_restarts": 2}
+    )
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop(SECRET_FILE_ENV, None)
+    proc = subprocess.Popen(
+        [str(BIN / "rl"), "@", str(config)], cwd=tmp_path, env=env, stdout=open(tmp_path / "launcher.out", "a"),
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    logs = run.root / "logs" / "attempt_1"
+    killed: list[tuple[str, int, float]] = []  # (target, version whose load it met, when)
+    try:
+        _wait(lambda: (logs / "inference.log").exists(), proc, tmp_path, "the inference log", 120)
+        version = 2  # version 1's load would be healed without a reload (the model's own weights serve)
+        for target in ("engine_core", "api_server"):
+            while True:
+                out = (tmp_path / "launcher.out").read_text()
+                pid = int(re.findall(r"started inference \(pid (\d+)\)", out)[-1])
+                if _stop_mid_load(logs / "inference.log", version, pid, proc, tmp_path):
+                    break
+                version += 1  # the load finished before the stop: meet the next one
+                assert version < steps - 1, "no weight load was caught in progress"
+            os.kill(_victim(pid, target), signal.SIGKILL)
+            if target == "engine_core":
+                os.kill(pid, signal.SIGCONT)  # the API server finds its engine dead in the middle of the load
+            killed.append((target, version, time.monotonic()))
+            back = f"inference is back after restart {len(killed)}/2"
+            _wait(_logs(tmp_path / "launcher.out", back), proc, tmp_path, "restart", timeout=180)
+            served = f"inference now serves policy version {version} "
+            _wait(_logs(logs / "orchestrator.log", served), proc, tmp_path, f"version {version} served", timeout=120)
+            healed_s = time.monotonic() - killed[-1][2]
+            print(f"{target} killed during the load of version {version}: served {healed_s:.0f}s later")
+            assert healed_s < 200, healed_s  # a restart's time, not orchestrator.inference.timeout (600 s)
+            version += 2
+        assert proc.wait(timeout=240) == 0, _tail(tmp_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    out = (tmp_path / "launcher.out").read_text()
+    assert "restarting it (restart 1/2" in out and "restarting it (restart 2/2" in out, out[-4000:]
+    assert out.count("started orchestrator") == 1
+    orchestrator_log = (logs / "orchestrator.log").read_text()
+    lost = re.findall(r"weight update to version (\d+) lost \((\w+)", orchestrator_log)
+    assert [int(v) for v, _ in lost] == [v for _, v, _ in killed], lost  # each load known lost, no 600 s timeout
+    assert "TimeoutError" not in {why for _, why in lost}, lost
+    rows = _rows(run)
+    trainer = {r["step"]: r for r in rows if "optim/grad_norm" in r}
+    orchestrator = {r["step"]: r for r in rows if "rollouts/resent" in r}
+    assert sorted(_trainer_steps(run)) == list(range(1, steps + 1)), _trainer_steps(run)  # no step lost, none twice
+    assert sorted(orchestrator) == list(range(1, steps + 1))
+    assert sum(r["inference/outages"] for r in orchestrator.values()) == 2
+    for step, r in trainer.items():  # the policy after each recovery is the trained one
+        assert r["mismatch_kl"] < 1e-3, (step, r["mismatch_kl"])
+    for step, r in orchestrator.items():  # synchronous: every batch sampled by the version before its step
+        assert r["policy/batch_version"] == step - 1, (step, r["policy/batch_version"])
+    reloaded = [int(v) for v in re.findall(r"reloaded policy version (\d+) into the restarted", orchestrator_log)]
+    assert reloaded == [v - 1 for _, v, _ in killed], reloaded  # the version served when each load began
+    left = subprocess.run(["pgrep", "-f", str(run.root)], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"

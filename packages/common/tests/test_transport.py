@@ -13,6 +13,7 @@ from prime_rl.common.transport import (
     ZERO_COPY_MIN_BYTES,
     ControlClient,
     ControlServer,
+    PeerLostError,
     Receiver,
     Sender,
     decode_frames,
@@ -253,6 +254,62 @@ def test_control_client_times_out_then_recovers():
         assert client.request(wire.HealthRequest(), timeout_s=5) == wire.HealthReply(ok=True)
         stop.set()
         thread.join(timeout=5)
+    finally:
+        client.close()
+        server.close()
+
+
+def _ask_in_thread(client: ControlClient) -> tuple[threading.Thread, list]:
+    outcome: list = []
+
+    def ask() -> None:
+        try:
+            outcome.append(client.request(wire.HealthRequest()))
+        except Exception as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_request_whose_server_goes_away_raises_peer_lost_at_once_not_after_the_timeout():
+    """The bug: a server that died mid weight load cost the orchestrator its whole 600 s control timeout."""
+    server = ControlServer(LOOPBACK)
+    endpoint = server.endpoint
+    client = ControlClient(endpoint, timeout_s=60.0, watch_peer=True)
+    try:
+        # a server that went away between two requests costs nothing: the next one goes to the new server
+        thread = threading.Thread(target=server.serve_once, args=(lambda m, a: wire.HealthReply(ok=True), 5.0))
+        thread.start()
+        assert client.request(wire.HealthRequest(), timeout_s=5) == wire.HealthReply(ok=True)
+        thread.join()
+        server.close()
+        time.sleep(0.2)
+        server = ControlServer(endpoint)
+        thread = threading.Thread(target=server.serve_once, args=(lambda m, a: wire.HealthReply(ok=True), 5.0))
+        thread.start()
+        assert client.request(wire.HealthRequest(), timeout_s=5) == wire.HealthReply(ok=True)
+        thread.join()
+
+        # the server takes the request and dies before replying: raised within a second, not in 60 s
+        thread, outcome = _ask_in_thread(client)
+        raw = server._socket
+        assert raw.poll(5000, zmq.POLLIN)
+        raw.recv_multipart()
+        start = time.monotonic()
+        server.close()
+        thread.join(timeout=10)
+        assert isinstance(outcome[0], PeerLostError), outcome
+        assert time.monotonic() - start < 2.0
+        assert endpoint in str(outcome[0]) and "HealthRequest" in str(outcome[0])
+
+        # the reopened client reaches the server that comes back
+        server = ControlServer(endpoint)
+        thread = threading.Thread(target=server.serve_once, args=(lambda m, a: wire.HealthReply(ok=True), 5.0))
+        thread.start()
+        assert client.request(wire.HealthRequest(), timeout_s=5) == wire.HealthReply(ok=True)
+        thread.join()
     finally:
         client.close()
         server.close()

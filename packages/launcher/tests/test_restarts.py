@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_rl.launcher.restarts import RestartPolicy, describe_exit
+from prime_rl.common.restarts import RestartPolicy, describe_exit
 from prime_rl.launcher.supervisor import Component, Supervisor
 
 # A server stand-in: records each start ("<pid> <grandchild pid>" per line), starts an engine-like grandchild in

@@ -15,6 +15,7 @@ import pytest
 from prime_rl.common.monitor import FileMonitor, read_metrics
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
+from prime_rl.common.transport import PeerLostError
 from prime_rl.common.wire import HealthReply
 from prime_rl.orchestrator.batch import BatchSender
 from prime_rl.orchestrator.client import InferenceClient, InferenceLost, resent_by_caller
@@ -22,6 +23,7 @@ from prime_rl.orchestrator.envs.reverse_text import ReverseTextEnv
 from prime_rl.orchestrator.heal import InferenceGoneError, InferenceWatch
 from prime_rl.orchestrator.orchestrator import Orchestrator
 from prime_rl.orchestrator.policy import PolicyState
+from prime_rl.orchestrator.weights import InferenceControlError
 
 _spec = importlib.util.spec_from_file_location(
     "_orchestrator_e2e", Path(__file__).with_name("test_orchestrator_e2e.py")
@@ -261,11 +263,12 @@ def test_an_outage_past_its_deadline_fails_naming_the_setting(make_server):
 
 
 class DiesDuringLoad(RestartingControl):
-    """The first load of ``version`` never answers: the server died in the middle of it (and restarts at 0)."""
+    """The first load of ``version`` dies with the server (which restarts at 0), showing as ``how``: no answer until
+    the timeout, the connection dropping (API server killed), or an error reply (vLLM's engine core killed)."""
 
-    def __init__(self, server_holder: list, version: int) -> None:
+    def __init__(self, server_holder: list, version: int, how: str = "timeout") -> None:
         super().__init__()
-        self.server_holder, self.die_at, self.died = server_holder, version, False
+        self.server_holder, self.die_at, self.died, self.how = server_holder, version, False, how
 
     async def load_weights(self, path, version):
         if version == self.die_at and not self.died:
@@ -274,6 +277,10 @@ class DiesDuringLoad(RestartingControl):
             server = self.server_holder[0]
             server.die()
             threading.Timer(1.0, self._come_back, args=(server,)).start()
+            if self.how == "dropped":
+                raise PeerLostError("the connection to tcp://x closed before the reply to LoadWeightsRequest")
+            if self.how == "error reply":
+                raise InferenceControlError("LoadWeightsRequest failed on tcp://x: EngineDeadError")
             raise TimeoutError(f"no reply to LoadWeightsRequest within 0.1s (version {version})")
         await super().load_weights(path, version)
 
@@ -282,10 +289,12 @@ class DiesDuringLoad(RestartingControl):
         server.come_back()
 
 
-def test_a_server_that_dies_mid_update_is_waited_out_and_updated_again(tmp_path, make_server, ports):
-    """Probe: a server dying during a weight load left that control request unanswered, and its timeout ended the run."""
+@pytest.mark.parametrize("how", ["timeout", "dropped", "error reply"])
+def test_a_server_that_dies_mid_update_is_waited_out_and_updated_again(tmp_path, make_server, ports, how):
+    """Probe: a server dying during a weight load left that control request unanswered, and its timeout ended the run
+    (600 s later: the dropped connection and the dying engine's error reply now count as the death at once)."""
     holder: list = []
-    control = DiesDuringLoad(holder, version=2)
+    control = DiesDuringLoad(holder, version=2, how=how)
     server = RestartingServer(make_server(), lambda: control.version)
     holder.append(server)
     port = ports.free_range(2)
@@ -322,3 +331,37 @@ def test_a_server_that_dies_mid_update_is_waited_out_and_updated_again(tmp_path,
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert sum(m["inference/outages"] for m in metrics) == 1
     assert sum(m["inference/reloads"] for m in metrics) == (1 if served else 0)
+
+
+def test_an_error_reply_from_a_live_server_still_stops_the_run(tmp_path, make_server, ports):
+    """A refused update (the server stays healthy) is not a death: it stops the run naming the error, as before."""
+
+    class Refuses(RestartingControl):
+        async def load_weights(self, path, version):
+            raise InferenceControlError(f"LoadWeightsRequest failed on tcp://x: bad checksum (version {version})")
+
+    control = Refuses()
+    server = RestartingServer(make_server(), lambda: control.version)
+    port = ports.free_range(2)
+    config = make_config(tmp_path, server.base_url, port, max_steps=3, inference={"outage_timeout": 30})
+    run_dir = RunDir(tmp_path, "run")
+    trainer = FakeTrainer(run_dir, port, num_ranks=2, num_steps=3, weights_port=config.trainer.weights_port)
+
+    async def go() -> None:
+        client = InferenceClient(config.model.client.base_url, config.model.name, max_retries=1, retry_backoff=0.01)
+        sender = BatchSender("127.0.0.1", config.trainer.port, config.num_train_ranks, timeout=30)
+        monitor = FileMonitor(run_dir)
+        orchestrator = Orchestrator(config, ReverseTextEnv(min_len=3, max_len=6), client, control, sender.send, monitor)
+        try:
+            await asyncio.wait_for(orchestrator.run(), timeout=60)
+        finally:
+            await client.aclose()
+            sender.close()
+            monitor.close()
+
+    try:
+        with pytest.raises(InferenceControlError, match="bad checksum"):
+            asyncio.run(go())
+    finally:
+        server.close()  # the fake trainer's daemon threads wait for a step that never comes
+    assert trainer.received[0], "the first step trained before the refused update"

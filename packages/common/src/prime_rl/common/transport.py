@@ -46,6 +46,7 @@ from typing import NamedTuple
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from prime_rl.common.auth import RunSecret, is_loopback
 from prime_rl.common.env import SECRET_FILE_ENV
@@ -481,8 +482,19 @@ class ControlServer(_Socket):
             self.serve_once(handler, timeout_s=poll_s)
 
 
+class PeerLostError(ConnectionError):
+    """The connection that carried a control request closed before the reply came: the server went away."""
+
+
 class ControlClient(_Socket):
-    """REQ side: ``request(message) -> reply``. Reopens its socket after a timeout (lazy pirate)."""
+    """REQ side: ``request(message) -> reply``. Reopens its socket after a timeout (lazy pirate).
+
+    With ``watch_peer``, a request whose connection closes before its reply raises ``PeerLostError`` at once
+    instead of waiting out the timeout: a REQ socket reconnects by itself but never sends a request again, so a
+    server that died while handling one (a weight load) would otherwise cost the whole timeout. A socket monitor
+    tells a drop of the connection that carries the request (one whose handshake had succeeded) from refused or
+    failed connection attempts, which lose nothing (the request waits in the queue for the next connection).
+    """
 
     def __init__(
         self,
@@ -492,10 +504,54 @@ class ControlClient(_Socket):
         types: Sequence[type[Message]] = MESSAGE_TYPES,
         context: zmq.Context | None = None,
         secret: RunSecret | None | _Unset = _UNSET,
+        watch_peer: bool = False,
     ) -> None:
         self.timeout_s = timeout_s
         self.types = tuple(types)
+        self.watch_peer = watch_peer
+        self._monitor: zmq.Socket | None = None
+        self._connected = False
         super().__init__(zmq.REQ, endpoint, False, context, 0.0, secret)
+
+    def _configure(self, socket: zmq.Socket) -> None:
+        if self.watch_peer:  # before connect: the first handshake must not be missed
+            self._monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            self._connected = False
+
+    def _peer_dropped(self) -> bool:
+        """Read the pending monitor events; True if an established connection closed among them."""
+        dropped = False
+        while self._monitor is not None and self._monitor.poll(0, zmq.POLLIN):
+            event = parse_monitor_message(self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self._connected:
+                self._connected, dropped = False, True
+        return dropped
+
+    def _wait_reply(self, message: Message, timeout: float | None, deadline: float | None) -> None:
+        """Until the reply is readable; ``TimeoutError`` past ``deadline``, ``PeerLostError`` on a dropped peer."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = dict(poller.poll(_ms(remaining)))
+            if self._socket in ready:
+                return
+            if self._monitor in ready and self._peer_dropped():
+                self._reopen()
+                raise PeerLostError(
+                    f"the connection to {self.endpoint} closed before the reply to {type(message).__name__}: "
+                    "the server went away while handling it"
+                )
+            if not ready:
+                self._reopen()
+                raise TimeoutError(
+                    f"no reply to {type(message).__name__} from {self.endpoint} within {timeout}s; "
+                    "is the server running there?"
+                )
 
     def request(
         self,
@@ -512,19 +568,25 @@ class ControlClient(_Socket):
             raise TimeoutError(
                 f"control request {type(message).__name__} to {self.endpoint} not sent within {timeout}s"
             )
+        self._peer_dropped()  # a drop before this request lost nothing
         self._socket.send_multipart(frames, copy=False)
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not self._socket.poll(_ms(remaining), zmq.POLLIN):
-            self._reopen()
-            raise TimeoutError(
-                f"no reply to {type(message).__name__} from {self.endpoint} within {timeout}s; "
-                "is the server running there?"
-            )
+        self._wait_reply(message, timeout, deadline)
         return decode_frames(self._socket.recv_multipart(copy=False), self.types).message
 
     def _reopen(self) -> None:
+        self._close_monitor()
         self._socket.close(linger=0)
         self._socket = self._open()
+
+    def _close_monitor(self) -> None:
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    def close(self) -> None:
+        self._close_monitor()
+        super().close()
 
 
 class AsyncControlClient:

@@ -37,6 +37,7 @@ from prime_rl.common import commands
 from prime_rl.common.config import write_toml
 from prime_rl.common.config.deployment import NIXL_CONNECTORS
 from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.inference.replica_restarts import ReplicaRestarts
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,35 @@ def _wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout_s: flo
         time.sleep(1.0)
 
 
+def _replica_restarts(config: InferenceConfig, urls: list[str], spawn) -> ReplicaRestarts:
+    """Restarts of one replica at a time behind the router (`inference.max_restarts`, replica_restarts.py)."""
+    from prime_rl.common.restarts import RestartPolicy
+    from prime_rl.common.transport import ControlClient
+    from prime_rl.common.wire import HealthReply, HealthRequest
+
+    controls = [e.control for e in replica_endpoints(config)]
+
+    def healthy(i: int) -> bool:
+        try:
+            return httpx.get(f"{urls[i]}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def version(i: int) -> int | None:
+        try:
+            with ControlClient(controls[i], timeout_s=2.0) as client:  # the run secret from the environment
+                reply = client.request(HealthRequest())
+        except TimeoutError:
+            return None
+        return reply.weight_version if isinstance(reply, HealthReply) and reply.ok else None
+
+    router_url = f"http://{_client_host(config.server.host)}:{config.server.port}"
+    return ReplicaRestarts(
+        urls, router_url, spawn, RestartPolicy(config.max_restarts, config.restart_window),
+        startup_timeout_s=config.router.startup_timeout, healthy=healthy, version=version,
+    )  # fmt: skip
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         if proc.poll() is None:
@@ -227,20 +257,26 @@ def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], ex
         stopping = True
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    restarts_enabled = config.max_restarts > 0 and config.disaggregated is None
+
+    def spawn(i: int) -> subprocess.Popen:
+        gpus, role = slices[i], instance_roles(config)[i]
+        env = dict(os.environ)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        port, control = config.instance_http_ports[i], config.instance_control_ports[i]
+        cmd = commands.inference_replica_command(sys.executable, base, port, control, role)
+        if role is not None:
+            env.update(_side_channel_env(config, i))
+        print(
+            f"instance {i}{f' ({role})' if role else ''}: {endpoints[i].url} on {f'GPUs {gpus}' if gpus else 'CPU'}",
+            flush=True,
+        )
+        # a group of its own when it may be restarted: what a dead replica left behind is stopped with it
+        return subprocess.Popen(cmd, env=env, start_new_session=restarts_enabled)
+
     try:
-        for i, (gpus, role) in enumerate(zip(slices, instance_roles(config), strict=True)):
-            env = dict(os.environ)
-            if gpus is not None:
-                env["CUDA_VISIBLE_DEVICES"] = gpus
-            port, control = config.instance_http_ports[i], config.instance_control_ports[i]
-            cmd = commands.inference_replica_command(sys.executable, base, port, control, role)
-            if role is not None:
-                env.update(_side_channel_env(config, i))
-            print(
-                f"instance {i}{f' ({role})' if role else ''}: {endpoints[i].url} on {f'GPUs {gpus}' if gpus else 'CPU'}",
-                flush=True,
-            )
-            procs.append(subprocess.Popen(cmd, env=env))
+        procs.extend(spawn(i) for i in range(config.num_instances))
         try:
             _wait_healthy([e.url for e in endpoints], procs, config.router.startup_timeout)
         except (RuntimeError, TimeoutError) as e:
@@ -255,8 +291,15 @@ def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], ex
             + " ".join(e.control + (f" ({r})" if r else "") for e, r in zip(endpoints, roles, strict=True)),
             flush=True,
         )
+        restarts = _replica_restarts(config, [e.url for e in endpoints], spawn) if restarts_enabled else None
+        replicas, router = procs[:-1], procs[-1]
         while not stopping:
-            for proc in procs:
+            if restarts is not None:
+                if (verdict := restarts.check(replicas)) is not None:
+                    sys.stderr.write(f"{prog}: error: {restarts.reason}\n")
+                    return verdict
+                procs[:-1] = replicas
+            for proc in procs if restarts is None else [router]:
                 if proc.poll() is not None:
                     return proc.returncode or 1
             time.sleep(0.5)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prime_rl.common.heartbeat import read_beats
-from prime_rl.launcher.restarts import RestartPolicy, clock, describe_exit
+from prime_rl.common.restarts import RestartPolicy, clock, describe_exit
 from prime_rl.launcher.stall import find_stall
 
 log = logging.getLogger("prime_rl.launcher")

@@ -22,11 +22,16 @@ load around its request gate, which is what keeps tags exact; it knows the versi
 server that reloaded by itself could not tell the orchestrator when it is safe to send. Push transports
 (nccl, nixl) have no copy to reload from: `rl` refuses `max_restarts > 0` with them.
 
-A server that dies in the middle of a weight update never answers that control request: after
-`orchestrator.inference.timeout` the updater hands the outage to the watch (`WeightUpdater.on_unanswered`)
-and applies the version again once the server is back. That wait is the timeout (600 s by default), not the
-restart: the REQ socket cannot tell a dead peer from a slow load. A server already gone when a request is sent
-is no such case: ZeroMQ queues the request and the new server answers it.
+A server that dies in the middle of a weight update is known at once, and the updater hands the outage to the
+watch (`WeightUpdater.on_unanswered`), which applies the version again once the server is back:
+- the API server dies: the connection carrying the control request closes (`PeerLostError`: the control client
+  watches its connection; a REQ socket alone cannot tell a dead peer from a slow load and waited out
+  `orchestrator.inference.timeout`, 600 s);
+- vLLM's engine core dies: the API server answers the load with an error, then exits; an error while the HTTP
+  health fails (``gone``: vLLM answers 503 once its engine is dead) is that death, not a refused update;
+- the server never answers (wedged): the timeout, as before.
+A server already gone when a request is sent is no such case: ZeroMQ queues the request and the new server
+answers it.
 """
 
 from __future__ import annotations
@@ -94,6 +99,10 @@ class InferenceWatch:
         )  # fmt: skip
         self.heartbeat.beat("waiting for inference", self.policy.version, deadline_s=self.outage_timeout, progress=True)
         self._task = asyncio.create_task(self._recover(time.monotonic()), name="inference-recovery")
+
+    async def gone(self) -> bool:
+        """Inference is going away or gone: its HTTP health fails (an error reply then came from a dying server)."""
+        return not await self.http_healthy()
 
     async def wait(self) -> None:
         """Until inference is back (serving the policy version again); raises if it never came back."""

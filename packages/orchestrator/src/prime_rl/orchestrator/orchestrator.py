@@ -179,6 +179,8 @@ class Orchestrator:
             client.watch = self.watch
             self.updater.before_update = self.watch.wait  # a version is loaded into a server that is there
             self.updater.on_unanswered = self.watch.lost  # ... and one that died mid-update is waited out
+            self.updater.server_gone = self.watch.gone  # an error reply from a dying server is its death
+            self.updater.inference_down = lambda: self.watch.down
         self.off_policy = OffPolicyFilter(config.max_off_policy_steps)
         self.scheduler = RolloutScheduler(
             env,

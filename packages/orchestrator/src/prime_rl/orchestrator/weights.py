@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Protocol
 
 from prime_rl.common.heartbeat import Heartbeat
-from prime_rl.common.transport import ControlClient, Receiver
+from prime_rl.common.transport import ControlClient, PeerLostError, Receiver
 from prime_rl.common.wire import (
     ControlReply,
     HealthReply,
@@ -108,27 +108,51 @@ class ZmqInferenceControl:
     def __init__(self, addresses: list[str], timeout: float = 600.0) -> None:
         if not addresses:
             raise ValueError("ZmqInferenceControl needs at least one control address (tcp://host:port)")
-        self._clients = [ControlClient(address, timeout_s=timeout) for address in addresses]
+        # watch_peer: a server that dies while handling a request (a weight load) is known at once (PeerLostError),
+        # not after `timeout`
+        self._clients = [ControlClient(address, timeout_s=timeout, watch_peer=True) for address in addresses]
         # sockets of their own: health is polled while a weight update may be waiting on the others (REQ sockets
         # hold one request at a time)
         self._health = [ControlClient(address, timeout_s=self.HEALTH_TIMEOUT_S) for address in addresses]
+        self._gone: set[str] = set()
+        """Servers that went away during this update: the restarted one was never paused, so it is not resumed
+        (that request would wait for its start-up)."""
 
-    async def _broadcast(self, message: Message) -> None:
-        # ZeroMQ REQ sockets are blocking: one thread per server keeps the event loop (and rollouts) moving.
-        replies = await asyncio.gather(*(asyncio.to_thread(c.request, message) for c in self._clients))
-        for client, reply in zip(self._clients, replies):
-            if not isinstance(reply, ControlReply) or not reply.ok:
-                error = getattr(reply, "error", None) or f"unexpected reply {type(reply).__name__}"
-                raise InferenceControlError(f"{type(message).__name__} failed on {client.endpoint}: {error}")
+    async def _broadcast(self, message: Message, clients: list[ControlClient] | None = None) -> None:
+        clients = self._clients if clients is None else clients
+        # ZeroMQ REQ sockets are blocking: one thread per server keeps the event loop (and rollouts) moving. Every
+        # server's answer is awaited (not just the first failure) so none is left in the middle of an update.
+        replies = await asyncio.gather(
+            *(asyncio.to_thread(c.request, message) for c in clients), return_exceptions=True
+        )
+        failed = [(c, r) for c, r in zip(clients, replies) if not (isinstance(r, ControlReply) and r.ok)]
+        for client, reply in failed:
+            # dropped, or an error from a server that is not well afterwards (vLLM's engine died under the load)
+            if isinstance(reply, PeerLostError) or (isinstance(reply, Message) and not await self._well(client)):
+                self._gone.add(client.endpoint)
+        for client, reply in sorted(failed, key=lambda f: not isinstance(f[1], PeerLostError)):
+            if isinstance(reply, BaseException):
+                raise reply
+            error = getattr(reply, "error", None) or f"unexpected reply {type(reply).__name__}"
+            raise InferenceControlError(f"{type(message).__name__} failed on {client.endpoint}: {error}")
+
+    async def _well(self, client: ControlClient) -> bool:
+        health = self._health[self._clients.index(client)]
+        try:
+            reply = await asyncio.to_thread(health.request, HealthRequest())
+        except TimeoutError:
+            return False
+        return isinstance(reply, HealthReply) and reply.ok
 
     async def pause(self, mode: str) -> None:
+        self._gone.clear()  # an update begins
         await self._broadcast(PauseRequest(mode=mode, by="orchestrator"))
 
     async def load_weights(self, path: Path, version: int) -> None:
         await self._broadcast(LoadWeightsRequest(path=str(path), version=version))
 
     async def resume(self) -> None:
-        await self._broadcast(ResumeRequest())
+        await self._broadcast(ResumeRequest(), [c for c in self._clients if c.endpoint not in self._gone])
 
     async def health(self) -> list[HealthReply | None]:
         def ask(client: ControlClient) -> HealthReply | None:
@@ -223,9 +247,16 @@ class WeightUpdater:
         self.before_update: Callable[[], Awaitable[None]] | None = None
         """Awaited before a version is applied (the orchestrator's InferenceWatch: inference is back), outside the
         lock, which the watch's reload takes."""
+        self.inference_down: Callable[[], bool] | None = None
+        """True while the watch waits for inference to come back (checked again once the lock is taken)."""
         self.on_unanswered: Callable[[str], Awaitable[None]] | None = None
-        """Called when a control request of an update times out (the orchestrator's InferenceWatch.lost); None: the
-        timeout stops the run."""
+        """Called when a server goes away during an update (the orchestrator's InferenceWatch.lost): its control
+        request times out, its connection drops (`PeerLostError`), or it fails while ``server_gone`` says the server
+        is going away; None: that error stops the run."""
+        self.server_gone: Callable[[], Awaitable[bool]] | None = None
+        """Asked when a server answers an update with an error: True when inference is going away (vLLM's engine
+        died under the load: the reply is its death, not a refusal of the weights), so the update is lost, not
+        failed. None: every error reply stops the run."""
         self.failure: BaseException | None = None
         """The poller's error: a failed update stops the run, and every later call re-raises it (re-opening
         the version socket the poller closed would fail with 'Address already in use' and hide it)."""
@@ -234,14 +265,17 @@ class WeightUpdater:
         """Apply the newest announced version if it is newer than the served one; True if it did."""
         if self.failure is not None:
             raise self.failure
-        if self.before_update is not None:
-            await self.before_update()
-        async with self._lock:
-            self.listener.poll()
-            message = self.listener.latest
-            if message is None or message.version <= self.policy.version:
-                return False
-            return await self._apply(message)
+        while True:
+            if self.before_update is not None:
+                await self.before_update()
+            async with self._lock:
+                if self.inference_down is not None and self.inference_down():
+                    continue  # it went away while this call waited for the lock (the poller's and a step's calls)
+                self.listener.poll()
+                message = self.listener.latest
+                if message is None or message.version <= self.policy.version:
+                    return False
+                return await self._apply(message)
 
     async def recover(self, broadcasts_dir: Path, max_version: int) -> bool:
         """At start-up: load the newest complete filesystem version <= ``max_version`` (a resumed run)."""
@@ -286,14 +320,14 @@ class WeightUpdater:
                     await self.control.load_weights(Path(message.path), version)
                 finally:
                     await self.control.resume()
-            except TimeoutError as e:
+            except (TimeoutError, ConnectionError, InferenceControlError) as e:
                 await self.policy.open()  # keep the old version
-                if self.on_unanswered is None:
+                if self.on_unanswered is None or not await self._lost_to_a_death(e):
                     raise
-                # A server that dies mid-update never answers (inference restarts, `inference.max_restarts`): the
-                # watch brings the new one to the served version, then the next poll applies this one again. Not
-                # waited for here: the watch's reload takes this lock.
-                await self.on_unanswered(f"weight update to version {version} got no answer ({e})")
+                # A server that dies mid-update (inference restarts, `inference.max_restarts`): the watch brings the
+                # new one to the served version, then the next poll applies this one again. Not waited for here: the
+                # watch's reload takes this lock.
+                await self.on_unanswered(f"weight update to version {version} lost ({type(e).__name__}: {e})")
                 return False
             except BaseException:
                 await self.policy.open()  # keep the old version; the error stops the run
@@ -305,6 +339,12 @@ class WeightUpdater:
         where = f"loaded {message.path}" if message.path else "pushed by the trainer"
         logger.info("inference now serves policy version %d (%s, %.2fs)", version, where, self.last_update_s)
         return True
+
+    async def _lost_to_a_death(self, error: Exception) -> bool:
+        """Whether a failed update died with its server (then it is applied again once the server is back)."""
+        if not isinstance(error, InferenceControlError):
+            return True  # no answer, or the connection carrying the request closed
+        return self.server_gone is not None and await self.server_gone()
 
     async def run(self) -> None:
         """Poll forever (cancelled when the orchestrator stops); closes the listener when it ends."""

@@ -1,4 +1,7 @@
-"""When the supervisor may restart a dead component (the inference server), and how it says what happened.
+"""When a supervisor may restart a dead process, and how it says what happened.
+
+Two supervisors use it, hence common: the launcher's (the inference server as a whole) and the replica
+supervisor of `prime_rl.inference.router` (one replica behind the router, the others serving on).
 
 Design:
 - A budget, not a counter: at most ``max_restarts`` restarts within any ``window_s`` seconds. A server that

@@ -1,0 +1,145 @@
+"""One dead replica behind the router is restarted while the others serve (`inference.max_restarts`, replicas > 1).
+
+Without this, the replica supervisor (`prime_rl.inference.router`) ended the whole `inference` process when any
+replica died, so the launcher restarted every replica (or stopped the run). Now, within the budget
+(`prime_rl.common.restarts.RestartPolicy`: `max_restarts` within `restart_window`):
+
+1. the dead replica is taken out of the router (vllm-router's ``POST /remove_worker?url=``), so no request is
+   routed to it while it is down; the router and the other replicas keep serving;
+2. it is started again with the same command (its process group stopped first);
+3. it is put back (``POST /add_worker?url=``) only once its HTTP health answers and its control plane reports the
+   weight version the other replicas serve: a restarted replica serves the model's own weights until the
+   orchestrator reloads the current policy into it (`prime_rl.orchestrator.heal`), and a request routed to it before
+   would be tagged with a version it does not serve.
+
+A restart that dies, or is not back within ``router.startup_timeout``, or a death with no restart left, ends the
+process naming every cause (the launcher then handles the inference component as a whole). Each step is logged
+with its origin (exit code or signal, time). The router's admin routes are its own (unauthenticated): it listens
+where the deployment puts it, loopback by default.
+
+Left out: the orphans of a SIGKILLed replica (vLLM's engine core in a session of its own) are not reaped here; the
+launcher, a child subreaper, stops them with the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from prime_rl.common.restarts import RestartPolicy, clock, describe_exit
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    number: int
+    deadline: float
+    died_at: float
+
+
+class ReplicaRestarts:
+    """Watches the replica processes; restarts a dead one and re-admits it to the router once it serves the policy."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        router_url: str,
+        spawn: Callable[[int], subprocess.Popen],
+        policy: RestartPolicy,
+        *,
+        startup_timeout_s: float,
+        healthy: Callable[[int], bool],
+        version: Callable[[int], int | None],
+    ) -> None:
+        self.urls, self.router_url, self.spawn, self.policy = urls, router_url, spawn, policy
+        self.startup_timeout_s = startup_timeout_s
+        self.healthy, self.version = healthy, version
+        self.pending: dict[int, _Pending] = {}
+        self.reason = ""
+
+    def check(self, replicas: list[subprocess.Popen]) -> int | None:
+        """One pass over the replicas (``replicas`` is updated in place); an exit code when the process must end."""
+        for i, proc in enumerate(replicas):
+            rc = proc.poll()
+            if i in self.pending:
+                if (verdict := self._check_restart(i, proc, rc)) is not None:
+                    return verdict
+            elif rc is not None:
+                cause = f"replica {i} (pid {proc.pid}) died ({describe_exit(rc)}) at {clock(time.time())}"
+                if not self.policy.allows(time.time()):
+                    return self._fail(self.policy.exhausted_reason(cause, time.time()))
+                replicas[i] = self._restart(i, proc, cause)
+        return None
+
+    def _restart(self, i: int, proc: subprocess.Popen, cause: str) -> subprocess.Popen:
+        number = self.policy.record(time.time(), cause)
+        removed = self._router("remove", i)
+        logger.warning(
+            "%s; %s the router; restarting it (restart %d/%d within inference.restart_window=%.0fs)",
+            cause, "removed from" if removed else "could not remove it from", number, self.policy.max_restarts,
+            self.policy.window_s,
+        )  # fmt: skip
+        _stop_group(proc)
+        fresh = self.spawn(i)
+        self.pending[i] = _Pending(number, time.monotonic() + self.startup_timeout_s, time.time())
+        return fresh
+
+    def _check_restart(self, i: int, proc: subprocess.Popen, rc: int | None) -> int | None:
+        pending = self.pending[i]
+        if rc is not None:
+            return self._fail(
+                self.policy.died_restarting_reason(pending.number, f"died during start-up ({describe_exit(rc)})")
+            )
+        if self.healthy(i) and (served := self._served(i)) is not None and self.version(i) == served:
+            if self._router("add", i):
+                del self.pending[i]
+                logger.warning(
+                    "replica %d (pid %d) is back after restart %d/%d, serving weight version %d (%.0fs after it "
+                    "died): re-admitted to the router",
+                    i, proc.pid, pending.number, self.policy.max_restarts, served, time.time() - pending.died_at,
+                )  # fmt: skip
+            return None
+        if time.monotonic() > pending.deadline:
+            during = f"was not back serving the others' weights after {self.startup_timeout_s:.0f}s"
+            return self._fail(self.policy.died_restarting_reason(pending.number, during))
+        return None
+
+    def _served(self, restarted: int) -> int | None:
+        """The weight version the serving replicas report (the newest, mid-update); None if none answers."""
+        versions = [self.version(i) for i in range(len(self.urls)) if i != restarted and i not in self.pending]
+        known = [v for v in versions if v is not None]
+        return max(known) if known else None
+
+    def _router(self, action: str, i: int) -> bool:
+        try:
+            response = httpx.post(f"{self.router_url}/{action}_worker", params={"url": self.urls[i]}, timeout=5)
+        except httpx.HTTPError as e:
+            logger.error("router %s_worker %s failed: %s", action, self.urls[i], e)
+            return False
+        if response.status_code != 200:
+            logger.error(
+                "router %s_worker %s answered %d: %s", action, self.urls[i], response.status_code, response.text
+            )
+        return response.status_code == 200
+
+    def _fail(self, reason: str) -> int:
+        logger.error("%s; stopping every replica", reason)
+        self.reason = reason
+        return 1
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of a dead replica's process group (its API server may have left children behind)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()

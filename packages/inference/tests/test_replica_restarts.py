@@ -1,0 +1,101 @@
+"""A dead replica behind the router is restarted while the others serve, and re-admitted only once it serves the
+weight version the others serve (replica_restarts.py). Stand-in processes and a stand-in router: no vLLM."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from prime_rl.common.net import free_port
+from prime_rl.common.restarts import RestartPolicy
+from prime_rl.inference.replica_restarts import ReplicaRestarts
+
+pytestmark = pytest.mark.chaos
+
+
+class FakeRouter:
+    """Records vllm-router's admin calls (POST /remove_worker?url=..., /add_worker?url=...)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                outer.calls.append(self.path)
+                body = json.dumps({}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.port = free_port()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _replica(i: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+
+
+@pytest.fixture
+def setup():
+    router = FakeRouter()
+    replicas = [_replica(0), _replica(1)]
+    state = {"healthy": [True, True], "version": [3, 3]}
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    restarts = ReplicaRestarts(
+        urls, f"http://127.0.0.1:{router.port}", _replica, RestartPolicy(1, 3600.0), startup_timeout_s=30.0,
+        healthy=lambda i: state["healthy"][i], version=lambda i: state["version"][i],
+    )  # fmt: skip
+    yield router, replicas, state, restarts
+    for proc in replicas:
+        proc.kill()
+        proc.wait()
+    router.close()
+
+
+def test_a_dead_replica_is_taken_out_restarted_and_readmitted_once_it_serves_the_others_version(setup):
+    router, replicas, state, restarts = setup
+    first, other = replicas
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert restarts.check(replicas) is None
+    assert replicas[0] is not first and replicas[0].poll() is None and replicas[1] is other  # only that one restarted
+    assert router.calls == ["/remove_worker?url=http%3A%2F%2F127.0.0.1%3A1"]  # no request is routed to it meanwhile
+
+    state["healthy"][0], state["version"][0] = False, None  # starting
+    assert restarts.check(replicas) is None and len(router.calls) == 1
+    state["healthy"][0], state["version"][0] = True, 0  # up, with the model's own weights: not yet
+    assert restarts.check(replicas) is None and len(router.calls) == 1
+    state["version"][0] = 3  # the orchestrator reloaded the policy into it
+    assert restarts.check(replicas) is None
+    assert router.calls[1] == "/add_worker?url=http%3A%2F%2F127.0.0.1%3A1" and not restarts.pending
+
+    replicas[1].send_signal(signal.SIGKILL)  # the budget (1) is spent: the process ends naming both deaths
+    replicas[1].wait()
+    assert restarts.check(replicas) == 1
+    assert "replica 1" in restarts.reason and "(SIGKILL)" in restarts.reason
+    assert "no restart left (1/1" in restarts.reason and "replica 0" in restarts.reason
+
+
+def test_a_replica_that_dies_while_restarting_ends_the_process_naming_both_causes(setup):
+    router, replicas, state, restarts = setup
+    replicas[0].send_signal(signal.SIGKILL)
+    replicas[0].wait()
+    assert restarts.check(replicas) is None
+    replicas[0].kill()
+    replicas[0].wait()
+    assert restarts.check(replicas) == 1
+    assert "replica 0" in restarts.reason and "restart 1/1 died during start-up (SIGKILL)" in restarts.reason
