@@ -18,6 +18,7 @@ from pydantic import Field, model_validator
 from prime_rl.common.config.base import BaseConfig
 from prime_rl.common.config.deployment import Deployment, SingleNodeDeployment, SlurmConfig
 from prime_rl.common.config.inference import LORA_RANKS, InferenceConfig
+from prime_rl.common.config.layout import read_model_shape
 from prime_rl.common.config.monitor import MonitorConfig
 from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, RLTrainerConfig, WeightBroadcastConfig
@@ -230,6 +231,12 @@ class RLConfig(BaseConfig):
                 if self.trainer.model.moe.router_replay
                 else "orchestrator.routed_experts"
             )
+            shape = read_model_shape(self.trainer.model.name)
+            if shape is not None and shape.num_experts == 0:  # before asking whether vLLM could report them
+                raise ValueError(
+                    f"{key}=true but {self.trainer.model.name} is a dense model (no experts, nothing to route); "
+                    "remove it or train a MoE model"
+                )
             version = installed_vllm_version()  # package metadata: no vLLM import
             if version is not None and (reason := routed_experts_unsupported(version, installed_vllm_is_cpu(), key)):
                 raise ValueError(reason)
