@@ -70,7 +70,7 @@ class SharedCheckpointConfig(BaseConfig):
 def _share_routed_experts(trainer: dict, orch: dict, inference: dict) -> None:
     """Router replay asks the orchestrator for routed experts, and routed experts ask vLLM to capture them (with
     the engine environment this vLLM release needs for it, `vllm_compat.routed_experts_env`)."""
-    moe = _section(_section(trainer, "model"), "moe")
+    moe = (trainer.get("model") or {}).get("moe") or {}
     if moe.get("router_replay"):
         orch.setdefault("routed_experts", True)
     if not orch.get("routed_experts"):
