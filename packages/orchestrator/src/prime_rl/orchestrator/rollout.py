@@ -21,6 +21,10 @@ class Completion:
     """Multi-turn: True on sampled tokens, False on tokens the environment / chat template added; None = all sampled."""
     stats: dict[str, float] = field(default_factory=dict)
     """Per-rollout counters summed into the step's metrics (turns, tool calls, token mismatches)."""
+    routed_experts: np.ndarray | None = None
+    """(prompt + completion tokens - 1, layers, top_k): the experts inference routed each token to (vLLM's routed
+    experts, `orchestrator.routed_experts`); the last sampled token was never forwarded. None: not asked for, or
+    a multi-turn rollout (its turns' routings are not stitched together)."""
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
@@ -49,6 +53,8 @@ class Sample:
     """Per-token terms added to `advantage` on each completion token (on-policy distillation); None = none."""
     completion_mask: list[bool] | None = None
     """Which completion tokens are trained on (multi-turn: the sampled ones); None = all."""
+    routed_experts: np.ndarray | None = None
+    """(tokens - 1, layers, top_k): inference's experts for the prompt then the completion; None = not reported."""
 
     @property
     def num_tokens(self) -> int:
@@ -81,7 +87,7 @@ class Group:
             raise ValueError("advantages are not computed for this group yet")
         token_advantages = self.token_advantages or [None] * len(self.completions)
         return [
-            Sample(self.prompt_ids, c.token_ids, c.logprobs, float(a), float(r), t, c.mask)
+            Sample(self.prompt_ids, c.token_ids, c.logprobs, float(a), float(r), t, c.mask, c.routed_experts)
             for c, a, r, t in zip(self.completions, self.advantages, self.rewards, token_advantages)
         ]
 

@@ -130,6 +130,12 @@ def check_layout(
             [f"{m}.cp"],
         )
     if shape.num_experts == 0:
+        if model.moe.router_replay:
+            raise LayoutError(
+                f"{m}.moe.router_replay=true but {model.name} is a dense model (no experts, nothing to route); "
+                "remove it or train a MoE model",
+                [f"{m}.moe.router_replay"],
+            )
         if isinstance(model.ep, int) and model.ep > 1:
             warnings.warn(
                 f"{m}.ep={model.ep} has no effect: {model.name} is a dense model (no experts); remove it",

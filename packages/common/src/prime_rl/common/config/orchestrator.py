@@ -421,6 +421,10 @@ class OrchestratorConfig(BaseConfig):
     """Stop after this many steps; None runs until interrupted."""
     seed: int = 0
     """Seed of task sampling."""
+    routed_experts: bool = False
+    """Ask inference for the experts each token was routed to (vLLM's `enable_return_routed_experts`, MoE only)
+    and send them to the trainer, which logs `router/expert_mismatch` and, with
+    `trainer.model.moe.router_replay`, routes by them."""
     weights_poll_interval: float = Field(default=0.1, gt=0)
     """Seconds between polls of the trainer's version announcements (trainer.weights_port)."""
     weights_timeout: float = Field(default=3600.0, gt=0)

@@ -18,10 +18,19 @@ from pydantic import Field, model_validator
 from prime_rl.common.config.base import BaseConfig
 from prime_rl.common.config.deployment import Deployment, SingleNodeDeployment, SlurmConfig
 from prime_rl.common.config.inference import LORA_RANKS, InferenceConfig
+from prime_rl.common.config.layout import read_model_shape
 from prime_rl.common.config.monitor import MonitorConfig
 from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, RLTrainerConfig, WeightBroadcastConfig
 from prime_rl.common.config.trainer import DEFAULT_KEEP_LAST, LoRAConfig
+from prime_rl.common.vllm_compat import (
+    ROUTED_EXPERTS_ENGINE_ARG,
+    installed_vllm_is_cpu,
+    installed_vllm_version,
+    routed_experts_env,
+    routed_experts_unsupported,
+    unsupported_reason,
+)
 
 
 class RunConfig(BaseConfig):
@@ -56,6 +65,21 @@ class SharedCheckpointConfig(BaseConfig):
     """Resume both from checkpoints/step_<N>/; "latest" picks the newest complete one."""
     keep_last: int | None = Field(DEFAULT_KEEP_LAST, ge=1)
     """Keep only the newest this many trainer checkpoints (plus the newest one complete for both); None keeps all."""
+
+
+def _share_routed_experts(trainer: dict, orch: dict, inference: dict) -> None:
+    """Router replay asks the orchestrator for routed experts, and routed experts ask vLLM to capture them (with
+    the engine environment this vLLM release needs for it, `vllm_compat.routed_experts_env`)."""
+    moe = (trainer.get("model") or {}).get("moe") or {}
+    if moe.get("router_replay"):
+        orch.setdefault("routed_experts", True)
+    if not orch.get("routed_experts"):
+        return
+    _section(inference, "vllm").setdefault(ROUTED_EXPERTS_ENGINE_ARG, True)
+    version = installed_vllm_version()
+    if version is not None and unsupported_reason(version) is None:
+        for key, value in routed_experts_env(version).items():
+            _section(inference, "env_vars").setdefault(key, value)
 
 
 class RLConfig(BaseConfig):
@@ -126,6 +150,7 @@ class RLConfig(BaseConfig):
             served.setdefault("max_rank", next((r for r in LORA_RANKS if r >= rank), rank))
             placeholders = list(served.get("placeholders", []))
             served["placeholders"] = placeholders if adapter in placeholders else [*placeholders, adapter]
+        _share_routed_experts(trainer, orch, inference)
         if data.get("max_steps") is not None:
             trainer.setdefault("max_steps", data["max_steps"])
             orch.setdefault("max_steps", data["max_steps"])
@@ -195,6 +220,26 @@ class RLConfig(BaseConfig):
                     f"deployment.num_train_gpus={self.deployment.num_train_gpus} must be divisible by "
                     f"trainer.model.dp_replicate={self.trainer.model.dp_replicate}"
                 )
+        if self.trainer.model.moe.router_replay and not self.orchestrator.routed_experts:
+            raise ValueError(
+                "trainer.model.moe.router_replay=true needs inference's routed experts, but orchestrator.routed_experts="
+                "false does not ask for them; remove orchestrator.routed_experts (rl sets it)"
+            )
+        if self.orchestrator.routed_experts and self.slurm is None:
+            key = (
+                "trainer.model.moe.router_replay"
+                if self.trainer.model.moe.router_replay
+                else "orchestrator.routed_experts"
+            )
+            shape = read_model_shape(self.trainer.model.name)
+            if shape is not None and shape.num_experts == 0:  # before asking whether vLLM could report them
+                raise ValueError(
+                    f"{key}=true but {self.trainer.model.name} is a dense model (no experts, nothing to route); "
+                    "remove it or train a MoE model"
+                )
+            version = installed_vllm_version()  # package metadata: no vLLM import
+            if version is not None and (reason := routed_experts_unsupported(version, installed_vllm_is_cpu(), key)):
+                raise ValueError(reason)
         if self.trainer.data.fake is not None:
             raise ValueError("trainer.data.fake is for benchmarking the trainer alone; `rl` trains on rollouts")
         return self

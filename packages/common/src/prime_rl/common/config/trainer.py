@@ -122,6 +122,11 @@ class MoEConfig(BaseConfig):
     """Routed-expert GEMM precision: `type = "bf16"`, `"fp8"` (blockwise, SM90), `"deepgemm_fp8"` or `"mxfp8"`;
     Mega MoE layers use `dispatch.precision` instead."""
 
+    router_replay: bool = False
+    """RL: route each sampled token to the experts inference chose for it (vLLM's routed experts, carried by the
+    orchestrator); the routing weights still come from the trainer's router over those experts. Needs a MoE
+    model and a vLLM that returns routed experts (`rl` sets `orchestrator.routed_experts`)."""
+
 
 DEFAULT_KEEP_LAST = 3
 """Checkpoints sft and the RL trainer keep unless told otherwise (`ckpt.keep_last`)."""

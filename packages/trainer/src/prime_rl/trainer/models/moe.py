@@ -15,6 +15,9 @@ Design:
   best experts), weighted by the unbiased scores, renormalized, times `routed_scaling_factor`. The bias
   is a buffer loaded from the checkpoint and kept fixed: pre-training adjusts it for load balance, a
   post-training run has no reason to (and no gradient reaches it).
+- Router replay (`[model.moe] router_replay`, RL): the experts inference chose (`Router.replay`, one layer's
+  slice of vLLM's routed experts) replace the router's own top-k; the weights are still this router's scores of
+  those experts (renormalized and scaled as usual), so the router keeps its gradient. `router_replay.py` sets it.
 - Shared experts (`n_shared_experts`, GLM-4.5): one SwiGLU MLP every token goes through, added to the
   routed output; `MoE.routed` is what expert parallelism (DeepEP) replaces.
 - The routed experts' GEMM precision (`Experts.compute`, `[model.moe.compute]`: bf16 or blockwise FP8) is
@@ -44,31 +47,60 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         if self.scoring == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        self.replay: torch.Tensor | None = None
+        """(N, k) int64 experts inference chose for this forward's tokens, -1 rows where it reported none."""
+        self.replay_route = False
+        """Route by ``replay`` (router replay); False: only compare with it (``replay_stats``)."""
+        self.replay_stats: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(differ, valid), (N,) bool each, of the last eager forward with ``replay``."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, H) -> topk_weights (N, k) in x.dtype, topk_idx (N, k) int64."""
         if self.scoring == "sigmoid":
-            return self._sigmoid_group_topk(x)
-        logits = F.linear(x, self.weight)  # (N, E)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        topk_weights, topk_idx = torch.topk(probs, self.top_k, dim=-1)
+            scores, topk_idx = self._sigmoid_group_topk(x)
+        else:
+            scores = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)  # (N, E)
+            topk_idx = torch.topk(scores, self.top_k, dim=-1)[1]
+        if self.replay is not None:
+            topk_idx = self._replay(topk_idx)
+        # the weights of the chosen experts, from this router's scores (replayed or not: gradients reach the router)
+        topk_weights = scores.gather(1, topk_idx)
+        if self.scoring == "sigmoid":
+            if self.norm_topk_prob:
+                topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return (topk_weights * self.scaling).to(x.dtype), topk_idx
         if self.norm_topk_prob:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
         return topk_weights.to(x.dtype), topk_idx
 
     def _sigmoid_group_topk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (N, E), fp32 as HF
+        """x (N, H) -> fp32 sigmoid scores (N, E) as HF, and the experts chosen on them (N, k)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (N, E)
         choice = scores + self.e_score_correction_bias.float()
         per_group = self.num_experts // self.n_group
         group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # (N, G)
         group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
         keep = keep.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
-        topk_idx = choice.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1, sorted=False)[1]
-        topk_weights = scores.gather(1, topk_idx)
-        if self.norm_topk_prob:
-            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return (topk_weights * self.scaling).to(x.dtype), topk_idx
+        return scores, choice.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1, sorted=False)[1]
+
+    def _replay(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """Compare this router's choice with inference's (``replay``, set by ``router_replay.set_router_replay``)
+        and, with ``replay_route``, take inference's wherever it reported one (rows of -1: it did not)."""
+        replay = self.replay
+        if replay.shape != topk_idx.shape:
+            raise ValueError(
+                f"replayed experts of shape {tuple(replay.shape)} for {tuple(topk_idx.shape)} routing slots: inference's "
+                "routed experts must cover the same tokens and top_k as the trainer's forward"
+            )
+        valid = (replay >= 0).all(dim=-1)  # (N,)
+        # the same experts in any order (vLLM's top-k order is its kernel's)
+        differ = (topk_idx.sort(dim=-1)[0] != replay.sort(dim=-1)[0]).any(dim=-1) & valid  # (N,)
+        if not torch.compiler.is_compiling():  # as MoE.last_tokens_per_expert: compiled blocks skip the stats
+            self.replay_stats = (differ.detach(), valid)
+        if not self.replay_route:
+            return topk_idx
+        return torch.where(valid.unsqueeze(-1), replay, topk_idx)
 
 
 class Experts(nn.Module):

@@ -53,7 +53,7 @@ def _cut(row: RLMicroBatch, n: int) -> RLMicroBatch:
     keep = lambda t: None if t is None else t[..., :n]  # noqa: E731
     return RLMicroBatch(
         keep(row.input_ids), keep(row.position_ids), keep(row.targets), keep(row.loss_mask), keep(row.advantages),
-        keep(row.inference_logprobs), row.temperature, n,
+        keep(row.inference_logprobs), row.temperature, n, None if row.routed_experts is None else row.routed_experts[:n],
     )  # fmt: skip
 
 
@@ -90,7 +90,20 @@ def concat(rows: Sequence[RLMicroBatch], multiple: int = 1) -> RLMicroBatch:
         inference_logprobs=None if on_policy else cat("inference_logprobs", 0),
         temperature=rows[0].temperature,
         num_real_tokens=real,
+        routed_experts=concat_routed_experts(parts),
     )
+
+
+def concat_routed_experts(rows: Sequence[RLMicroBatch]) -> torch.Tensor | None:
+    """The rows' routed experts back to back, -1 (the trainer routes) for rows without; None if no row has any."""
+    shapes = {r.routed_experts.shape[1:] for r in rows if r.routed_experts is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"rows carry routed experts of different (layers, top_k): {sorted(shapes)}")
+    (shape,) = shapes
+    none = lambda r: torch.full((r.input_ids.shape[-1], *shape), -1, dtype=torch.int16)  # noqa: E731
+    return torch.cat([none(r) if r.routed_experts is None else r.routed_experts for r in rows])
 
 
 def build_forwards(rows: Sequence[RLMicroBatch], budget: int, multiple: int = LENGTH_QUANTUM) -> list[RLMicroBatch]:

@@ -47,6 +47,9 @@ class RLMicroBatch:
     temperature: float
     num_real_tokens: int | None = None
     """Positions that belong to samples (not padding) in the whole forward; None: all of them."""
+    routed_experts: torch.Tensor | None = None
+    """(T, layers, top_k) int16: the experts inference routed token t to (not shifted: the forward routes token t
+    at position t), -1 where it reported none; None when the orchestrator sent none."""
 
     @property
     def real_tokens(self) -> int:
@@ -83,6 +86,9 @@ class RLMicroBatch:
             cut(self.inference_logprobs),
             self.temperature,
             self.num_real_tokens,
+            None
+            if self.routed_experts is None
+            else shard_sequence(self.routed_experts.movedim(0, -1), cp_rank, cp).movedim(-1, 0),
         )
 
     def to(self, device: torch.device) -> RLMicroBatch:
@@ -96,6 +102,7 @@ class RLMicroBatch:
             move(self.inference_logprobs),
             self.temperature,
             self.num_real_tokens,
+            move(self.routed_experts),
         )
 
 
@@ -127,7 +134,14 @@ def from_arrays(arrays: dict[str, np.ndarray], temperature: float) -> RLMicroBat
         advantages=to_positions(tensor("advantages"), targets, 0.0),
         inference_logprobs=to_positions(tensor("inference_logprobs"), targets, 0.0),
         temperature=temperature,
+        routed_experts=routed_experts_of(arrays),
     )
+
+
+def routed_experts_of(arrays: dict[str, np.ndarray]) -> torch.Tensor | None:
+    """A received row's routed experts as (T, layers, top_k), or None when it has none."""
+    experts = arrays.get("routed_experts")
+    return None if experts is None else torch.from_numpy(np.ascontiguousarray(experts).reshape(-1, *experts.shape[-2:]))
 
 
 class OrchestratorSource:

@@ -41,6 +41,7 @@ from prime_rl.trainer.loop import train_loop
 from prime_rl.trainer.lora import BaseModelView
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import PackedSeqs
+from prime_rl.trainer.models.router_replay import check_router_replay, replay_mismatch, set_router_replay
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.context import shard_sequence
 from prime_rl.trainer.rl.batching import TokenBudgetSource
@@ -67,8 +68,11 @@ class RLObjective:
         norm: str = "token",
         max_len: int | None = None,
         ref_model: CausalLM | None = None,
+        router_replay: bool = False,
     ):
         self.dims, self.world, self.settings = dims, world, settings
+        self.router_replay = router_replay
+        """Route by the experts inference reported (rows' ``routed_experts``); False: only measure the mismatch."""
         self.norm, self.max_len, self.ref_model = norm, max_len, ref_model
         # the sequence ratio sums per-sample log-ratios over the CP ranks of a sequence (created on every rank)
         self.cp_group = None
@@ -113,13 +117,14 @@ class RLObjective:
         if denominator is None:  # "constant" (Dr. GRPO)
             denominator = samples * float(self.max_len)
         loss_scale = (denominator / world.world_size).float()
-        sums = torch.zeros(6, dtype=torch.float64, device=world.device)
+        sums = torch.zeros(10, dtype=torch.float64, device=world.device)  # [6:]: router_replay.replay_mismatch
         for i, (mb, sample_ids, sample_tokens, num_segments) in enumerate(prepared):
             if before_last is not None and i == len(prepared) - 1:
                 before_last()
             sample_ids = sample_ids.to(world.device, non_blocking=True)
             seqs = PackedSeqs.from_position_ids(mb.position_ids).to(world.device)  # on the host: no device sync
             mb = mb.to(world.device)
+            set_router_replay(model, mb.routed_experts, self.router_replay)
             # (T,) each: logprob / entropy of token t+1 at position t, like every array of the micro-batch
             logprobs, entropy = model(mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature, seqs=seqs)
             inference = mb.inference_logprobs if mb.inference_logprobs is not None else logprobs.detach()
@@ -138,8 +143,9 @@ class RLObjective:
                 cp_group=self.cp_group,
             )  # fmt: skip
             loss.backward()
+            sums[6:] += replay_mismatch(model, world.device)
             masked_entropy = torch.where(mb.loss_mask, entropy.detach(), torch.zeros_like(entropy)).sum()
-            sums += torch.stack(
+            sums[:6] += torch.stack(
                 [
                     loss.detach().double(),
                     masked_entropy.double(),
@@ -149,6 +155,7 @@ class RLObjective:
                     stats.get("kl_ref", torch.zeros((), device=world.device)).double(),
                 ]
             )
+        set_router_replay(model, None, False)
         dist.all_reduce(sums)
         mean = sums / loss_tokens
         out = {
@@ -161,13 +168,23 @@ class RLObjective:
             "loss/samples": counts[1],
             "tokens": counts[2],  # real tokens: what perf/throughput counts
             "perf/padding_fraction": 1.0 - counts[2] / counts[3].clamp(min=1.0),
+            # tokens whose top-k experts differ from inference's at some MoE layer (before replay), and per layer
+            "router/expert_mismatch": sums[6] / sums[7].clamp(min=1.0),
+            "router/expert_mismatch_layer": sums[8] / sums[9].clamp(min=1.0),
+            "router/reported_tokens": sums[7],
         }
         if self.ref_model is not None:
             out["kl_ref"] = mean[5]
         return out
 
     def metrics(self, stats: dict[str, float]) -> dict[str, float]:
-        return {k: v for k, v in stats.items() if k not in ("tokens", "optim/grad_norm")}
+        # router/*: only when inference reported routed experts (orchestrator.routed_experts)
+        no_experts = not stats.get("router/reported_tokens")
+        return {
+            k: v
+            for k, v in stats.items()
+            if k not in ("tokens", "optim/grad_norm") and not (no_experts and k.startswith("router/"))
+        }
 
     def summary(self, m: dict[str, float]) -> str:
         masked = m["masked/low_fraction"] + m["masked/high_fraction"]
@@ -200,7 +217,7 @@ def build_objective(
         else:  # same layout as the policy (FSDP-sharded, so + 4 bytes/param / dp ranks), never stepped
             ref_model = build_training_model(model_cfg, dims, mesh, world.device).requires_grad_(False)
         logger.info(f"KL control: {loss.kl.estimator} x {loss.kl.coef} against a frozen copy of {model_cfg.name}")
-    return RLObjective(dims, world, settings, loss.norm, loss.max_len, ref_model)
+    return RLObjective(dims, world, settings, loss.norm, loss.max_len, ref_model, model_cfg.moe.router_replay)
 
 
 def apply_env_vars(env_vars: dict[str, str]) -> None:
@@ -214,6 +231,8 @@ def train(cfg: RLTrainerConfig) -> None:
     run_dir, world, logger = start_rank(cfg.output_dir, cfg.run_name, cfg.log_level)
     with bad_input_exits(world, logger):
         _model_dir, model_config, dims = inspect_model(cfg.model, world)
+        if cfg.model.moe.router_replay:
+            check_router_replay(model_config, cfg.model.name)
         dp_rank = dims.dp_rank(world.rank)  # the cp ranks of one sequence train on the same rows
         if cfg.data.fake is not None:
             source = FakeSource(cfg.data.fake, cfg.data.seq_len, model_config.vocab_size, dp_rank, dims.dp)
