@@ -166,3 +166,23 @@ def test_dense_model_is_refused_in_one_line(tmp_path):
     dense = load_model_config(str(make_tiny_model(tmp_path / "dense", kind="qwen3", dtype="float32")))
     with pytest.raises(ValueError, match=r"router_replay=true but .* is a dense model"):
         check_router_replay(dense, "tiny-dense")
+
+
+def test_replay_is_followed_inside_a_compiled_router(moe_dir):
+    """`model.compile = "auto"` compiles the blocks on CUDA: each forward's replayed experts must still be used
+    (not baked into the graph from the first call), rows of -1 routed by the trainer, and clearing works."""
+    router = moe_routers(_load(moe_dir).model)[0]
+    router.compile(fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    for tokens in (16, 24, 16):
+        x = torch.randn(tokens, router.weight.shape[1], generator=g)
+        first = torch.randint(0, EXPERTS, (tokens, 1), generator=g)
+        replay = torch.cat([first, (first + 1) % EXPERTS], dim=1)
+        replay[::3] = -1
+        own = torch.topk(torch.softmax(x @ router.weight.T, dim=-1), TOP_K, dim=-1)[1]
+        router.replay, router.replay_route = replay, True
+        chosen = router(x)[1]
+        valid = (replay >= 0).all(dim=-1)
+        assert torch.equal(chosen[valid], replay[valid]) and torch.equal(chosen[~valid], own[~valid])
+        router.replay = None
+        assert torch.equal(router(x)[1], own)
