@@ -361,3 +361,24 @@ def test_help_reads_docstrings_of_inherited_and_local_classes(capsys):
     assert "(default: 0) layers added on top of the model's" in out
     assert "(default: 2048) tokens per micro-batch" in out  # declared in Model, documented there
     assert field_doc(Local, "seq_len") == field_doc(Model, "seq_len") == "tokens per micro-batch"
+
+
+def test_removed_fp8_expert_compute_fails_at_config_time_in_one_line(tmp_path):
+    """`[model.moe.compute] type = "fp8"` was removed (issue #32): the value, why, and the fix, in one line."""
+    from prime_rl.common.config.rl import RLConfig
+    from prime_rl.common.config.trainer import SFTConfig
+
+    toml = write(tmp_path, "fp8.toml", '[model.moe.compute]\ntype = "fp8"\n')
+    sft = ["--model.name", "Qwen/Qwen3-30B-A3B", "--data.type", "fake"]
+    for cls, argv in [
+        (SFTConfig, [*sft, "@", toml]),
+        (SFTConfig, [*sft, "--model.moe.compute.type", "fp8"]),
+        (RLConfig, ["--model.name", "Qwen/Qwen3-30B-A3B", "--trainer.model.moe.compute.type", "fp8"]),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(cls, argv)
+        message = str(e.value)
+        assert "\n" not in message
+        assert 'type = "fp8" was removed' in message and "2.36x slower than bf16" in message
+        assert "H200" in message and "BENCHMARKS.md" in message and message.count('use type = "bf16"') == 1
+    assert load_config(SFTConfig, [*sft, "--model.moe.compute.type", "bf16"]).model.moe.compute.type == "bf16"

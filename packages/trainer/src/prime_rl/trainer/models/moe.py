@@ -20,8 +20,8 @@ Design:
   those experts (renormalized and scaled as usual), so the router keeps its gradient. `router_replay.py` sets it.
 - Shared experts (`n_shared_experts`, GLM-4.5): one SwiGLU MLP every token goes through, added to the
   routed output; `MoE.routed` is what expert parallelism (DeepEP) replaces.
-- The routed experts' GEMM precision (`Experts.compute`, `[model.moe.compute]`: bf16 or blockwise FP8) is
-  set after the model is built by `apply_moe_compute`; see `moe_compute.py`. Shared experts stay bf16.
+- The routed experts' GEMMs run in bf16 (`[model.moe.compute]` accepts nothing else that runs; see
+  `moe_compute.py`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prime_rl.kernels.grouped_gemm import grouped_swiglu
 from prime_rl.trainer.models.config import ArchConfig
 from prime_rl.trainer.models.mlp import MLP
-from prime_rl.trainer.models.moe_compute import grouped_swiglu_for
 
 
 class Router(nn.Module):
@@ -112,15 +112,12 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, inter, hidden))
         self.up_proj = nn.Parameter(torch.empty(num_experts, inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
-        self.compute = "bf16"  # `[model.moe.compute] type`, set by apply_moe_compute
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x (M, H) sorted by expert, tokens_per_expert (E_local,) -> (M, H)."""
-        # bf16: Triton grouped GEMM on GPU (no host sync, one op per projection), a per-expert loop elsewhere;
-        # fp8: blockwise-scaled FP8 per expert. Every stacked weight gets a gradient whatever the routing, so
-        # FSDP sees the same gradients on every rank.
-        swiglu = grouped_swiglu_for(self.compute)
-        return swiglu(x, tokens_per_expert, self.gate_proj, self.up_proj, self.down_proj)
+        # Triton grouped GEMM on GPU (no host sync, one op per projection), a per-expert loop elsewhere. Every
+        # stacked weight gets a gradient whatever the routing, so FSDP sees the same gradients on every rank.
+        return grouped_swiglu(x, tokens_per_expert, self.gate_proj, self.up_proj, self.down_proj)
 
 
 def permute_tokens(

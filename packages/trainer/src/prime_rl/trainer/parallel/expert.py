@@ -21,8 +21,7 @@ routing, not permuted tokens): see `deepep.py`. It keeps these expert parameters
 convention.
 
 Left out: Mega MoE dispatch (the config is validated, the kernels are not bundled) and token-dropping
-capacity limits (dispatch is dropless). FP8 expert compute (`[model.moe.compute]`) runs in `run_local` on
-the local expert shards.
+capacity limits (dispatch is dropless).
 """
 
 import torch
@@ -40,8 +39,8 @@ from prime_rl.common.config.trainer import (
     MoEDispatchConfig,
     TorchDispatchConfig,
 )
+from prime_rl.kernels.grouped_gemm import grouped_swiglu
 from prime_rl.trainer.dispatch_kernels import dispatch_kernels_error
-from prime_rl.trainer.models.moe_compute import grouped_swiglu_for
 from prime_rl.trainer.models.nemotron_h import grouped_relu2
 from prime_rl.trainer.parallel.deepep import DeepEPDispatcher, apply_deepep_moe
 
@@ -126,7 +125,6 @@ class ExpertParallelExperts(nn.Module):
             dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
             self.register_parameter(name, nn.Parameter(dt, requires_grad=full.requires_grad))
         self.num_experts = self.down_proj.shape[0]
-        self.compute = getattr(experts, "compute", "bf16")  # routed-expert precision: FP8 quantizes the local shard
 
     def _local_weight(self, param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         w = _ReduceExpertGrad.apply(param.to_local(), self.replicate_group, self.world_size)
@@ -136,7 +134,7 @@ class ExpertParallelExperts(nn.Module):
         """The local experts only: x (M, H) grouped by local expert, counts (E_local,) -> (M, H)."""
         weights = [self._local_weight(getattr(self, n), x.dtype) for n in self.proj_names]
         if len(weights) == 3:
-            return grouped_swiglu_for(self.compute)(x, counts, *weights)
+            return grouped_swiglu(x, counts, *weights)
         return grouped_relu2(x, counts, *weights)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

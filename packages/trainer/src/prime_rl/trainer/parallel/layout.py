@@ -32,5 +32,5 @@ def resolve_parallel_dims(cfg: TrainerModelConfig, world_size: int, arch: ArchCo
         )
     if num_experts:
         check_dispatch(cfg.moe, ep)
-        check_moe_compute(cfg.moe.compute, arch.model_type)
+        check_moe_compute(cfg.moe.compute)
     return dataclasses.replace(dims, cp=cfg.cp, ep=ep)

@@ -12,7 +12,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.kernels.grouped_gemm import triton_grouped_enabled
-from prime_rl.trainer.models.moe_compute import apply_moe_compute, fp8_triton_enabled
 from prime_rl.trainer.parallel.checkpointing import apply_ac
 from prime_rl.trainer.parallel.compile import apply_compile, resolve_compile
 from prime_rl.trainer.parallel.context import apply_cp, build_cp_mesh
@@ -29,8 +28,6 @@ def parallelize_model(
     (`model.layers` are the blocks)."""
     blocks = model.layers
     expert_params: list[nn.Parameter] = []
-    # routed-expert precision: an attribute of the experts, set before EP swaps them (EP carries it over)
-    apply_moe_compute(blocks, cfg.moe.compute.type)
     if dims.ep_enabled:  # 0. expert parallel: module swap, before AC / compile wrap the blocks
         ep_mesh = build_ep_mesh(dims.world_size, dims.ep, mesh.device_type)
         expert_params = apply_ep(blocks, ep_mesh, cfg.moe.dispatch)
@@ -42,13 +39,8 @@ def parallelize_model(
         apply_ac_offloading(root, cfg.ac_offloading.max_inflight_activations)
     compile_cfg = resolve_compile(cfg.compile, mesh.device_type)
     if compile_cfg is not None:  # 3. compile after AC wrapping, before FSDP
-        # one graph per MoE block only with a Triton grouped GEMM (bf16 on CUDA, fp8 on SM90) and no EP
-        # dispatch (fp8's torch fallback reads the per-expert token counts on the host: never one graph)
-        compute = cfg.moe.compute.type
-        moe_is_one_graph = not dims.ep_enabled and (
-            (compute == "bf16" and triton_grouped_enabled(mesh.device_type))
-            or (compute == "fp8" and fp8_triton_enabled(mesh.device_type))
-        )
+        # one graph per MoE block only with the Triton grouped GEMM (CUDA) and no EP dispatch
+        moe_is_one_graph = not dims.ep_enabled and triton_grouped_enabled(mesh.device_type)
         apply_compile(blocks, fullgraph=compile_cfg.fullgraph, moe_is_one_graph=moe_is_one_graph)
     apply_fsdp(  # 4. FSDP last
         root,
