@@ -67,9 +67,9 @@ def main(mode: str, model_dir: str, out: str, announce: str) -> None:
     elif mode == "skip":  # a disk slower than the steps: the loop never waits, the newest version wins
         original = files.write_safetensors
 
-        def slow(path, tensors, metadata=None):
+        def slow(path, tensors, metadata=None, **kw):
             time.sleep(1.0)
-            original(path, tensors, metadata)
+            return original(path, tensors, metadata, **kw)
 
         files.write_safetensors = slow
         for version in (1, 2, 3):
@@ -88,9 +88,9 @@ def main(mode: str, model_dir: str, out: str, announce: str) -> None:
         publisher.flush()
         original = files.write_safetensors
 
-        def stalling(path, tensors, metadata=None):
+        def stalling(path, tensors, metadata=None, **kw):
             half = dict(list(tensors.items())[: max(1, len(tensors) // 2)])
-            original(path, half, metadata)  # a partial file on disk, then the trainer dies
+            original(path, half, metadata, **kw)  # a partial file on disk, then the trainer dies
             print("WRITING", flush=True)
             time.sleep(600)
 

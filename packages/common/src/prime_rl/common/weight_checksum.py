@@ -90,11 +90,13 @@ def compute_checksums(directory: str | os.PathLike[str]) -> dict[str, int]:
         return {job[0]: crc for job, crc in zip(jobs, crcs, strict=True)}
 
 
-def write_checksums(directory: str | os.PathLike[str]) -> Path:
-    """Write ``checksums.json`` for the safetensors files in ``directory`` (call before the marker)."""
+def write_checksums(directory: str | os.PathLike[str], crcs: dict[str, int] | None = None) -> Path:
+    """Write ``checksums.json`` for the safetensors files in ``directory`` (call before the marker): ``crcs``
+    when the writer summed the tensors from memory as it wrote them, else read back from the files."""
     path = Path(directory) / CHECKSUMS_FILE
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"algorithm": ALGORITHM, "tensors": compute_checksums(directory)}))
+    crcs = compute_checksums(directory) if crcs is None else crcs
+    tmp.write_text(json.dumps({"algorithm": ALGORITHM, "tensors": crcs}))
     os.replace(tmp, path)
     return path
 
