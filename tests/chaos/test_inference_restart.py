@@ -182,12 +182,14 @@ def _stop_mid_load(log: Path, version: int, server_pid: int, proc: subprocess.Po
 
 def test_an_engine_killed_in_the_middle_of_a_weight_load_is_restarted_and_reloaded_at_once(model, tmp_path):
     """Probe (issue 35): a server killed while it loads a version never answered that load; the orchestrator waited out
-    `orchestrator.inference.timeout` (600 s) before it healed. Two kills in one run (`max_restarts = 2`): vLLM's engine
-    core during the load of one version (the API server answers the load with an error, then exits), then the API
-    server during a later load (its control connection drops). Each must be healed in the time of a restart."""
+    `orchestrator.inference.timeout` (600 s) before it healed. vLLM's engine core is killed during the load of one
+    version (the API server answers the load with an error, then exits; the commonest death, a CUDA error or OOM),
+    which must be healed in the time of a restart. The API server's death mid-load (its control connection drops)
+    is the transport's `PeerLostError`, tested without vLLM (test_transport, test_heal): a second kill here cost a
+    third vLLM start, ~60 s of CI on the serial vLLM worker."""
     port = free_port()
     run = RunDir(tmp_path, "heal")
-    steps = 8
+    steps = 6
     config = write_cpu_rl_config(
         tmp_path / "rl.toml", model, tmp_path, "heal", port, max_steps=steps, inference={"max_restarts": 2}
     )
@@ -202,7 +204,7 @@ def test_an_engine_killed_in_the_middle_of_a_weight_load_is_restarted_and_reload
     try:
         _wait(lambda: (logs / "inference.log").exists(), proc, tmp_path, "the inference log", 120)
         version = 2  # version 1's load would be healed without a reload (the model's own weights serve)
-        for target in ("engine_core", "api_server"):
+        for target in ("engine_core",):
             while True:
                 out = (tmp_path / "launcher.out").read_text()
                 pid = int(re.findall(r"started inference \(pid (\d+)\)", out)[-1])
@@ -229,7 +231,7 @@ def test_an_engine_killed_in_the_middle_of_a_weight_load_is_restarted_and_reload
             proc.wait()
 
     out = (tmp_path / "launcher.out").read_text()
-    assert "restarting it (restart 1/2" in out and "restarting it (restart 2/2" in out, out[-4000:]
+    assert "restarting it (restart 1/2" in out and "restart 2/2" not in out, out[-4000:]
     assert out.count("started orchestrator") == 1
     orchestrator_log = (logs / "orchestrator.log").read_text()
     lost = re.findall(r"weight update to version (\d+) lost \((\w+)", orchestrator_log)
@@ -240,7 +242,7 @@ def test_an_engine_killed_in_the_middle_of_a_weight_load_is_restarted_and_reload
     orchestrator = {r["step"]: r for r in rows if "rollouts/resent" in r}
     assert sorted(_trainer_steps(run)) == list(range(1, steps + 1)), _trainer_steps(run)  # no step lost, none twice
     assert sorted(orchestrator) == list(range(1, steps + 1))
-    assert sum(r["inference/outages"] for r in orchestrator.values()) == 2
+    assert sum(r["inference/outages"] for r in orchestrator.values()) == 1
     for step, r in trainer.items():  # the policy after each recovery is the trained one
         assert r["mismatch_kl"] < 1e-3, (step, r["mismatch_kl"])
     for step, r in orchestrator.items():  # synchronous: every batch sampled by the version before its step
