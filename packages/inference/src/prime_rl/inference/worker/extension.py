@@ -55,8 +55,11 @@ class PrimeWorkerExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        from prime_rl.inference.worker.reload import apply_moe_repack_on_reload
+
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
         model = self._prime_model()
+        apply_moe_repack_on_reload(model)
         count = 0
         with set_current_vllm_config(vllm_config), torch.inference_mode():
             initialize_layerwise_reload(model)

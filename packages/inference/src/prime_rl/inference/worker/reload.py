@@ -1,4 +1,12 @@
-"""vLLM's layerwise reload driven batch by batch, shared by the transports that stream into the model."""
+"""vLLM's layerwise reload driven batch by batch, shared by the transports that stream into the model.
+
+Also the one fix-up the reload needs for MoE on CPU (``apply_moe_repack_on_reload``): vLLM 0.32 builds an
+unquantized MoE layer's kernel on the first load and, in ``UnquantizedFusedMoEMethod._setup_kernel``, runs
+the experts' own ``process_weights_after_loading`` only then. On CPU that is where w13/w2 are zero-padded
+and prepacked into the grouped-gemm layout, so a reload copied checkpoint-layout experts into storage the
+kernel reads as packed: the same weights computed different logits (mismatch_kl 1e-5 -> 1e-3 after the
+first update of a tiny Qwen3-MoE with lr 0, benchmarks/results/moe_mismatch.md).
+"""
 
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ class LayerwiseReload:
         if self._context is None:
             self._context = set_current_vllm_config(self.worker.vllm_config)
             self._context.__enter__()
+            apply_moe_repack_on_reload(model)
             with torch.inference_mode():
                 initialize_layerwise_reload(model)
         with torch.inference_mode():
@@ -48,3 +57,35 @@ class LayerwiseReload:
         finally:
             self._context.__exit__(None, None, None)
             self._context = None
+
+
+def apply_moe_repack_on_reload(model: torch.nn.Module) -> None:
+    """Make each CPU unquantized MoE layer repack its experts whenever a layerwise reload processes it.
+
+    The reload materializes the layer, loads checkpoint-layout weights into it, calls
+    ``quant_method.process_weights_after_loading`` and copies the result into the served storage; we add the
+    experts' repack (which vLLM skips once the kernel exists) to that call, so what is copied is packed
+    exactly as at startup. Idempotent; layers of other backends (GPU, zentorch) are left alone.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or "_prime_repacks" in vars(method):
+            continue
+        kernel = method.moe_kernel
+        if kernel is None or not isinstance(kernel.fused_experts, CPUUnquantizedExperts):
+            continue
+        method.process_weights_after_loading = _with_experts_repack(method)
+        method._prime_repacks = True
+
+
+def _with_experts_repack(method: Any) -> Any:
+    process = method.process_weights_after_loading  # bound, before we replace it on the instance
+
+    def process_and_repack(layer: torch.nn.Module) -> None:
+        process(layer)
+        method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    return process_and_repack
