@@ -67,14 +67,17 @@ def apply_moe_repack_on_reload(model: torch.nn.Module) -> None:
     experts' repack (which vLLM skips once the kernel exists) to that call, so what is copied is packed
     exactly as at startup. Idempotent; layers of other backends (GPU, zentorch) are left alone.
     """
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    try:  # vLLM 0.32's module layout; the GPU machine's 0.26 has no such CPU experts: nothing to repack there
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:
+        return
 
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if not isinstance(method, UnquantizedFusedMoEMethod) or "_prime_repacks" in vars(method):
             continue
-        kernel = method.moe_kernel
+        kernel = getattr(method, "moe_kernel", None)
         if kernel is None or not isinstance(kernel.fused_experts, CPUUnquantizedExperts):
             continue
         method.process_weights_after_loading = _with_experts_repack(method)
