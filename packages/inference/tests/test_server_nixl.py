@@ -55,7 +55,7 @@ def _trainer(control: str, model_dir: str, scenario: str, version: int, overlap:
     from prime_rl.common.weight_sync.nixl_source import NixlSendError
 
     sd = perturbed(Path(model_dir), seed=version)
-    sender = _sender(control, overlap, timeout_s=120 if scenario == "ok" else 8)
+    sender = _sender(control, overlap, timeout_s=120 if scenario == "ok" else 30)
     try:
         if scenario == "ok":  # two updates: the second reuses the prepared requests
             sender.push(version, sd.items())
@@ -116,8 +116,7 @@ def _run(server, scenario: str, version: int, overlap: bool = False) -> tuple[li
     return results, p.exitcode
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["one_arena", "overlap"])
-def test_nixl_update_matches_transformers(server, overlap):
+def _update_matches_transformers(server, overlap: bool) -> None:
     base = health(server).weight_version
     before = server_logprobs(server)
     results, exitcode = _run(server, "ok", base + 1, overlap)
@@ -128,6 +127,10 @@ def test_nixl_update_matches_transformers(server, overlap):
     after = server_logprobs(server)
     assert max_diff(after, before) > 1e-2
     assert max_diff(after, hf_logprobs(server.model_dir, perturbed(server.model_dir, base + 2))) < TOL
+
+
+def test_nixl_update_matches_transformers(server):
+    _update_matches_transformers(server, overlap=False)
 
 
 def test_nixl_peer_vanishing_mid_transfer_keeps_old_weights(server):
@@ -154,3 +157,9 @@ def test_nixl_out_of_order_notification_is_refused(server):
     # An update request for a version that is not newer is refused by the server before any worker runs.
     stale = request(server, NixlWeightsRequest(version=base))
     assert not stale.ok and "versions must increase" in stale.error
+
+
+def test_nixl_update_matches_transformers_with_overlap(server):
+    """Last in the module: the overlap receiver's UCX progress thread then polls a core until the server stops,
+    which starved the refusal scenarios' 8 s requests on CI's two cores when it ran first."""
+    _update_matches_transformers(server, overlap=True)
