@@ -126,6 +126,23 @@ class RestartingControl:
         pass
 
 
+async def _run_orchestrator(config, run_dir: RunDir, control, poll_interval: float | None = None) -> Orchestrator:
+    """The orchestrator's run against the fake server and trainer, with its clients closed however it ends."""
+    client = InferenceClient(config.model.client.base_url, config.model.name, max_retries=1, retry_backoff=0.01)
+    sender = BatchSender("127.0.0.1", config.trainer.port, config.num_train_ranks, timeout=30)
+    monitor = FileMonitor(run_dir)
+    orchestrator = Orchestrator(config, ReverseTextEnv(min_len=3, max_len=6), client, control, sender.send, monitor)
+    if poll_interval is not None:
+        orchestrator.watch.poll_interval = poll_interval
+    try:
+        await asyncio.wait_for(orchestrator.run(), timeout=60)
+    finally:
+        await client.aclose()
+        sender.close()
+        monitor.close()
+    return orchestrator
+
+
 def test_an_outage_holds_rollouts_reloads_the_policy_and_resends_them(tmp_path, make_server, ports):
     control = RestartingControl()
     server = RestartingServer(make_server(), lambda: control.version)
@@ -151,22 +168,8 @@ def test_an_outage_holds_rollouts_reloads_the_policy_and_resends_them(tmp_path, 
     killer = threading.Thread(target=restart_once_policy_2_serves)
     killer.start()
 
-    async def go() -> Orchestrator:
-        client = InferenceClient(config.model.client.base_url, config.model.name, max_retries=1, retry_backoff=0.01)
-        sender = BatchSender("127.0.0.1", config.trainer.port, config.num_train_ranks, timeout=30)
-        monitor = FileMonitor(run_dir)
-        orchestrator = Orchestrator(config, ReverseTextEnv(min_len=3, max_len=6), client, control, sender.send, monitor)
-        orchestrator.watch.poll_interval = 0.1
-        try:
-            await asyncio.wait_for(orchestrator.run(), timeout=60)
-        finally:
-            await client.aclose()
-            sender.close()
-            monitor.close()
-        return orchestrator
-
     try:
-        asyncio.run(go())
+        asyncio.run(_run_orchestrator(config, run_dir, control, poll_interval=0.1))
     finally:
         killer.join()
         server.close()
@@ -302,21 +305,8 @@ def test_a_server_that_dies_mid_update_is_waited_out_and_updated_again(tmp_path,
     run_dir = RunDir(tmp_path, "run")
     trainer = FakeTrainer(run_dir, port, num_ranks=2, num_steps=4, weights_port=config.trainer.weights_port)
 
-    async def go() -> None:
-        client = InferenceClient(config.model.client.base_url, config.model.name, max_retries=1, retry_backoff=0.01)
-        sender = BatchSender("127.0.0.1", config.trainer.port, config.num_train_ranks, timeout=30)
-        monitor = FileMonitor(run_dir)
-        orchestrator = Orchestrator(config, ReverseTextEnv(min_len=3, max_len=6), client, control, sender.send, monitor)
-        orchestrator.watch.poll_interval = 0.1
-        try:
-            await asyncio.wait_for(orchestrator.run(), timeout=60)
-        finally:
-            await client.aclose()
-            sender.close()
-            monitor.close()
-
     try:
-        asyncio.run(go())
+        asyncio.run(_run_orchestrator(config, run_dir, control, poll_interval=0.1))
     finally:
         server.close()
     trainer.join()
@@ -347,21 +337,9 @@ def test_an_error_reply_from_a_live_server_still_stops_the_run(tmp_path, make_se
     run_dir = RunDir(tmp_path, "run")
     trainer = FakeTrainer(run_dir, port, num_ranks=2, num_steps=3, weights_port=config.trainer.weights_port)
 
-    async def go() -> None:
-        client = InferenceClient(config.model.client.base_url, config.model.name, max_retries=1, retry_backoff=0.01)
-        sender = BatchSender("127.0.0.1", config.trainer.port, config.num_train_ranks, timeout=30)
-        monitor = FileMonitor(run_dir)
-        orchestrator = Orchestrator(config, ReverseTextEnv(min_len=3, max_len=6), client, control, sender.send, monitor)
-        try:
-            await asyncio.wait_for(orchestrator.run(), timeout=60)
-        finally:
-            await client.aclose()
-            sender.close()
-            monitor.close()
-
     try:
         with pytest.raises(InferenceControlError, match="bad checksum"):
-            asyncio.run(go())
+            asyncio.run(_run_orchestrator(config, run_dir, control))
     finally:
         server.close()  # the fake trainer's daemon threads wait for a step that never comes
     assert trainer.received[0], "the first step trained before the refused update"
