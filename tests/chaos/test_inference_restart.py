@@ -146,14 +146,16 @@ def test_a_killed_inference_server_is_restarted_and_the_run_goes_on(model, tmp_p
     assert sum(r["inference/outages"] for r in orchestrator.values()) == 1
     assert sum(r["inference/reloads"] for r in orchestrator.values()) == 1
     resent = sum(r["rollouts/resent"] for r in orchestrator.values())
-    assert resent >= 4, resent  # at least the group whose request met the dead server
+    orchestrator_log = (run.latest_logs / "orchestrator.log").read_text()
+    # the kill met requests in flight, or (under load) step KILL_AFTER + 1's rollouts were already back and the next
+    # weight update was answered by the restarted server: its new boot id made that update lost, nothing to resend
+    lost_update = f"weight update to version {KILL_AFTER + 1} lost (ServerRestartedError" in orchestrator_log
+    assert resent >= 4 or lost_update, resent  # at least the group whose request met the dead server
     for step, r in trainer.items():  # the policy after recovery is the trained one: logprobs still agree
         assert r["mismatch_kl"] < 1e-3, (step, r["mismatch_kl"])
     for step, r in orchestrator.items():  # synchronous: every batch sampled by the version before its step
         assert r["policy/batch_version"] == step - 1, (step, r["policy/batch_version"])
-    reloaded = re.findall(
-        r"reloaded policy version (\d+) into the restarted", (run.latest_logs / "orchestrator.log").read_text()
-    )
+    reloaded = re.findall(r"reloaded policy version (\d+) into the restarted", orchestrator_log)
     assert [int(v) for v in reloaded] == [KILL_AFTER], reloaded  # the version served when it died
     outage = sum(r["inference/outage_s"] for r in orchestrator.values())
     print(

@@ -1,16 +1,24 @@
 """WeightUpdater: versions come only from the trainer's WeightsPublished messages over a real ZeroMQ socket."""
 
 import asyncio
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from prime_rl.common.net import free_port
-from prime_rl.common.transport import Sender
-from prime_rl.common.wire import PauseRequest, WeightsPublished
+from prime_rl.common.transport import ControlClient, ControlServer, Sender
+from prime_rl.common.wire import ControlReply, HealthReply, HealthRequest, PauseRequest, WeightsPublished
 from prime_rl.orchestrator.policy import PolicyState
-from prime_rl.orchestrator.weights import BROADCAST_MARKER, VersionListener, WeightUpdater, latest_published_step
+from prime_rl.orchestrator.weights import (
+    BROADCAST_MARKER,
+    VersionListener,
+    WeightUpdater,
+    ZmqInferenceControl,
+    latest_published_step,
+)
 
 
 class FakeControl:
@@ -256,3 +264,83 @@ def test_pause_names_the_orchestrator():
     asyncio.run(control.pause("keep"))
     control.close()
     assert sent == [PauseRequest(mode="keep", by="orchestrator")]
+
+
+class ControlPlane:
+    """A real control server on a fixed address that can be restarted: a new socket and a new boot id, as when `rl`
+    restarts a dead inference server between two of the orchestrator's requests."""
+
+    def __init__(self) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.requests: list[tuple[str, str]] = []
+        self._start()
+
+    def _start(self) -> None:
+        self.boot_id, self.stop = uuid.uuid4().hex, threading.Event()
+        deadline = time.monotonic() + 10
+        while True:  # the old socket's port is released a moment after it closes
+            try:
+                self.server = ControlServer(self.endpoint, secret=None)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"{self.endpoint} was not released"
+                time.sleep(0.1)
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(self._handle, self.stop, 0.01))
+        self.thread.start()
+
+    def _handle(self, message, arrays):
+        self.requests.append((type(message).__name__, self.boot_id))
+        if isinstance(message, HealthRequest):
+            return HealthReply(ok=True, boot_id=self.boot_id)
+        return ControlReply(ok=True, boot_id=self.boot_id)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.server.close()
+
+    def restart(self) -> None:
+        self.close()
+        self._start()
+
+
+def test_an_update_answered_by_a_restarted_server_is_lost_not_applied(tmp_path):
+    """Probe (issue 35): a server that died between two updates and came back before the next one answered that
+    update as if nothing happened (ZeroMQ queued the request; the restart answered it), so the orchestrator never
+    counted the outage. The new boot id makes it an update lost to a restart, which the watch heals."""
+    plane = ControlPlane()
+    control = ZmqInferenceControl([plane.endpoint], timeout=10)
+    control._clients = [ControlClient(plane.endpoint, timeout_s=10, secret=None)]  # the plane has no run secret
+    control._health = [ControlClient(plane.endpoint, timeout_s=3, secret=None)]
+    lost: list[str] = []
+
+    async def on_unanswered(reason: str) -> None:
+        lost.append(reason)
+
+    async def go():
+        policy = PolicyState()
+        updater, trainer = _updater(control, policy)
+        updater.on_unanswered = on_unanswered
+        trainer.announce(1, publish(tmp_path, 1))
+        await _until(lambda: updater.listener.poll() is not None or updater.listener.latest is not None)
+        assert await updater.update_once() and policy.version == 1
+        plane.restart()
+        trainer.announce(2, publish(tmp_path, 2))
+        await _until(lambda: updater.listener.poll() is not None and updater.listener.latest.version == 2)
+        assert not await updater.update_once()
+        assert policy.version == 1 and policy.is_open, "the update did not reach the process that serves now"
+        # the watch's health polls see the new process without failing (that restart is the one being waited out)
+        [reply] = await control.health()
+        assert reply.ok and reply.boot_id == plane.boot_id
+        assert await updater.update_once() and policy.version == 2  # applied again, to the new process
+        updater.listener.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        control.close()
+        plane.close()
+    assert len(lost) == 1 and "ServerRestartedError" in lost[0] and "restarted since its last answer" in lost[0], lost
+    # the new process was resumed after the lost update (it answered the pause), never left paused
+    after = [name for name, boot in plane.requests if boot == plane.boot_id]
+    assert after[:2] == ["PauseRequest", "ResumeRequest"], after

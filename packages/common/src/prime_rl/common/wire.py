@@ -350,6 +350,9 @@ class ControlReply(Message):
     """What went wrong (value, rule, fix) when ok is False."""
     weight_version: int = 0
     """Policy version the server holds after handling the request."""
+    boot_id: str = ""
+    """Random per start of the server process ("" from a server that does not say): a reply with another id than
+    the last one from the same address comes from a restarted server, whatever request it answers."""
 
 
 class HealthReply(Message):
@@ -370,6 +373,8 @@ class HealthReply(Message):
     run_id: str = ""
     """Fingerprint of the run secret the server was started with ("" without one): a launcher calls a
     server ready only if this is its own run's id (``prime_rl.common.auth.RunSecret.run_id``)."""
+    boot_id: str = ""
+    """As in ``ControlReply``: random per start of the server process."""
     error: str = ""
     """Why ``ok`` is False: e.g. a failed weight update whose previous weights could not be restored."""
 

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from typing import Any
 
 from prime_rl.common.heartbeat import Heartbeat
@@ -106,6 +107,9 @@ class Controller:
         self._client_paused = False
         self._lock = asyncio.Lock()
         self._broadcasts: dict[int, asyncio.Task] = {}
+        self.boot_id = uuid.uuid4().hex[:16]
+        """Sent with every reply: a client that sees it change knows this address now serves a restarted process
+        (one that never got the updates the old one did), even when the restart fell between two of its requests."""
 
     async def start(self) -> None:
         await self.label_version(self.weight_version)
@@ -150,7 +154,7 @@ class Controller:
         return self._reply(False, f"{type(request).__name__} is not a control request an inference server handles")
 
     def _reply(self, ok: bool, error: str | None = None) -> ControlReply:
-        return ControlReply(ok=ok, error=error, weight_version=self.weight_version)
+        return ControlReply(ok=ok, error=error, weight_version=self.weight_version, boot_id=self.boot_id)
 
     # -- pause / resume / health ---------------------------------------------------------------
 
@@ -176,7 +180,7 @@ class Controller:
         except Exception as e:  # the engine is shutting down or dead: an answer, not a traceback
             return HealthReply(
                 ok=False, weight_version=self.weight_version, model=self.model_name, run_id=self.run_id,
-                error=f"the engine does not answer ({type(e).__name__}: {e})",
+                boot_id=self.boot_id, error=f"the engine does not answer ({type(e).__name__}: {e})",
             )  # fmt: skip
         return HealthReply(
             ok=not errored and not self.failure,
@@ -184,6 +188,7 @@ class Controller:
             paused=paused,
             model=self.model_name,
             run_id=self.run_id,
+            boot_id=self.boot_id,
             error="the engine has errored" if errored else self.failure,
         )
 

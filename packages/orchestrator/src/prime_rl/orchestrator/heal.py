@@ -29,9 +29,10 @@ watch (`WeightUpdater.on_unanswered`), which applies the version again once the 
   `orchestrator.inference.timeout`, 600 s);
 - vLLM's engine core dies: the API server answers the load with an error, then exits; an error while the HTTP
   health fails (``gone``: vLLM answers 503 once its engine is dead) is that death, not a refused update;
-- the server never answers (wedged): the timeout, as before.
-A server already gone when a request is sent is no such case: ZeroMQ queues the request and the new server
-answers it.
+- the server never answers (wedged): the timeout, as before;
+- the server died between two requests and its restart answers the next one (ZeroMQ queues a request for a dead
+  peer): the reply carries a new ``boot_id`` (`ServerRestartedError`), so that update is lost too, and the restarted
+  server gets the served version back before the update is applied again.
 """
 
 from __future__ import annotations

@@ -100,6 +100,11 @@ class InferenceControlError(RuntimeError):
     """A server refused or failed a control request."""
 
 
+class ServerRestartedError(ConnectionError):
+    """A server answered an update as a new process: it restarted since its last answer, so it lacks what this update
+    assumed (the weights loaded so far, a pause). Handled like a server lost mid-update (`WeightUpdater._apply`)."""
+
+
 class ZmqInferenceControl:
     """Sends PauseRequest / LoadWeightsRequest / ResumeRequest to every server, in parallel threads."""
 
@@ -117,6 +122,9 @@ class ZmqInferenceControl:
         self._gone: set[str] = set()
         """Servers that went away during this update: the restarted one was never paused, so it is not resumed
         (that request would wait for its start-up)."""
+        self._boot_ids: dict[str, str] = {}
+        """Each address's last ``boot_id``: a restart that falls between two requests (ZeroMQ queues a request for a
+        dead peer and the restarted server answers it) shows only as a new id."""
 
     async def _broadcast(self, message: Message, clients: list[ControlClient] | None = None) -> None:
         clients = self._clients if clients is None else clients
@@ -125,6 +133,7 @@ class ZmqInferenceControl:
         replies = await asyncio.gather(
             *(asyncio.to_thread(c.request, message) for c in clients), return_exceptions=True
         )
+        restarted = [c.endpoint for c, r in zip(clients, replies) if isinstance(r, Message) and self._new_boot(c, r)]
         failed = [(c, r) for c, r in zip(clients, replies) if not (isinstance(r, ControlReply) and r.ok)]
         for client, reply in failed:
             # dropped, or an error from a server that is not well afterwards (vLLM's engine died under the load)
@@ -135,6 +144,20 @@ class ZmqInferenceControl:
                 raise reply
             error = getattr(reply, "error", None) or f"unexpected reply {type(reply).__name__}"
             raise InferenceControlError(f"{type(message).__name__} failed on {client.endpoint}: {error}")
+        if restarted:
+            raise ServerRestartedError(
+                f"{', '.join(restarted)} answered {type(message).__name__} as a new process (its boot id changed): it "
+                "restarted since its last answer and serves weights this update did not give it"
+            )
+
+    def _new_boot(self, client: ControlClient, reply: Message) -> bool:
+        """Record the reply's boot id; True when it differs from the one the same address sent before."""
+        boot_id = getattr(reply, "boot_id", "")
+        if not boot_id:
+            return False
+        before = self._boot_ids.get(client.endpoint)
+        self._boot_ids[client.endpoint] = boot_id
+        return before is not None and before != boot_id
 
     async def _well(self, client: ControlClient) -> bool:
         health = self._health[self._clients.index(client)]
@@ -146,7 +169,11 @@ class ZmqInferenceControl:
 
     async def pause(self, mode: str) -> None:
         self._gone.clear()  # an update begins
-        await self._broadcast(PauseRequest(mode=mode, by="orchestrator"))
+        try:
+            await self._broadcast(PauseRequest(mode=mode, by="orchestrator"))
+        except ServerRestartedError:  # the update ends here (`WeightUpdater._apply` resumes only after a pause)
+            await self._broadcast(ResumeRequest())
+            raise
 
     async def load_weights(self, path: Path, version: int) -> None:
         await self._broadcast(LoadWeightsRequest(path=str(path), version=version))
@@ -162,7 +189,11 @@ class ZmqInferenceControl:
                 return None
             return reply if isinstance(reply, HealthReply) else None
 
-        return list(await asyncio.gather(*(asyncio.to_thread(ask, c) for c in self._health)))
+        replies = list(await asyncio.gather(*(asyncio.to_thread(ask, c) for c in self._health)))
+        for client, reply in zip(self._health, replies):
+            if reply is not None:  # a restart seen here is the one being waited out (heal.py): recorded, not raised
+                self._new_boot(client, reply)
+        return replies
 
     def close(self) -> None:
         for client in self._clients + self._health:
