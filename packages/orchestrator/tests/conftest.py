@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from prime_rl.common import net
 from prime_rl.common.net import free_port
+from prime_rl.common.transport import ControlServer
+from prime_rl.common.wire import ControlReply, HealthReply, HealthRequest, LoadWeightsRequest
 
 EOS = 2
 OFFSET = 3
@@ -166,3 +169,61 @@ def ports():
         free_range = staticmethod(free_port_range)
 
     return Ports
+
+
+class ControlPlane:
+    """A real control server (ZeroMQ, the wire's messages) standing in for one inference server's: a load sets its
+    version; ``die`` closes it, ``start`` brings it back as a restarted server (a new socket and boot id, the model's
+    own weights: version 0)."""
+
+    def __init__(self) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.requests: list[tuple[str, str]] = []
+        """(request type, boot id of the process that answered it)"""
+        self.version, self.stop = 0, None
+        self.start()
+
+    def start(self) -> None:
+        self.boot_id, self.version, self.stop = uuid.uuid4().hex, 0, threading.Event()
+        deadline = time.monotonic() + 10
+        while True:  # the old socket's port is released a moment after it closes
+            try:
+                self.server = ControlServer(self.endpoint, secret=None)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"{self.endpoint} was not released"
+                time.sleep(0.1)
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(self._handle, self.stop, 0.01))
+        self.thread.start()
+
+    def _handle(self, message, arrays):
+        self.requests.append((type(message).__name__, self.boot_id))
+        if isinstance(message, LoadWeightsRequest):
+            self.version = message.version
+        if isinstance(message, HealthRequest):
+            return HealthReply(ok=True, weight_version=self.version, boot_id=self.boot_id)
+        return ControlReply(ok=True, weight_version=self.version, boot_id=self.boot_id)
+
+    def die(self) -> None:
+        if self.stop is not None and not self.stop.is_set():
+            self.stop.set()
+            self.thread.join()
+            self.server.close()
+
+    def restart(self) -> None:
+        self.die()
+        self.start()
+
+
+@pytest.fixture
+def control_plane():
+    """`control_plane()` -> a started ControlPlane, closed after the test."""
+    planes: list[ControlPlane] = []
+
+    def make() -> ControlPlane:
+        planes.append(ControlPlane())
+        return planes[-1]
+
+    yield make
+    for plane in planes:
+        plane.die()

@@ -41,7 +41,8 @@ class Server(ThreadingHTTPServer):
 class RestartingServer:
     """An OpenAI-compatible server (answers from ``fake.respond``) that can go away and come back on its port.
 
-    Each answered request records the weight version the server served when answering it."""
+    Each answered request records the weight version the server served when answering it (``served_version()``;
+    None: the request met a dead server and its connection drops)."""
 
     def __init__(self, fake, served_version, delay: float = 0.05) -> None:
         self.fake, self.served_version, self.delay = fake, served_version, delay
@@ -66,13 +67,14 @@ class RestartingServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 time.sleep(outer.delay)
-                if outer.down:  # died mid-request: the connection closes without an answer
+                version = None if outer.down else outer.served_version()
+                if version is None:  # died mid-request: the connection closes without an answer
                     with outer._lock:
                         outer.dropped += 1
                     self.close_connection = True
                     return
                 with outer._lock:
-                    outer.answered.append(outer.served_version())
+                    outer.answered.append(version)
                 self._reply(200, outer.fake.respond(body))
 
             def _reply(self, status: int, payload: dict):
@@ -107,6 +109,7 @@ class RestartingControl:
         self.version = 0
         self.up = True
         self.calls: list[tuple] = []
+        self.endpoints, self.excluded = ["tcp://fake:1"], set()  # one server: an outage holds every request
 
     async def pause(self, mode):
         self.calls.append(("pause", mode))
@@ -126,9 +129,13 @@ class RestartingControl:
         pass
 
 
-async def _run_orchestrator(config, run_dir: RunDir, control, poll_interval: float | None = None) -> Orchestrator:
+async def _run_orchestrator(
+    config, run_dir: RunDir, control, poll_interval: float | None = None, max_retries: int = 1
+) -> Orchestrator:
     """The orchestrator's run against the fake server and trainer, with its clients closed however it ends."""
-    client = InferenceClient(config.model.client.base_url, config.model.name, max_retries=1, retry_backoff=0.01)
+    client = InferenceClient(
+        config.model.client.base_url, config.model.name, max_retries=max_retries, retry_backoff=0.01
+    )
     sender = BatchSender("127.0.0.1", config.trainer.port, config.num_train_ranks, timeout=30)
     monitor = FileMonitor(run_dir)
     orchestrator = Orchestrator(config, ReverseTextEnv(min_len=3, max_len=6), client, control, sender.send, monitor)
@@ -343,3 +350,94 @@ def test_an_error_reply_from_a_live_server_still_stops_the_run(tmp_path, make_se
     finally:
         server.close()  # the fake trainer's daemon threads wait for a step that never comes
     assert trainer.received[0], "the first step trained before the refused update"
+
+
+class Router:
+    """vllm-router's part in front of replicas (their control planes hold their versions): requests go round-robin
+    over the replicas in the router; one that died but is not taken out yet drops them. ``answered``: (replica,
+    version) of each answer."""
+
+    def __init__(self, planes) -> None:
+        self.planes = planes
+        self.alive = [True] * len(planes)
+        self.routed = [True] * len(planes)
+        self.answered: list[tuple[int, int]] = []
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def serve(self) -> int | None:
+        with self._lock:
+            targets = [i for i, routed in enumerate(self.routed) if routed]
+            i = targets[self._next % len(targets)]
+            self._next += 1
+            if not self.alive[i]:
+                return None
+            self.answered.append((i, self.planes[i].version))
+            return self.planes[i].version
+
+
+def test_one_dead_replica_of_two_is_waited_out_while_the_other_serves(tmp_path, make_server, ports, control_plane):
+    """Probe (issue 35): with two replicas behind the router, one replica's death held every rollout until it was
+    back. Now the other replica serves on; updates skip the dead one, which gets the served policy alone once it
+    answers, and the router (the launcher, here a thread doing what `replica_restarts` does) takes it back only at
+    the others' version."""
+    from prime_rl.orchestrator.weights import ZmqInferenceControl
+
+    planes = [control_plane(), control_plane()]
+    router = Router(planes)
+    server = RestartingServer(make_server(), router.serve)
+    control = ZmqInferenceControl([p.endpoint for p in planes], timeout=30)
+    port = ports.free_range(2)
+    steps = 40  # ~3 s: the restart (0.8 s after the kill at step ~3) and re-admission fall well inside the run
+    config = make_config(tmp_path, server.base_url, port, max_steps=steps, inference={"outage_timeout": 30})
+    run_dir = RunDir(tmp_path, "run")
+    trainer = FakeTrainer(run_dir, port, num_ranks=2, num_steps=steps, weights_port=config.trainer.weights_port)
+    seen: dict = {}
+
+    def launcher() -> None:  # kill replica 1 mid-step, once rollouts of policy 2 are answered; restart, re-admit it
+        deadline = time.monotonic() + 30
+        while not any(v >= 2 for _, v in router.answered[-4:]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen["version"] = planes[1].version
+        planes[1].die()
+        router.alive[1] = False
+        seen["killed_at"] = len(router.answered)
+        time.sleep(0.3)
+        router.routed[1] = False  # the launcher noticed the death
+        time.sleep(0.5)
+        planes[1].start()  # the model's own weights
+        router.alive[1] = True
+        while planes[1].version != planes[0].version and time.monotonic() < deadline + 30:
+            time.sleep(0.01)
+        seen["readmitted_at"] = len(router.answered)
+        seen["readmitted_version"] = planes[1].version
+        router.routed[1] = True
+
+    thread = threading.Thread(target=launcher)
+    thread.start()
+    try:
+        # resends are paced by the poll interval; the default 6 outlast the router's moment on the dead replica
+        asyncio.run(_run_orchestrator(config, run_dir, control, poll_interval=0.1, max_retries=6))
+    finally:
+        thread.join()
+        server.close()
+        control.close()
+    trainer.join()
+
+    assert seen["version"] >= 2
+    during = router.answered[seen["killed_at"] : seen["readmitted_at"]]
+    assert len(during) >= config.group_size, "rollouts were held while one replica was down"
+    assert all(replica == 0 for replica, _ in during)
+    # the restarted replica got the served version alone (pause, load, resume) before the router took it back
+    after = [name for name, boot in planes[1].requests if boot == planes[1].boot_id and name != "HealthRequest"]
+    assert after[:3] == ["PauseRequest", "LoadWeightsRequest", "ResumeRequest"], after
+    assert seen["readmitted_version"] >= seen["version"]
+    restarted = [v for replica, v in router.answered[seen["readmitted_at"] :] if replica == 1]
+    assert restarted and min(restarted) >= seen["readmitted_version"], restarted[:10]
+    metrics = read_metrics(run_dir.metrics_path)
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))  # no step missing
+    assert sum(m["inference/outages"] for m in metrics) == 1
+    assert sum(m["inference/reloads"] for m in metrics) == 1
+    assert sum(m["rollouts/resent"] for m in metrics) % config.group_size == 0
+    for m in metrics:  # the off-policy rule still holds
+        assert m["step"] - 1 - m["policy/batch_version"] <= config.max_off_policy_steps

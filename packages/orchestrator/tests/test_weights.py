@@ -1,16 +1,14 @@
 """WeightUpdater: versions come only from the trainer's WeightsPublished messages over a real ZeroMQ socket."""
 
 import asyncio
-import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from prime_rl.common.net import free_port
-from prime_rl.common.transport import ControlClient, ControlServer, Sender
-from prime_rl.common.wire import ControlReply, HealthReply, HealthRequest, PauseRequest, WeightsPublished
+from prime_rl.common.transport import ControlClient, Sender
+from prime_rl.common.wire import PauseRequest, WeightsPublished
 from prime_rl.orchestrator.policy import PolicyState
 from prime_rl.orchestrator.weights import (
     BROADCAST_MARKER,
@@ -266,49 +264,11 @@ def test_pause_names_the_orchestrator():
     assert sent == [PauseRequest(mode="keep", by="orchestrator")]
 
 
-class ControlPlane:
-    """A real control server on a fixed address that can be restarted: a new socket and a new boot id, as when `rl`
-    restarts a dead inference server between two of the orchestrator's requests."""
-
-    def __init__(self) -> None:
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.requests: list[tuple[str, str]] = []
-        self._start()
-
-    def _start(self) -> None:
-        self.boot_id, self.stop = uuid.uuid4().hex, threading.Event()
-        deadline = time.monotonic() + 10
-        while True:  # the old socket's port is released a moment after it closes
-            try:
-                self.server = ControlServer(self.endpoint, secret=None)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"{self.endpoint} was not released"
-                time.sleep(0.1)
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(self._handle, self.stop, 0.01))
-        self.thread.start()
-
-    def _handle(self, message, arrays):
-        self.requests.append((type(message).__name__, self.boot_id))
-        if isinstance(message, HealthRequest):
-            return HealthReply(ok=True, boot_id=self.boot_id)
-        return ControlReply(ok=True, boot_id=self.boot_id)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.server.close()
-
-    def restart(self) -> None:
-        self.close()
-        self._start()
-
-
-def test_an_update_answered_by_a_restarted_server_is_lost_not_applied(tmp_path):
+def test_an_update_answered_by_a_restarted_server_is_lost_not_applied(tmp_path, control_plane):
     """Probe (issue 35): a server that died between two updates and came back before the next one answered that
     update as if nothing happened (ZeroMQ queued the request; the restart answered it), so the orchestrator never
     counted the outage. The new boot id makes it an update lost to a restart, which the watch heals."""
-    plane = ControlPlane()
+    plane = control_plane()
     control = ZmqInferenceControl([plane.endpoint], timeout=10)
     control._clients = [ControlClient(plane.endpoint, timeout_s=10, secret=None)]  # the plane has no run secret
     control._health = [ControlClient(plane.endpoint, timeout_s=3, secret=None)]
@@ -339,7 +299,6 @@ def test_an_update_answered_by_a_restarted_server_is_lost_not_applied(tmp_path):
         asyncio.run(go())
     finally:
         control.close()
-        plane.close()
     assert len(lost) == 1 and "ServerRestartedError" in lost[0] and "restarted since its last answer" in lost[0], lost
     # the new process was resumed after the lost update (it answered the pause), never left paused
     after = [name for name, boot in plane.requests if boot == plane.boot_id]

@@ -511,6 +511,7 @@ class ControlClient(_Socket):
         self.watch_peer = watch_peer
         self._monitor: zmq.Socket | None = None
         self._connected = False
+        self._ever_connected = False
         super().__init__(zmq.REQ, endpoint, False, context, 0.0, secret)
 
     def _configure(self, socket: zmq.Socket) -> None:
@@ -518,13 +519,21 @@ class ControlClient(_Socket):
             self._monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             self._connected = False
 
+    @property
+    def peer_gone(self) -> bool:
+        """With ``watch_peer``: the server this client was connected to went away and nothing has answered the
+        handshake since, so a request now would wait in the queue for a restart (False before the first connection:
+        one is being made)."""
+        self._peer_dropped()
+        return self._ever_connected and not self._connected
+
     def _peer_dropped(self) -> bool:
         """Read the pending monitor events; True if an established connection closed among them."""
         dropped = False
         while self._monitor is not None and self._monitor.poll(0, zmq.POLLIN):
             event = parse_monitor_message(self._monitor.recv_multipart())["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._connected = True
+                self._connected = self._ever_connected = True
             elif event == zmq.EVENT_DISCONNECTED and self._connected:
                 self._connected, dropped = False, True
         return dropped

@@ -17,6 +17,13 @@ server serves the model's own weights (version 0), not the policy the orchestrat
    probes) are re-sent by the client itself once the server is back. Counted: `inference/outages`,
    `inference/reloads`, `rollouts/resent`.
 
+Several replicas behind a router (`inference.replicas`): when a request fails but the router answers and another
+replica still serves the policy, only the replicas that do not are waited out. Rollouts go on through the router
+(which the launcher has the dead replica taken out of, `prime_rl.inference.replica_restarts`); updates skip the
+replicas that are down (``InferenceControl.excluded``); once one answers again it gets the served version alone
+(`WeightUpdater.restore_replica`), and the launcher puts it back into the router when its version matches the
+others'. The failed requests are paced by ``poll_interval`` while the router may still route to the dead one.
+
 Why the orchestrator owns the reload (not the server, not the launcher): it already drives every filesystem
 load around its request gate, which is what keeps tags exact; it knows the version it tags with; and a
 server that reloaded by itself could not tell the orchestrator when it is safe to send. Push transports
@@ -80,6 +87,11 @@ class InferenceWatch:
         self._back = asyncio.Event()
         self._back.set()
         self._task: asyncio.Task | None = None
+        self.replicas_down: dict[str, float] = {}
+        """Replicas waited out while the others serve (several behind a router), with when each was found down."""
+        self._replica_task: asyncio.Task | None = None
+        self._probe = asyncio.Lock()  # concurrent failures probe once; ZeroMQ REQ sockets take one request at a time
+        self._probed_at = -float("inf")
 
     @property
     def down(self) -> bool:
@@ -89,8 +101,16 @@ class InferenceWatch:
         """A request failed as if the server were gone: hold new requests and start a recovery (once)."""
         if self.failure is not None:
             raise self.failure
-        if self.down:
-            return
+        async with self._probe:
+            if self.down:
+                return
+            others_serve = await self._others_serve(reason)
+            if not others_serve:
+                await self._hold(reason)
+        if others_serve:
+            await asyncio.sleep(self.poll_interval)  # the router may still route to the dead replica for a moment
+
+    async def _hold(self, reason: str) -> None:
         self._back.clear()
         await self.policy.hold()
         self.counters["inference/outages"] += 1
@@ -100,6 +120,62 @@ class InferenceWatch:
         )  # fmt: skip
         self.heartbeat.beat("waiting for inference", self.policy.version, deadline_s=self.outage_timeout, progress=True)
         self._task = asyncio.create_task(self._recover(time.monotonic()), name="inference-recovery")
+
+    async def _others_serve(self, reason: str) -> bool:
+        """With several replicas: True when the router answers and a replica still serves the policy (the ones that
+        do not are then waited out alone); False means hold every request."""
+        endpoints = self.control.endpoints
+        if len(endpoints) < 2:
+            return False
+        if time.monotonic() - self._probed_at < self.poll_interval:  # failures of one death arrive together
+            return bool(set(endpoints) - set(self.replicas_down))
+        replies = await self.control.health()
+        self._probed_at = time.monotonic()
+        # a replica at an older version than the policy restarted (the model's own weights): it is down too
+        serving = {
+            e for e, r in zip(endpoints, replies)
+            if r is not None and r.ok and r.weight_version >= self.policy.version and e not in self.replicas_down
+        }  # fmt: skip
+        if not serving or not await self.http_healthy():
+            return False
+        newly = [e for e in endpoints if e not in serving and e not in self.replicas_down]
+        if newly:
+            self.replicas_down.update(dict.fromkeys(newly, time.monotonic()))
+            self.control.excluded.update(newly)
+            self.counters["inference/outages"] += len(newly)
+            logger.warning(
+                "inference replica(s) %s unreachable (%s): the other %d serve on; each gets policy version %d (or "
+                "the newer one served then) once it answers again (at most %.0fs)",
+                ", ".join(newly), reason, len(serving), self.policy.version, self.outage_timeout,
+            )  # fmt: skip
+            if self._replica_task is None or self._replica_task.done():
+                self._replica_task = asyncio.create_task(self._recover_replicas(), name="replica-recovery")
+        return True
+
+    async def _recover_replicas(self) -> None:
+        try:
+            while self.replicas_down:
+                async with self._probe:
+                    replies = await self.control.health()
+                for endpoint, reply in zip(self.control.endpoints, replies):
+                    if endpoint in self.replicas_down and reply is not None and reply.ok:
+                        version = await self.updater.restore_replica(endpoint, self.broadcasts_dir)
+                        outage = time.monotonic() - self.replicas_down.pop(endpoint)
+                        self.counters["inference/reloads"] += bool(version)
+                        self.counters["inference/outage_s"] += outage
+                        logger.warning(
+                            "inference replica %s answers again after %.1fs and serves policy version %d",
+                            endpoint, outage, version,
+                        )  # fmt: skip
+                if self.replicas_down and time.monotonic() - min(self.replicas_down.values()) > self.outage_timeout:
+                    raise InferenceGoneError(
+                        f"inference replica(s) {', '.join(sorted(self.replicas_down))} did not come back within "
+                        f"orchestrator.inference.outage_timeout={self.outage_timeout:.0f}s; see the launcher's log "
+                        "for why they were not restarted, or raise inference.router.startup_timeout"
+                    )
+                await asyncio.sleep(self.poll_interval)
+        except Exception as e:  # kept: the next lost() and every waiter raise it
+            self.failure = e
 
     async def gone(self) -> bool:
         """Inference is going away or gone: its HTTP health fails (an error reply then came from a dying server)."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -62,7 +63,12 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class InferenceControl(Protocol):
-    """Control plane of the inference servers (all of them: each call must reach every server)."""
+    """Control plane of the inference servers (all of them: each call must reach every server not ``excluded``)."""
+
+    endpoints: list[str]
+    """Every server's control address, in the order of `health`'s replies."""
+    excluded: set[str]
+    """Servers waited out while the others serve (heal.py): updates skip them until `restore` brings them back."""
 
     async def pause(self, mode: str) -> None: ...
 
@@ -74,11 +80,20 @@ class InferenceControl(Protocol):
         """Every server's health (None for one that does not answer in a few seconds); [] without servers."""
         ...
 
+    async def restore(self, endpoint: str, path: Path | None, version: int, mode: str) -> None:
+        """Load ``version`` (from ``path``; None: the model's own weights, nothing to load) into the one server at
+        ``endpoint`` and take it back into updates."""
+        ...
+
     def close(self) -> None: ...
 
 
 class NoInferenceControl:
     """No control endpoint configured: versions are tracked, nothing is sent (inference updates itself)."""
+
+    def __init__(self) -> None:
+        self.endpoints: list[str] = []
+        self.excluded: set[str] = set()
 
     async def pause(self, mode: str) -> None:
         pass
@@ -91,6 +106,9 @@ class NoInferenceControl:
 
     async def health(self) -> list[HealthReply | None]:
         return []
+
+    async def restore(self, endpoint: str, path: Path | None, version: int, mode: str) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -116,9 +134,12 @@ class ZmqInferenceControl:
         # watch_peer: a server that dies while handling a request (a weight load) is known at once (PeerLostError),
         # not after `timeout`
         self._clients = [ControlClient(address, timeout_s=timeout, watch_peer=True) for address in addresses]
+        self.endpoints = [client.endpoint for client in self._clients]
+        self.excluded: set[str] = set()
         # sockets of their own: health is polled while a weight update may be waiting on the others (REQ sockets
         # hold one request at a time)
-        self._health = [ControlClient(address, timeout_s=self.HEALTH_TIMEOUT_S) for address in addresses]
+        self._health = [ControlClient(a, timeout_s=self.HEALTH_TIMEOUT_S, watch_peer=True) for a in addresses]
+        self._health_locks = [threading.Lock() for _ in addresses]  # a socket is used by one thread at a time
         self._gone: set[str] = set()
         """Servers that went away during this update: the restarted one was never paused, so it is not resumed
         (that request would wait for its start-up)."""
@@ -127,11 +148,12 @@ class ZmqInferenceControl:
         dead peer and the restarted server answers it) shows only as a new id."""
 
     async def _broadcast(self, message: Message, clients: list[ControlClient] | None = None) -> None:
-        clients = self._clients if clients is None else clients
+        everyone = clients is None
+        clients = [c for c in self._clients if c.endpoint not in self.excluded] if everyone else clients
         # ZeroMQ REQ sockets are blocking: one thread per server keeps the event loop (and rollouts) moving. Every
         # server's answer is awaited (not just the first failure) so none is left in the middle of an update.
         replies = await asyncio.gather(
-            *(asyncio.to_thread(c.request, message) for c in clients), return_exceptions=True
+            *(self._request(c, message, fail_fast=everyone) for c in clients), return_exceptions=True
         )
         restarted = [c.endpoint for c, r in zip(clients, replies) if isinstance(r, Message) and self._new_boot(c, r)]
         failed = [(c, r) for c, r in zip(clients, replies) if not (isinstance(r, ControlReply) and r.ok)]
@@ -150,6 +172,14 @@ class ZmqInferenceControl:
                 "restarted since its last answer and serves weights this update did not give it"
             )
 
+    async def _request(self, client: ControlClient, message: Message, fail_fast: bool) -> Message:
+        # With several replicas, one known gone fails an update at once (its siblings serve on, heal.py), rather
+        # than waiting in ZeroMQ's queue for its restart; one server alone is waited for (the restart answers), and
+        # so is one addressed alone (`restore`: its health answered, this socket may not have reconnected yet).
+        if fail_fast and len(self._clients) > 1 and client.peer_gone:
+            raise PeerLostError(f"{client.endpoint} went away before {type(message).__name__}: its connection is down")
+        return await asyncio.to_thread(client.request, message)
+
     def _new_boot(self, client: ControlClient, reply: Message) -> bool:
         """Record the reply's boot id; True when it differs from the one the same address sent before."""
         boot_id = getattr(reply, "boot_id", "")
@@ -160,36 +190,49 @@ class ZmqInferenceControl:
         return before is not None and before != boot_id
 
     async def _well(self, client: ControlClient) -> bool:
-        health = self._health[self._clients.index(client)]
-        try:
-            reply = await asyncio.to_thread(health.request, HealthRequest())
-        except TimeoutError:
-            return False
+        reply = await asyncio.to_thread(self._ask_health, self._clients.index(client))
         return isinstance(reply, HealthReply) and reply.ok
+
+    def _ask_health(self, index: int) -> HealthReply | None:
+        client = self._health[index]
+        with self._health_locks[index]:
+            if client.peer_gone:  # its server went away and none answers yet: no need to wait out the timeout
+                return None
+            try:
+                reply = client.request(HealthRequest())
+            except (TimeoutError, PeerLostError):  # down, or restarting (the socket was reopened for the next try)
+                return None
+        return reply if isinstance(reply, HealthReply) else None
 
     async def pause(self, mode: str) -> None:
         self._gone.clear()  # an update begins
         try:
             await self._broadcast(PauseRequest(mode=mode, by="orchestrator"))
-        except ServerRestartedError:  # the update ends here (`WeightUpdater._apply` resumes only after a pause)
-            await self._broadcast(ResumeRequest())
+        except (ServerRestartedError, PeerLostError):  # the update ends here: what it paused must not stay paused
+            await self.resume()  # (`WeightUpdater._apply` resumes only after a pause)
             raise
 
     async def load_weights(self, path: Path, version: int) -> None:
         await self._broadcast(LoadWeightsRequest(path=str(path), version=version))
 
     async def resume(self) -> None:
-        await self._broadcast(ResumeRequest(), [c for c in self._clients if c.endpoint not in self._gone])
+        skip = self._gone | self.excluded
+        await self._broadcast(ResumeRequest(), [c for c in self._clients if c.endpoint not in skip])
+
+    async def restore(self, endpoint: str, path: Path | None, version: int, mode: str) -> None:
+        [client] = [c for c in self._clients if c.endpoint == endpoint]
+        if path is not None:
+            await self._broadcast(PauseRequest(mode=mode, by="orchestrator"), [client])
+            try:
+                await self._broadcast(LoadWeightsRequest(path=str(path), version=version), [client])
+            finally:
+                await self._broadcast(ResumeRequest(), [client])
+        self.excluded.discard(endpoint)
 
     async def health(self) -> list[HealthReply | None]:
-        def ask(client: ControlClient) -> HealthReply | None:
-            try:
-                reply = client.request(HealthRequest())
-            except TimeoutError:  # down, or restarting (the socket was reopened for the next try)
-                return None
-            return reply if isinstance(reply, HealthReply) else None
-
-        replies = list(await asyncio.gather(*(asyncio.to_thread(ask, c) for c in self._health)))
+        replies = list(
+            await asyncio.gather(*(asyncio.to_thread(self._ask_health, i) for i in range(len(self._health))))
+        )
         for client, reply in zip(self._health, replies):
             if reply is not None:  # a restart seen here is the one being waited out (heal.py): recorded, not raised
                 self._new_boot(client, reply)
@@ -323,14 +366,7 @@ class WeightUpdater:
             version = self.policy.version
             if version == 0:
                 return None
-            announced = self.last_announcement
-            path = announced.path if announced is not None and announced.version == version else None
-            path = Path(path) if path is not None else broadcasts_dir / f"step_{version}"
-            if not (path / BROADCAST_MARKER).is_file():
-                raise FileNotFoundError(
-                    f"inference came back without policy version {version} and {path} (its weights) is gone; "
-                    "raise weight_broadcast.keep_last so the served version stays on disk"
-                )
+            path = self._served_path(broadcasts_dir, version)
             await self.control.pause(self.pause_mode)
             try:
                 await self.control.load_weights(path, version)
@@ -338,6 +374,27 @@ class WeightUpdater:
                 await self.control.resume()
             logger.info("reloaded policy version %d into the restarted inference server (%s)", version, path)
             return version
+
+    async def restore_replica(self, endpoint: str, broadcasts_dir: Path) -> int:
+        """Bring one restarted server (its siblings served on) to the served version and back into updates; returns
+        that version. Under the lock: an update to a newer version waits, then reaches it too."""
+        async with self._lock:
+            version = self.policy.version
+            path = self._served_path(broadcasts_dir, version) if version else None
+            await self.control.restore(endpoint, path, version, self.pause_mode)
+            logger.info("restored policy version %d into the restarted inference server %s", version, endpoint)
+            return version
+
+    def _served_path(self, broadcasts_dir: Path, version: int) -> Path:
+        announced = self.last_announcement
+        path = announced.path if announced is not None and announced.version == version else None
+        path = Path(path) if path is not None else broadcasts_dir / f"step_{version}"
+        if not (path / BROADCAST_MARKER).is_file():
+            raise FileNotFoundError(
+                f"inference came back without policy version {version} and {path} (its weights) is gone; "
+                "raise weight_broadcast.keep_last so the served version stays on disk"
+            )
+        return path
 
     async def _apply(self, message: WeightsPublished) -> bool:
         """Make ``message``'s version the served one; False when a server went away during it (see below)."""
