@@ -92,14 +92,14 @@ def plan(model_dir: Path, tokens: int, chunk: int) -> dict:
     """Parameter counts and the trainer's own memory estimate for this run (AC on, no offload)."""
     from prime_rl.common.config.trainer import TrainerModelConfig
     from prime_rl.trainer.memory_plan import GiB, footprint, peak_bytes
-    from prime_rl.trainer.models.config import load_model_config
+    from prime_rl.trainer.models.config import load_arch_config
     from prime_rl.trainer.models.flops import num_active_params
 
     fp = footprint(TrainerModelConfig(name=str(model_dir)))
     peak = peak_bytes(fp, tokens, "none", True, False, reshard_after_forward=False, lm_head_chunk=chunk)
     return dict(
         params=fp.num_params,
-        active_params=num_active_params(load_model_config(model_dir)),
+        active_params=num_active_params(load_arch_config(model_dir)),
         est_peak_mem_gib=round(peak / GiB, 2),
     )
 

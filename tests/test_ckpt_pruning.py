@@ -155,17 +155,19 @@ def test_disk_full_names_itself(tmp_path):
 def test_a_trainer_started_alone_resumes_where_the_orchestrator_can(tmp_path):
     """Probe: "latest" resolved by each component on its own resumed them at steps 8 and 4."""
     from prime_rl.trainer.ckpt import DONE
-    from prime_rl.trainer.ckpt import resolve_resume_step as trainer_resume_step
 
     run_dir = RunDir(tmp_path, "run")
     for step in (4, 8):
         run_dir.trainer_checkpoint_dir(step).mkdir(parents=True)
         (run_dir.trainer_checkpoint_dir(step) / DONE).touch()
     save_state(OrchestratorState.capture(4, 0, np.random.default_rng(0), 0), run_dir.orchestrator_checkpoint_dir(4))
-    assert trainer_resume_step(run_dir, "latest") == 4  # step 8 has no orchestrator part
+    # the trainer resumes with the components the run dir shows (trainer/loop.py resume)
+    assert run_dir.checkpoint_components() == ("trainer", "orchestrator")
+    assert run_dir.resolve_resume_step("latest", run_dir.checkpoint_components()) == 4  # step 8: no orchestrator part
     with pytest.raises(FileNotFoundError, match="complete steps: \\[4\\]"):
-        trainer_resume_step(run_dir, 8)
+        run_dir.resolve_resume_step(8, run_dir.checkpoint_components())
     sft = RunDir(tmp_path, "sft")  # no orchestrator anywhere: the trainer's own checkpoints count
     sft.trainer_checkpoint_dir(8).mkdir(parents=True)
     (sft.trainer_checkpoint_dir(8) / DONE).touch()
-    assert trainer_resume_step(sft, "latest") == 8
+    assert sft.checkpoint_components() == ("trainer",)
+    assert sft.resolve_resume_step("latest", sft.checkpoint_components()) == 8

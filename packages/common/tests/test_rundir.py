@@ -81,6 +81,8 @@ def test_latest_is_the_newest_step_complete_for_every_component(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"step_8 is not complete .*'trainer': False.* complete steps: \[4\]"):
         run.resolve_resume_step(8)
     assert RunDir(tmp_path, "empty").resolve_resume_step("latest") is None
+    assert run.checkpoint_components() == ("trainer", "orchestrator")  # an RL run: a trainer alone agrees
+    assert RunDir(tmp_path, "empty").checkpoint_components() == ("trainer",)  # sft
 
 
 @pytest.mark.chaos

@@ -14,7 +14,7 @@ from prime_rl.common.config.trainer import SFTConfig
 from prime_rl.trainer.data import build_data_loader
 from prime_rl.trainer.memory_plan import resolve_memory
 from prime_rl.trainer.model import build_training_model
-from prime_rl.trainer.models import load_model_config
+from prime_rl.trainer.models import load_arch_config
 from prime_rl.trainer.optim import build_optimizer, clip_grad_norm
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.sft.train import train_step
@@ -30,7 +30,7 @@ def main(model_dir: str, out: str, dp_replicate: int, chunk: str) -> None:
     )  # fmt: skip
     world = init_world()
     dims = ParallelDims.from_world(world.world_size, dp_replicate)
-    vocab = load_model_config(model_dir).vocab_size
+    vocab = load_arch_config(model_dir).vocab_size
     loader = build_data_loader(cfg.data, None, vocab, world.rank, dims.dp)
     torch.manual_seed(0)
     cfg.model = resolve_memory(cfg.model, cfg.data.seq_len, world.device)  # as sft does

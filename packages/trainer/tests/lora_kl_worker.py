@@ -16,7 +16,7 @@ from prime_rl.trainer.loop import to_host
 from prime_rl.trainer.lora import BaseModelView, lora_modules, set_full
 from prime_rl.trainer.memory_plan import resolve_memory
 from prime_rl.trainer.model import build_training_model
-from prime_rl.trainer.models import load_model_config
+from prime_rl.trainer.models import load_arch_config
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.rl.data import FakeSource
 from prime_rl.trainer.rl.loss import LossSettings
@@ -44,7 +44,7 @@ def main(model_dir: str, out: str) -> None:
             set_full(module.lora_B, torch.randn(tuple(module.lora_B.shape), generator=gen) * 0.05)
     copy = build_training_model(cfg, dims, mesh, world.device).requires_grad_(False)  # B = 0: the base
     fake = FakeRLDataConfig(batch_size=2, generate_samples=True, doc_len=24)
-    batches = FakeSource(fake, 64, load_model_config(model_dir).vocab_size, dims.dp_rank(world.rank), dims.dp).get(0)
+    batches = FakeSource(fake, 64, load_arch_config(model_dir).vocab_size, dims.dp_rank(world.rank), dims.dp).get(0)
     settings = LossSettings(kl_coef=0.5)
     results = {}
     for name, ref in (("copy", copy), ("view", BaseModelView(policy))):

@@ -20,7 +20,7 @@ from prime_rl.trainer.data import build_data_loader
 from prime_rl.trainer.lora import export_lora
 from prime_rl.trainer.memory_plan import resolve_memory
 from prime_rl.trainer.model import build_training_model
-from prime_rl.trainer.models import load_model_config
+from prime_rl.trainer.models import load_arch_config
 from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.sft.train import train_step
@@ -50,7 +50,7 @@ def main(model_dir: str, out: str, dp_replicate: int) -> None:
     dims = ParallelDims.from_world(world.world_size, dp_replicate)
     cfg.model = resolve_memory(cfg.model, cfg.data.seq_len, world.device)  # as sft does
     mesh = dims.build_mesh("cpu")
-    loader = build_data_loader(cfg.data, None, load_model_config(model_dir).vocab_size, world.rank, dims.dp)
+    loader = build_data_loader(cfg.data, None, load_arch_config(model_dir).vocab_size, world.rank, dims.dp)
 
     def build(seed: int):  # noqa: ANN202
         torch.manual_seed(seed)

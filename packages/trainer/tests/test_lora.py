@@ -25,8 +25,8 @@ from prime_rl.trainer.lora import (
 )
 from prime_rl.trainer.models import (
     build_model,
+    load_arch_config,
     load_hf_weights,
-    load_model_config,
     model_flops_per_token,
     num_active_params,
     save_hf_weights,
@@ -117,7 +117,7 @@ def test_gradients_match_peft(fp32_model_dir, modules_to_save):
 
 
 def test_bad_input_is_one_clear_line(fp32_model_dir):
-    config = load_model_config(str(fp32_model_dir))
+    config = load_arch_config(str(fp32_model_dir))
     cases = {
         "entry 'qkv_proj' matches no linear layer": LoRAConfig(target_modules=["q_proj", "qkv_proj"]),
         "entry 'router' matches no linear layer": LoRAConfig(target_modules=["router"]),
@@ -143,7 +143,7 @@ def test_peft_export_and_merged_export_load(fp32_model_dir, tmp_path):
     ids = torch.randint(3, 400, (1, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = ours.lm_head(ours(ids, torch.arange(32).unsqueeze(0)))[0]
-    config = load_model_config(str(fp32_model_dir))
+    config = load_arch_config(str(fp32_model_dir))
 
     trainable = {n: p.detach() for n, p in ours.named_parameters() if p.requires_grad}
     adapter_dir = tmp_path / "adapter"
@@ -173,7 +173,7 @@ def test_partial_targets_export_as_regex(fp32_model_dir):
 
 
 def test_flops_count_no_weight_gradient_for_the_frozen_base(fp32_model_dir):
-    config = load_model_config(str(fp32_model_dir))
+    config = load_arch_config(str(fp32_model_dir))
     seq = 256
     plain = build_model(str(fp32_model_dir), device="meta")
     full = model_flops_per_token(config, seq)

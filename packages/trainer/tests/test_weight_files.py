@@ -6,7 +6,7 @@ from safetensors.torch import load_file, save_file
 
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.common.weight_checksum import compute_checksums, read_checksums
-from prime_rl.trainer.models.config import load_model_config
+from prime_rl.trainer.models.config import load_arch_config
 from prime_rl.trainer.weights import files
 
 
@@ -31,7 +31,7 @@ def test_file_is_byte_identical_to_safetensors_and_crcs_match_the_file(tmp_path,
 def test_hf_dir_is_sharded_per_writer_and_loads_back(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "_MIN_SHARD", 1)
     monkeypatch.setattr(files, "_WORKERS", 3)
-    config = load_model_config(make_tiny_model(tmp_path / "model"))
+    config = load_arch_config(make_tiny_model(tmp_path / "model"))
     tensors = _tensors()
     out = tmp_path / "step_1"
     files.write_hf_dir(tensors, out, config)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prime_rl.trainer.models import build_model, load_hf_weights, read_hf_state_dict, save_hf_weights
-from prime_rl.trainer.models.config import load_model_config
+from prime_rl.trainer.models.config import load_arch_config
 from prime_rl.trainer.models.flops import num_active_params
 
 TINY_GLM = dict(
@@ -98,7 +98,7 @@ def test_checkpoint_round_trips_bit_for_bit_without_mtp_layers(tmp_path):
 
 def test_config_reads_the_glm_fields_and_counts_active_params(tmp_path):
     hf = _hf_model(tmp_path)
-    c = load_model_config(tmp_path)
+    c = load_arch_config(tmp_path)
     assert (c.num_experts, c.n_group, c.topk_group, c.n_shared_experts, c.first_k_dense_replace) == (8, 4, 2, 1, 1)
     assert c.router_scoring == "sigmoid" and c.routed_scaling_factor == 2.5 and c.rotary_dim == 8
     assert c.attention_bias and c.o_proj_bias is False and not c.qk_norm
@@ -117,7 +117,7 @@ def test_config_reads_the_glm_fields_and_counts_active_params(tmp_path):
 def test_bad_group_routing_is_refused_with_the_fix(tmp_path, overrides, match):
     d = {**TINY_GLM, **overrides, "model_type": "glm4_moe"}
     with pytest.raises(ValueError, match=match):
-        load_model_config(d)
+        load_arch_config(d)
 
 
 def test_glm_4_5_air_shape_builds_on_meta_at_its_published_size():
@@ -133,4 +133,4 @@ def test_glm_4_5_air_shape_builds_on_meta_at_its_published_size():
     model = build_model(air, device="meta")
     total = sum(p.numel() for p in model.parameters())
     assert 106.5e9 < total < 107.2e9  # 106.85B without the MTP layer
-    assert 12.5e9 < num_active_params(load_model_config(air)) < 13.1e9  # 12.8B with the LM head
+    assert 12.5e9 < num_active_params(load_arch_config(air)) < 13.1e9  # 12.8B with the LM head

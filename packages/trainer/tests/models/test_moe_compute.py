@@ -16,7 +16,7 @@ from prime_rl.common.config.trainer import (
     MXFP8ComputeConfig,
     TrainerModelConfig,
 )
-from prime_rl.trainer.models import load_model_config
+from prime_rl.trainer.models import load_arch_config
 from prime_rl.trainer.models.moe_compute import check_moe_compute
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
 
@@ -51,4 +51,4 @@ def test_refusal_happens_in_layout_resolution_before_any_weight_is_read(hf_model
         f.unlink()  # nothing to read: the refusal must come first
     cfg = TrainerModelConfig(name=str(path), moe=MoEConfig(compute=compute))
     with pytest.raises((ImportError, RuntimeError), match=f'type = "{compute.type}"'):
-        resolve_parallel_dims(cfg, 1, load_model_config(str(path)))
+        resolve_parallel_dims(cfg, 1, load_arch_config(str(path)))

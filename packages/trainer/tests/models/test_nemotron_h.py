@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from prime_rl.trainer.models import PackedSeqs, build_model, load_hf_weights, read_hf_state_dict, save_hf_weights
-from prime_rl.trainer.models.config import load_model_config
+from prime_rl.trainer.models.config import load_arch_config
 from prime_rl.trainer.models.flops import model_flops_per_token, num_active_params
 from prime_rl.trainer.models.mamba import causal_conv1d_packed, ssd_chunk_scan
 
@@ -199,11 +199,11 @@ def test_checkpoint_round_trips_bit_for_bit_without_mtp_layers(tmp_path):
 
 def test_config_reads_pattern_or_block_types_and_counts_active_params(tmp_path):
     hf = _hf_model(tmp_path)
-    c = load_model_config(tmp_path)  # transformers 5 writes layers_block_type
+    c = load_arch_config(tmp_path)  # transformers 5 writes layers_block_type
     assert c.layer_types == ["mamba", "attention", "mlp", "mamba", "moe"]
     old_style = {**TINY_NH, "model_type": "nemotron_h", "mamba_n_groups": 2, "mamba_d_conv": 3}
     old_style.pop("n_groups"), old_style.pop("conv_kernel")
-    legacy = load_model_config(old_style)  # released checkpoints: hybrid_override_pattern and mamba_* keys
+    legacy = load_arch_config(old_style)  # released checkpoints: hybrid_override_pattern and mamba_* keys
     assert legacy.layer_types == c.layer_types and (legacy.mamba_n_groups, legacy.conv_kernel) == (2, 3)
     assert [c.is_moe_layer(i) for i in range(5)] == [False, False, False, False, True]
     assert (c.num_experts, c.n_group, c.topk_group, c.routed_scaling_factor) == (8, 4, 2, 2.5)
@@ -225,7 +225,7 @@ def test_config_reads_pattern_or_block_types_and_counts_active_params(tmp_path):
 )
 def test_bad_configs_are_refused_with_the_fix(overrides, match):
     with pytest.raises(ValueError, match=match):
-        load_model_config({**TINY_NH, **overrides, "model_type": "nemotron_h"})
+        load_arch_config({**TINY_NH, **overrides, "model_type": "nemotron_h"})
 
 
 def test_nemotron_3_nano_shape_builds_on_meta_at_its_published_size():
@@ -246,8 +246,8 @@ def test_nemotron_3_nano_shape_builds_on_meta_at_its_published_size():
     assert (types.count("mamba"), types.count("moe"), types.count("attention")) == (23, 23, 6)
     total = sum(p.numel() for p in model.parameters())
     assert total == 31_577_937_344  # transformers' NemotronHForCausalLM on meta counts the same
-    assert 3.2e9 < num_active_params(load_model_config(nano)) < 3.25e9
-    assert 3.55e9 < num_active_params(load_model_config(nano)) + 131072 * 2688 < 3.6e9
+    assert 3.2e9 < num_active_params(load_arch_config(nano)) < 3.25e9
+    assert 3.55e9 < num_active_params(load_arch_config(nano)) + 131072 * 2688 < 3.6e9
 
 
 def test_every_block_compiles_as_full_graphs_and_matches_eager(tmp_path, monkeypatch):
@@ -301,7 +301,7 @@ def test_nemotron_3_super_shape_builds_on_meta_at_its_published_size():
     assert model.layers[1].mixer.fc1_latent_proj.weight.shape == (1024, 4096)
     assert model.layers[1].mixer.experts.up_proj.shape == (512, 2688, 1024)
     assert sum(p.numel() for p in model.parameters()) == 120_668_687_360  # transformers on meta: the same
-    active_with_embedding = num_active_params(load_model_config(super_)) + 131072 * 4096
+    active_with_embedding = num_active_params(load_arch_config(super_)) + 131072 * 4096
     assert 12.7e9 < active_with_embedding < 12.8e9
 
 

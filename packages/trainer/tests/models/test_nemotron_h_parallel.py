@@ -15,7 +15,7 @@ import torch
 from prime_rl.common.config import load_config
 from prime_rl.common.config.base import ConfigError
 from prime_rl.common.config.trainer import SFTConfig
-from prime_rl.trainer.models import load_model_config
+from prime_rl.trainer.models import load_arch_config
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
 from prime_rl.trainer.testing import torchrun
 
@@ -97,7 +97,7 @@ def test_ep2_of_relu2_experts_matches_single_process(single, pair):
 
 def _dims(model_dir: str, world_size: int, *flags: str):
     cfg = load_config(SFTConfig, ["--model.name", model_dir, "--data.type", "fake", *flags])
-    return resolve_parallel_dims(cfg.model, world_size, load_model_config(model_dir))
+    return resolve_parallel_dims(cfg.model, world_size, load_arch_config(model_dir))
 
 
 def test_cp_over_mamba_layers_is_refused_with_the_fix(model_dir):

@@ -19,7 +19,7 @@ from prime_rl.common.config.trainer import SFTConfig
 from prime_rl.trainer.data import build_data_loader
 from prime_rl.trainer.memory_plan import resolve_memory
 from prime_rl.trainer.model import build_training_model
-from prime_rl.trainer.models import load_model_config
+from prime_rl.trainer.models import load_arch_config
 from prime_rl.trainer.optim import build_optimizer, clip_grad_norm
 from prime_rl.trainer.optim.full_offload import FullOffloadOptimizer
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
@@ -33,7 +33,7 @@ BASE = ["--data.type", "fake", "--data.seq-len", "64", "--data.batch-size", "4",
 
 def run_variant(world, model_dir: str, flags: list[str]) -> dict:
     cfg = load_config(SFTConfig, ["--model.name", model_dir, *BASE, *flags])
-    arch = load_model_config(model_dir)
+    arch = load_arch_config(model_dir)
     dims = resolve_parallel_dims(cfg.model, world.world_size, arch)
     loader = build_data_loader(cfg.data, None, arch.vocab_size, dims.dp_rank(world.rank), dims.dp)
     torch.manual_seed(0)

@@ -161,9 +161,9 @@ def test_router_weights_come_from_the_trainer_over_the_replayed_experts():
 
 
 def test_dense_model_is_refused_in_one_line(tmp_path):
-    from prime_rl.trainer.models import load_model_config
+    from prime_rl.trainer.models import load_arch_config
 
-    dense = load_model_config(str(make_tiny_model(tmp_path / "dense", kind="qwen3", dtype="float32")))
+    dense = load_arch_config(str(make_tiny_model(tmp_path / "dense", kind="qwen3", dtype="float32")))
     with pytest.raises(ValueError, match=r"router_replay=true but .* is a dense model"):
         check_router_replay(dense, "tiny-dense")
 

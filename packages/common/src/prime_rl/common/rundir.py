@@ -162,6 +162,13 @@ class RunDir:
         """Steps whose every listed component's part is complete, ascending."""
         return [s for s in self.checkpoint_steps() if all(self.checkpoint_part_complete(s, c) for c in components)]
 
+    def checkpoint_components(self) -> tuple[str, ...]:
+        """The components whose parts make a step complete here: the trainer's, and in an RL run (any step
+        has an orchestrator part) the orchestrator's too, so a trainer started alone agrees with `rl`."""
+        if any(self.orchestrator_checkpoint_dir(s).is_dir() for s in self.checkpoint_steps()):
+            return ("trainer", "orchestrator")
+        return ("trainer",)
+
     def latest_complete_checkpoint(self, components: tuple[str, ...] = ("trainer", "orchestrator")) -> int | None:
         steps = self.complete_checkpoint_steps(components)
         return steps[-1] if steps else None

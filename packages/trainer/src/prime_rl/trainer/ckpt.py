@@ -40,23 +40,6 @@ def list_checkpoints(run_dir: RunDir) -> list[int]:
     return [s for s in run_dir.checkpoint_steps() if (run_dir.trainer_checkpoint_dir(s) / DONE).is_file()]
 
 
-def resolve_resume_step(run_dir: RunDir, resume_step: int | str | None) -> int | None:
-    """The step to resume from: an explicit one (must be complete), the newest complete ("latest"), or None.
-
-    In an RL run (orchestrator parts exist) complete means complete for trainer and orchestrator, so a
-    trainer started on its own resumes where the orchestrator can too (the `rl` launcher resolves the
-    step once and passes it explicitly; this keeps standalone starts consistent with it).
-    """
-    if resume_step is None:
-        return None
-    components = ("trainer", "orchestrator") if _has_orchestrator(run_dir) else ("trainer",)
-    return run_dir.resolve_resume_step(resume_step, components)
-
-
-def _has_orchestrator(run_dir: RunDir) -> bool:
-    return any(run_dir.orchestrator_checkpoint_dir(s).is_dir() for s in run_dir.checkpoint_steps())
-
-
 class CheckpointManager:
     def __init__(self, run_dir: RunDir, keep_last: int | None, is_main: bool):
         self.run_dir = run_dir
@@ -105,7 +88,8 @@ class CheckpointManager:
         if self.keep_last is None:
             return
         # Resumable needs every component's part: keep the newest step the orchestrator completed too.
-        protected = self.run_dir.latest_complete_checkpoint() if _has_orchestrator(self.run_dir) else None
+        components = self.run_dir.checkpoint_components()
+        protected = self.run_dir.latest_complete_checkpoint(components) if "orchestrator" in components else None
         for step in list_checkpoints(self.run_dir)[: -self.keep_last]:
             if step == protected:
                 continue

@@ -39,7 +39,7 @@ from prime_rl.common.env import PROFILE_DIR_ENV, PROFILE_STEPS_ENV
 from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.monitor import build_monitor
 from prime_rl.common.rundir import RunDir
-from prime_rl.trainer.ckpt import CheckpointManager, resolve_resume_step
+from prime_rl.trainer.ckpt import CheckpointManager
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.optim.setup import Optimization
 from prime_rl.trainer.parallel import ParallelDims
@@ -139,7 +139,8 @@ class StepProfiler:
 
 def resume(trainer: Trainer, ckpt: CheckpointManager, resume_step: int | str | None) -> int:
     """Load the checkpoint ``resume_step`` names (None: a fresh start); returns the first step to train."""
-    start = resolve_resume_step(trainer.run_dir, resume_step) or 0
+    run_dir = trainer.run_dir
+    start = run_dir.resolve_resume_step(resume_step, run_dir.checkpoint_components()) or 0
     if start:
         trainer.optim.load_checkpoint(ckpt, start, trainer.model)
         trainer.logger.info(f"resumed from {trainer.run_dir.trainer_checkpoint_dir(start)}")

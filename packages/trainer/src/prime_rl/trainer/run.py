@@ -32,7 +32,7 @@ from prime_rl.trainer.loop import Trainer
 from prime_rl.trainer.lora import check_lora, log_lora, training_flops_per_token
 from prime_rl.trainer.memory_plan import resolve_memory
 from prime_rl.trainer.model import CausalLM, build_training_model
-from prime_rl.trainer.models import load_model_config
+from prime_rl.trainer.models import load_arch_config
 from prime_rl.trainer.optim.setup import build_optimization
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.layout import resolve_parallel_dims
@@ -85,7 +85,7 @@ def bad_input_exits(world: World, logger: logging.Logger) -> Iterator[None]:
 def inspect_model(model_cfg: TrainerModelConfig, world: World) -> tuple[Path, object, ParallelDims]:
     """The model dir, its config and the parallel layout, checked without reading any weight."""
     model_dir = check_model_dir(model_cfg.name)
-    model_config = load_model_config(str(model_dir))
+    model_config = load_arch_config(str(model_dir))
     dims = resolve_parallel_dims(model_cfg, world.world_size, model_config)
     if model_cfg.lora is not None:  # target patterns and rank against the model's layers, on a meta copy
         check_lora(model_cfg.lora, model_config)

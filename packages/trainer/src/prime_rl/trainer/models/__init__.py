@@ -7,7 +7,7 @@ logits = model.lm_head(hidden)
 
 from prime_rl.trainer.models.attention import ATTN_CHOICES, resolve_attn
 from prime_rl.trainer.models.build import build_model
-from prime_rl.trainer.models.config import ArchConfig, load_model_config
+from prime_rl.trainer.models.config import ArchConfig, load_arch_config
 from prime_rl.trainer.models.flops import model_flops_per_token, num_active_params
 from prime_rl.trainer.models.moe import MoE
 from prime_rl.trainer.models.packing import PackedSeqs
@@ -30,7 +30,7 @@ __all__ = [
     "build_model",
     "hf_state_dict_to_model",
     "load_hf_weights",
-    "load_model_config",
+    "load_arch_config",
     "model_flops_per_token",
     "model_state_dict_to_hf",
     "num_active_params",

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from prime_rl.trainer.models.attention import resolve_attn
-from prime_rl.trainer.models.config import load_model_config
+from prime_rl.trainer.models.config import load_arch_config
 from prime_rl.trainer.models.transformer import Transformer
 
 
@@ -23,7 +23,7 @@ def build_model(
     there: the caller shards it, then `to_empty()` + `init_weights()` or `load_hf_weights`. For a real
     device it is materialized and filled by `init_weights()` (call `load_hf_weights` to load a checkpoint).
     """
-    config = load_model_config(model_dir_or_hf_config)
+    config = load_arch_config(model_dir_or_hf_config)
     resolved = resolve_attn(attn)
     with torch.device("meta"):
         model = Transformer(config, attn=resolved, sdpa_fallback=attn == "auto")

@@ -282,8 +282,8 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
-def load_model_config(source: Any) -> ArchConfig:
-    """Accepts a model dir / config.json path, a dict, a transformers PretrainedConfig or a ArchConfig."""
+def load_arch_config(source: Any) -> ArchConfig:
+    """Accepts a model dir / config.json path, a dict, a transformers PretrainedConfig or an ArchConfig."""
     if isinstance(source, ArchConfig):
         return source
     if isinstance(source, dict):
@@ -297,5 +297,5 @@ def load_model_config(source: Any) -> ArchConfig:
     if hasattr(source, "to_dict"):  # transformers.PretrainedConfig, without importing transformers here
         return ArchConfig.from_hf_dict(source.to_dict())
     raise TypeError(
-        f"cannot build a model config from {type(source).__name__}; pass a model dir, a dict or a PretrainedConfig"
+        f"cannot build an ArchConfig from {type(source).__name__}; pass a model dir, a dict or a PretrainedConfig"
     )

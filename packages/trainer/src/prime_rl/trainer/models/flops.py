@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prime_rl.trainer.models.config import ArchConfig, load_model_config
+from prime_rl.trainer.models.config import ArchConfig, load_arch_config
 
 
 def num_active_params(config: ArchConfig) -> int:
@@ -62,7 +62,7 @@ def _nemotron_h_active_params(c: ArchConfig) -> int:
 
 def model_flops_per_token(config: Any, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token at sequence length `seq_len`."""
-    c = load_model_config(config)
+    c = load_arch_config(config)
     attention_layers = c.layer_types.count("attention") if c.layer_types else c.num_hidden_layers
     attention = 12 * attention_layers * c.num_attention_heads * c.head_dim * seq_len
     return float(6 * num_active_params(c) + attention)

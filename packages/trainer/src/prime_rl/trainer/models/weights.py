@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from prime_rl.trainer.models.config import ArchConfig, load_model_config
+from prime_rl.trainer.models.config import ArchConfig, load_arch_config
 
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _ROUTER_HF_RE = re.compile(r"^layers\.(\d+)\.mlp\.gate\.weight$")
@@ -232,7 +232,7 @@ def save_hf_weights(
         state_dict = state_dict_or_model
     if config is None:
         raise ValueError("save_hf_weights needs `config` when given a state dict (ArchConfig, dir or dict)")
-    config = load_model_config(config)
+    config = load_arch_config(config)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Gather before converting: unstacking experts needs the whole (E, ...) tensor, not a DTensor shard.

@@ -61,7 +61,7 @@ from prime_rl.common.rundir import RunDir
 from prime_rl.common.weight_sync.announce import VersionAnnouncer
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
-from prime_rl.trainer.models.config import load_model_config
+from prime_rl.trainer.models.config import load_arch_config
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of, write_hf_dir
 from prime_rl.trainer.weights.staging import HostStaging, gather_full_tensors, model_state
 from prime_rl.trainer.world import World
@@ -263,7 +263,7 @@ class FilesystemPublisher(_Publisher):
         final = self.run_dir.broadcast_dir(version)
         tmp = tmp_dir_of(final)
         shutil.rmtree(tmp, ignore_errors=True)
-        config = load_model_config(self.model.config)
+        config = load_arch_config(self.model.config)
         write_hf_dir(model_state_dict_to_hf(staging.tensors(), config), tmp, config)
         (tmp / MARKER).touch()
         publish_dir(tmp, final)

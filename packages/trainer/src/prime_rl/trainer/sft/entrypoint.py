@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     if cfg.model.lora is not None:  # target patterns and rank against the model's layers (a meta copy)
         from prime_rl.trainer.lora import check_lora
-        from prime_rl.trainer.models import load_model_config
+        from prime_rl.trainer.models import load_arch_config
 
         try:
-            check_lora(cfg.model.lora, load_model_config(cfg.model.name))
+            check_lora(cfg.model.lora, load_arch_config(cfg.model.name))
         except ValueError as e:
             _fail(str(e))
     if "RANK" in os.environ and "LOCAL_RANK" in os.environ:  # already a rank of some launcher
