@@ -21,7 +21,7 @@ from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.common.weight_checksum import CHECKSUMS_FILE, compute_checksums, read_checksums
-from prime_rl.orchestrator.weights import VersionListener, latest_published_step
+from prime_rl.orchestrator.weights import VersionListener
 from prime_rl.trainer.rl.publish import BackgroundJob
 from prime_rl.trainer.testing import torchrun
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of
@@ -118,7 +118,7 @@ def test_trainer_killed_mid_write_leaves_last_complete_version(tiny_model_dir, t
     # ... yet only version 1 is visible: to the trainer's run dir, the orchestrator's start-up scan,
     # and the orchestrator's socket (version 2 was never announced)
     assert run_dir.broadcast_steps() == [1]
-    assert latest_published_step(broadcasts) == 1
+    assert run_dir.latest_published_step() == 1
     assert [m.version for m in _drain(listener, 1.0)] == [1]
     listener.close()
     # the next trainer start removes the leftover
