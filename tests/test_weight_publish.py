@@ -22,7 +22,7 @@ from prime_rl.common.rundir import RunDir
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.common.weight_checksum import CHECKSUMS_FILE, compute_checksums, read_checksums
 from prime_rl.orchestrator.weights import VersionListener
-from prime_rl.trainer.rl.publish import BackgroundJob
+from prime_rl.trainer.rl.publish_base import BackgroundJob
 from prime_rl.trainer.testing import torchrun
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of
 
