@@ -58,7 +58,7 @@ from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
 from prime_rl.trainer.models.config import load_model_config
-from prime_rl.trainer.rl.publish_base import Publisher
+from prime_rl.trainer.rl.publish_base import Publisher, prune_versions
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of, write_hf_dir
 from prime_rl.trainer.weights.staging import HostStaging, gather_full_tensors
 from prime_rl.trainer.world import World
@@ -183,19 +183,9 @@ class FilesystemPublisher(Publisher):
         write_hf_dir(model_state_dict_to_hf(staging.tensors(), config), tmp, config)
         (tmp / BROADCAST_MARKER).touch()
         publish_dir(tmp, final)
-        self._prune(version)
+        prune_versions(self.run_dir, version, self.cfg.keep_last)
         self.last_write_time = time.perf_counter() - start
         self._announce(version, str(final), blocked)
-
-    def _prune(self, version: int) -> None:
-        """Keep the newest ``keep_last`` versions up to ``version``; versions above it belong to a run
-        this one resumed from an earlier checkpoint and must never be served. ``version`` itself (the
-        newest complete one) is always kept, and a directory being written is never listed."""
-        steps = self.run_dir.broadcast_steps()
-        older = [s for s in steps if s <= version]
-        stale = [s for s in steps if s > version] + older[: -self.cfg.keep_last]
-        for step in stale:
-            shutil.rmtree(self.run_dir.broadcast_dir(step), ignore_errors=True)
 
 
 class BroadcastPublisher(Publisher):
@@ -229,7 +219,8 @@ class BroadcastPublisher(Publisher):
         self.flush()  # the previous version is served (and announced) before the next one is sent
         state = self.state
         tensors = gather_full_tensors(state, self.dtype, keep=self.broadcaster is not None)
-        if self.broadcaster is None:
+        broadcaster = self.broadcaster
+        if broadcaster is None:
             for _ in tensors:
                 pass
             return time.perf_counter() - start
@@ -242,15 +233,8 @@ class BroadcastPublisher(Publisher):
         self.broadcaster.send(layout, [t for _, t in named])
         del named, hf
         blocked = time.perf_counter() - start
-        self.job.start(lambda: self._finish(version, blocked))
+        self.job.start(lambda: self._serve_then_announce(version, blocked, broadcaster.finish))
         return blocked
-
-    def _finish(self, version: int, blocked: float) -> None:
-        start = time.perf_counter()
-        assert self.broadcaster is not None
-        self.broadcaster.finish(version)
-        self.last_write_time = time.perf_counter() - start
-        self._announce(version, None, blocked)
 
     def close(self) -> None:
         try:

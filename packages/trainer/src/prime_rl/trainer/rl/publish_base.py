@@ -1,4 +1,4 @@
-"""What every weight publisher shares: the background job, the tensors to publish, the announcer.
+"""What every weight publisher shares: the background job, the tensors to publish, the announcement, pruning.
 
 Its own module so that the transports' publishers (``publish``: filesystem and nccl, ``publish_nixl``,
 ``publish_lora``) import it, not each other: ``publish.build_publisher`` picks one of them, and the nixl and
@@ -8,12 +8,14 @@ LoRA ones are imported only when chosen (nixl needs its extra).
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 
+from prime_rl.common.rundir import RunDir
 from prime_rl.common.weight_sync.announce import VersionAnnouncer
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.weights.staging import model_state
@@ -91,6 +93,14 @@ class Publisher:
         if self.announcer is not None:
             self.announcer.announce(version, path=path, publish_s=blocked, write_s=self.last_write_time)
 
+    def _serve_then_announce(self, version: int, blocked: float, wait_served: Callable[[int], None]) -> None:
+        """Background part of a push transport (nccl, nixl): wait until every server serves ``version``
+        (``wait_served``, the sender's ``finish``), then announce it."""
+        start = time.perf_counter()
+        wait_served(version)
+        self.last_write_time = time.perf_counter() - start
+        self._announce(version, None, blocked)
+
     def close(self) -> None:
         """Flush, then release sockets. Call on every rank at exit."""
         try:
@@ -98,3 +108,14 @@ class Publisher:
         finally:
             if self.announcer is not None:
                 self.announcer.close()
+
+
+def prune_versions(run_dir: RunDir, version: int, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` filesystem versions up to ``version``; versions above it belong to a run
+    this one resumed from an earlier checkpoint and must never be served. ``version`` itself (the newest
+    complete one) is always kept, and a directory being written is never listed."""
+    steps = run_dir.broadcast_steps()
+    older = [s for s in steps if s <= version]
+    stale = [s for s in steps if s > version] + older[:-keep_last]
+    for step in stale:
+        shutil.rmtree(run_dir.broadcast_dir(step), ignore_errors=True)

@@ -60,14 +60,8 @@ class NixlPublisher(Publisher):
         del full
         blocked = time.perf_counter() - start
         if self.world.is_main:
-            self.job.start(lambda: self._finish(version, blocked))
+            self.job.start(lambda: self._serve_then_announce(version, blocked, self.sender.finish))
         return blocked
-
-    def _finish(self, version: int, blocked: float) -> None:
-        start = time.perf_counter()
-        self.sender.finish(version)
-        self.last_write_time = time.perf_counter() - start
-        self._announce(version, None, blocked)
 
     def close(self) -> None:
         try:
