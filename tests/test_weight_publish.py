@@ -16,13 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.common.weight_checksum import CHECKSUMS_FILE, compute_checksums, read_checksums
-from prime_rl.orchestrator.weights import VersionListener, latest_published_step
-from prime_rl.trainer.rl.publish import BackgroundJob
+from prime_rl.orchestrator.weights import VersionListener
+from prime_rl.trainer.rl.publish_base import BackgroundJob, prune_versions
 from prime_rl.trainer.testing import torchrun
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of
 
@@ -118,7 +117,7 @@ def test_trainer_killed_mid_write_leaves_last_complete_version(tiny_model_dir, t
     # ... yet only version 1 is visible: to the trainer's run dir, the orchestrator's start-up scan,
     # and the orchestrator's socket (version 2 was never announced)
     assert run_dir.broadcast_steps() == [1]
-    assert latest_published_step(broadcasts) == 1
+    assert run_dir.latest_published_step() == 1
     assert [m.version for m in _drain(listener, 1.0)] == [1]
     listener.close()
     # the next trainer start removes the leftover
@@ -149,14 +148,10 @@ def test_background_job_runs_one_at_a_time_and_reraises():
 
 
 def test_keep_last_never_prunes_the_newest_and_drops_versions_of_an_abandoned_run(tmp_path):
-    from prime_rl.trainer.rl.publish import FilesystemPublisher
-
     run_dir = RunDir(tmp_path, "run")
     for step in (1, 2, 3, 7, 8):  # 7, 8: written by a run that went further before this one resumed
         (run_dir.broadcast_dir(step)).mkdir(parents=True)
     (tmp_dir_of(run_dir.broadcast_dir(5))).mkdir()  # being written: never listed, never pruned here
-    publisher = FilesystemPublisher.__new__(FilesystemPublisher)
-    publisher.run_dir, publisher.cfg = run_dir, FilesystemBroadcastConfig(keep_last=2)
-    publisher._prune(4 - 1)
+    prune_versions(run_dir, 4 - 1, keep_last=2)
     assert run_dir.broadcast_steps() == [2, 3]
     assert (run_dir.broadcasts_dir / "step_5.tmp").is_dir()

@@ -32,7 +32,6 @@ from prime_rl.common.testing import make_tiny_model  # noqa: E402
 from prime_rl.common.testing_rl import write_cpu_rl_config  # noqa: E402
 from prime_rl.common.transport import ControlClient  # noqa: E402
 from prime_rl.common.wire import HealthReply, HealthRequest  # noqa: E402
-from prime_rl.orchestrator.weights import latest_published_step  # noqa: E402
 
 pytestmark = [pytest.mark.chaos, pytest.mark.xdist_group("rl_e2e"), pytest.mark.timeout(600)]  # one vLLM at a time
 BIN = Path(sys.executable).parent
@@ -122,9 +121,9 @@ def test_a_killed_inference_server_is_restarted_and_the_run_goes_on(model, tmp_p
 
         # the served version catches up with the newest published one (a sync run loads each as it appears)
         def up_to_date() -> bool:
-            before = latest_published_step(run.broadcasts_dir)
+            before = run.latest_published_step()
             served = _served_version(port, secret)
-            return served is not None and served == before == latest_published_step(run.broadcasts_dir)
+            return served is not None and served == before == run.latest_published_step()
 
         _wait(up_to_date, proc, tmp_path, "the newest published version served", timeout=60)
         assert proc.wait(timeout=240) == 0, _tail(tmp_path)

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from prime_rl.common.rundir import RunDir
+from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
 
 
 def test_layout_matches_design(tmp_path):
@@ -44,6 +44,20 @@ def test_step_listings(tmp_path):
     assert run.checkpoint_steps() == [2, 10]
     assert run.broadcast_steps() == [2, 10]
     assert run.configs_dir.is_dir() and run.metrics_path.parent.is_dir()
+
+
+def test_latest_published_step_needs_marker_and_bound(tmp_path):
+    run = RunDir(tmp_path, "exp")
+    assert run.latest_published_step() is None and run.broadcast_steps(published=True) == []  # no broadcasts/
+    for step in (1, 2, 3):
+        run.broadcast_dir(step).mkdir(parents=True)
+        if step < 3:  # 3: not a complete version (never renamed into place by the trainer)
+            (run.broadcast_dir(step) / BROADCAST_MARKER).touch()
+    (run.broadcasts_dir / "step_4.tmp").mkdir()  # being written
+    assert run.broadcast_steps() == [1, 2, 3] and run.broadcast_steps(published=True) == [1, 2]
+    assert run.latest_published_step() == 2
+    assert run.latest_published_step(max_step=1) == 1
+    assert run.latest_published_step(max_step=0) is None
 
 
 @pytest.mark.parametrize("name", ["", "a/b", ".."])

@@ -13,7 +13,7 @@ import numpy as np
 from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.monitor import FileMonitor, read_metrics
 from prime_rl.common.net import free_port
-from prime_rl.common.rundir import RunDir
+from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
 from prime_rl.common.seeding import sample_seed
 from prime_rl.common.transport import Receiver, Sender
 from prime_rl.common.wire import TrainingBatch, WeightsPublished, micro_batch_arrays
@@ -22,7 +22,6 @@ from prime_rl.orchestrator.client import InferenceClient
 from prime_rl.orchestrator.envs.reverse_text import ReverseTextEnv
 from prime_rl.orchestrator.orchestrator import Orchestrator
 from prime_rl.orchestrator.state import load_state
-from prime_rl.orchestrator.weights import BROADCAST_MARKER
 
 
 class BoomEnv(ReverseTextEnv):

@@ -7,16 +7,11 @@ from pathlib import Path
 import pytest
 
 from prime_rl.common.net import free_port
+from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
 from prime_rl.common.transport import ControlClient, Sender
 from prime_rl.common.wire import PauseRequest, WeightsPublished
 from prime_rl.orchestrator.policy import PolicyState
-from prime_rl.orchestrator.weights import (
-    BROADCAST_MARKER,
-    VersionListener,
-    WeightUpdater,
-    ZmqInferenceControl,
-    latest_published_step,
-)
+from prime_rl.orchestrator.weights import VersionListener, WeightUpdater, ZmqInferenceControl
 
 
 class FakeControl:
@@ -71,16 +66,6 @@ async def _until(predicate, timeout=5.0):
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
-
-
-def test_latest_published_step_needs_marker_and_bound(tmp_path):
-    assert latest_published_step(tmp_path / "missing") is None
-    publish(tmp_path, 1)
-    publish(tmp_path, 2)
-    publish(tmp_path, 3, complete=False)  # not a complete version (never renamed into place by the trainer)
-    (tmp_path / "step_4.tmp").mkdir()  # being written
-    assert latest_published_step(tmp_path) == 2
-    assert latest_published_step(tmp_path, max_step=1) == 1
 
 
 def test_announcements_load_newest_filesystem_version_and_retag(tmp_path):
@@ -195,9 +180,10 @@ def test_recover_loads_the_newest_complete_version_up_to_the_resume_step(tmp_pat
     async def go():
         policy, control = PolicyState(), FakeControl()
         updater, _ = _updater(control, policy)
+        run_dir = RunDir(tmp_path, "run")
         for step in (3, 4, 6):  # 6: from a run that went further before the one we resume crashed
-            publish(tmp_path, step)
-        assert await updater.recover(tmp_path, max_version=5)
+            publish(run_dir.broadcasts_dir, step)
+        assert await updater.recover(run_dir, max_version=5)
         assert policy.version == 4
         updater.listener.close()
         return control.calls

@@ -4,8 +4,9 @@ Both ends compute the same thing from the same ``NixlLayout`` (pure Python, no t
 they never disagree about where a byte lives:
 
 - Groups. Tensors, in transfer order, are packed into groups of at most ``group_bytes`` (a larger
-  tensor gets a group of its own); each tensor starts at a multiple of 256 bytes. A group is the unit
-  that is received and then loaded into the engine; a transfer arena holds one group.
+  tensor gets a group of its own); each tensor starts at a multiple of 256 bytes (``weight_layout``'s
+  packer, the broadcast buckets' too). A group is the unit that is received and then loaded into the
+  engine; a transfer arena holds one group.
 - Slices. Group ``g`` is cut into ``num_sources`` contiguous, 256-byte aligned slices: trainer rank
   ``r`` stages slice ``r`` in its slot and every receiver reads all non-empty slices of the group
   (one read per trainer rank, all posted at once, starting at a different rank per receiver).
@@ -21,10 +22,9 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from prime_rl.common.weight_layout import ALIGNMENT, align_up, pack_aligned
 from prime_rl.common.wire import DTYPE_ITEMSIZE, NixlLayout, TensorSpec
 
-ALIGNMENT = 256
-"""Every tensor (and every slice) starts at a multiple of this many bytes."""
 DEFAULT_GROUP_BYTES = 256 << 20
 
 ITEMSIZE = DTYPE_ITEMSIZE  # one table for every transport, in prime_rl.common.wire
@@ -43,10 +43,6 @@ def num_bytes(spec: TensorSpec) -> int:
     return math.prod(spec.shape) * ITEMSIZE[spec.dtype]
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGNMENT) * ALIGNMENT
-
-
 def plan_layout(
     specs: Sequence[TensorSpec], num_sources: int, group_bytes: int = DEFAULT_GROUP_BYTES, num_slots: int = 1
 ) -> NixlLayout:
@@ -55,20 +51,7 @@ def plan_layout(
         raise ValueError(f"group_bytes={group_bytes} is below the {ALIGNMENT}-byte alignment; use >= 1 MiB")
     if num_sources < 1 or num_slots not in (1, 2):
         raise ValueError(f"num_sources={num_sources} must be >= 1 and num_slots={num_slots} 1 or 2")
-    groups: list[int] = []
-    offsets: list[int] = []
-    sizes: list[int] = []
-    end = 0
-    for spec in specs:
-        size = num_bytes(spec)
-        start = _align(end)
-        if not sizes or (start + size > group_bytes and end > 0):
-            sizes.append(0)
-            start = 0
-        groups.append(len(sizes) - 1)
-        offsets.append(start)
-        end = start + size
-        sizes[-1] = end
+    groups, offsets, sizes = pack_aligned((num_bytes(spec) for spec in specs), group_bytes)
     return NixlLayout(
         specs=list(specs),
         groups=groups,
@@ -81,7 +64,7 @@ def plan_layout(
 
 def source_slices(group_size: int, num_sources: int) -> list[tuple[int, int]]:
     """``[(start, end))`` byte range of the group that each trainer rank stages; trailing ones may be empty."""
-    piece = _align(-(-group_size // num_sources))
+    piece = align_up(-(-group_size // num_sources))
     return [(min(r * piece, group_size), min((r + 1) * piece, group_size)) for r in range(num_sources)]
 
 

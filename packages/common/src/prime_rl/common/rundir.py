@@ -38,6 +38,8 @@ _ATTEMPT = re.compile(r"^attempt_(\d+)$")
 CHECKPOINT_MARKERS = {"trainer": ".done", "orchestrator": "state.json"}
 """Per component: the file its checkpoint writer creates last inside ``checkpoints/step_<n>/<component>/``."""
 BROADCAST_MARKER = "STABLE"
+"""The file the trainer writes last into ``broadcasts/step_<n>.tmp/`` before renaming it into place; a version
+without it is not complete: inference refuses to load it and the orchestrator never serves it."""
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -215,8 +217,18 @@ class RunDir:
         """``broadcasts/step_<n>`` (filesystem weight transport)."""
         return self.broadcasts_dir / f"step_{_check_step(step)}"
 
-    def broadcast_steps(self) -> list[int]:
-        return _steps(self.broadcasts_dir, _STEP)
+    def broadcast_steps(self, *, published: bool = False) -> list[int]:
+        """Steps with a ``broadcasts/step_<n>`` directory, ascending; ``published``: only those holding
+        ``BROADCAST_MARKER`` (complete versions inference may load)."""
+        steps = _steps(self.broadcasts_dir, _STEP)
+        if published:
+            steps = [s for s in steps if (self.broadcast_dir(s) / BROADCAST_MARKER).is_file()]
+        return steps
+
+    def latest_published_step(self, max_step: int | None = None) -> int | None:
+        """Newest published step (``n <= max_step`` if given); None if there is none."""
+        steps = [s for s in self.broadcast_steps(published=True) if max_step is None or s <= max_step]
+        return steps[-1] if steps else None
 
     @property
     def launcher_dir(self) -> Path:

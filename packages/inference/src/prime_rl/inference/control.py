@@ -34,6 +34,7 @@ import uuid
 from typing import Any
 
 from prime_rl.common.heartbeat import Heartbeat
+from prime_rl.common.rundir import BROADCAST_MARKER
 from prime_rl.common.transport import ControlServer
 from prime_rl.common.wire import (
     AwaitWeightsRequest,
@@ -81,7 +82,7 @@ class Controller:
         *,
         model_name: str,
         pause_mode: str = "keep",
-        marker: str = "STABLE",
+        marker: str = BROADCAST_MARKER,
         broadcast_timeout_s: float = 600.0,
         run_id: str = "",
         model_dir: str | None = None,

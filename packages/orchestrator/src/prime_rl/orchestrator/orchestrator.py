@@ -227,7 +227,7 @@ class Orchestrator:
                 self.eval_envs, self.client, self.config.model.chat_template, self.config.model.tool_call_parser
             )
         self._eval_renderers = eval_renderers
-        await self.updater.recover(self.run_dir.broadcasts_dir, max_version=self.start_step)
+        await self.updater.recover(self.run_dir, max_version=self.start_step)
         self.scheduler.start()
         poller = asyncio.create_task(self.updater.run(), name="weight-poller")
         try:

@@ -20,8 +20,8 @@ what keeps the tags exact, and only the orchestrator can close it; the trainer's
 then never waits for inference either. Push transports cannot be driven from here (the sender takes
 part in the transfer), so the trainer announces them once served.
 
-Resuming: ``recover(max_version)`` loads the newest complete ``broadcasts/step_<n>`` with
-``n <= max_version`` once at start (a directory exists only when complete: the trainer renames it
+Resuming: ``recover(run_dir, max_version)`` loads the newest complete ``broadcasts/step_<n>`` with
+``n <= max_version`` (``RunDir.latest_published_step``) once at start (a directory exists only when complete: the trainer renames it
 into place), so a resumed run serves the weights of its resume step without waiting for the trainer.
 
 `InferenceControl` is the seam: `ZmqInferenceControl` speaks `prime_rl.common.wire` control
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Protocol
 
 from prime_rl.common.heartbeat import Heartbeat
+from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
 from prime_rl.common.transport import ControlClient, PeerLostError, Receiver
 from prime_rl.common.wire import (
     ControlReply,
@@ -54,12 +54,6 @@ from prime_rl.common.wire import (
 from prime_rl.orchestrator.policy import PolicyState
 
 logger = logging.getLogger(__name__)
-
-BROADCAST_MARKER = "STABLE"
-"""File the trainer writes last into a version's directory (before renaming it into place); inference
-refuses a directory without it."""
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class InferenceControl(Protocol):
@@ -243,18 +237,6 @@ class ZmqInferenceControl:
             client.close()
 
 
-def latest_published_step(broadcasts_dir: Path, max_step: int | None = None) -> int | None:
-    """Newest complete step_<n> under broadcasts/ (n <= max_step if given); None if there is none."""
-    if not broadcasts_dir.is_dir():
-        return None
-    steps = [
-        int(m.group(1))
-        for p in broadcasts_dir.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / BROADCAST_MARKER).is_file()
-    ]
-    return max((s for s in steps if max_step is None or s <= max_step), default=None)
-
-
 class VersionListener:
     """The orchestrator's end of the trainer's announcements: a ZeroMQ PULL socket, bound on first use
     (so building an orchestrator that never runs binds nothing) and polled without blocking."""
@@ -351,13 +333,13 @@ class WeightUpdater:
                     return False
                 return await self._apply(message)
 
-    async def recover(self, broadcasts_dir: Path, max_version: int) -> bool:
+    async def recover(self, run_dir: RunDir, max_version: int) -> bool:
         """At start-up: load the newest complete filesystem version <= ``max_version`` (a resumed run)."""
         async with self._lock:
-            step = latest_published_step(broadcasts_dir, max_version)
+            step = run_dir.latest_published_step(max_version)
             if step is None or step <= self.policy.version:
                 return False
-            return await self._apply(WeightsPublished(version=step, path=str(broadcasts_dir / f"step_{step}")))
+            return await self._apply(WeightsPublished(version=step, path=str(run_dir.broadcast_dir(step))))
 
     async def reload(self, broadcasts_dir: Path) -> int | None:
         """Load the served version again (a restarted server came back with its start-up weights); returns it, or

@@ -8,6 +8,8 @@ protocol they share lives here, below both:
 - ``nixl_source`` / ``nixl_receiver``: the two ends of the receiver-driven NIXL transport, with their
   shared agent/buffer set-up in ``nixl_agent`` (the torch-free arithmetic and notifications are
   ``prime_rl.common.nixl_layout``, the metadata service ``prime_rl.common.nixl_metadata``);
+- torch-free, beside this package: ``prime_rl.common.weight_layout``, the alignment, the one packer of
+  broadcast buckets and NIXL groups, and torch dtype names (inference's API process checks layouts with it);
 - ``servers``: the trainer's control connection to every inference server;
 - ``announce``: the trainer's ``WeightsPublished`` message to the orchestrator (the orchestrator, which
   never imports torch, receives it with plain ``prime_rl.common.transport``).

@@ -9,7 +9,8 @@ workers call ``receive_batches`` from ``prime_rl.inference.worker.extension``):
    of that server). The group lives outside ``torch.distributed``'s global state, so a torchrun
    trainer's (and vLLM's) default group is untouched. Both ends build it with ``build_weight_group``.
 2. Layout. Tensors go in the caller's order, packed into byte buckets of at most ``bucket_bytes``
-   (a larger tensor gets a bucket of its own); each starts at a multiple of 256 bytes. The layout
+   (a larger tensor gets a bucket of its own); each starts at a multiple of 256 bytes
+   (``prime_rl.common.weight_layout.pack_aligned``, the NIXL groups' packer too). The layout
    (bucket id, byte offset per tensor, bucket sizes) travels in ``BroadcastWeightsRequest`` with each
    tensor's HF name, dtype (torch name: "bfloat16", "float32", ...) and shape, so the receiver never
    re-derives it. Dtypes must equal the served model's dtype and names/shapes its HF checkpoint: the
@@ -36,7 +37,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from prime_rl.common.nixl_layout import ALIGNMENT as BUCKET_ALIGNMENT  # one alignment for both transports
+from prime_rl.common.weight_layout import ALIGNMENT as BUCKET_ALIGNMENT
+from prime_rl.common.weight_layout import dtype_name, pack_aligned
 from prime_rl.common.weight_sync.servers import InferenceServers
 from prime_rl.common.wire import AwaitWeightsRequest, BroadcastWeightsRequest, InitBroadcastRequest, TensorSpec
 
@@ -103,10 +105,6 @@ def build_weight_group(host: str, port: int, rank: int, world_size: int, backend
 # -- layout --------------------------------------------------------------------------------------
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 @dataclass(frozen=True)
 class Spec:
     """One tensor of an update: HF name, torch dtype name ("bfloat16"), shape."""
@@ -144,19 +142,7 @@ def plan_buckets(specs: Sequence[Spec], bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Pack tensors in order into buckets of at most ``bucket_bytes`` (a bigger tensor gets its own)."""
     if bucket_bytes < BUCKET_ALIGNMENT:
         raise ValueError(f"bucket_bytes={bucket_bytes} is below the {BUCKET_ALIGNMENT}-byte alignment; use >= 1 MiB")
-    buckets: list[int] = []
-    offsets: list[int] = []
-    sizes: list[int] = []
-    end = 0
-    for spec in specs:
-        start = -(-end // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT
-        if not sizes or (start + spec.num_bytes > bucket_bytes and end > 0):
-            sizes.append(0)
-            start = 0
-        buckets.append(len(sizes) - 1)
-        offsets.append(start)
-        end = start + spec.num_bytes
-        sizes[-1] = end
+    buckets, offsets, sizes = pack_aligned((spec.num_bytes for spec in specs), bucket_bytes)
     return BucketLayout(list(specs), buckets, offsets, sizes)
 
 

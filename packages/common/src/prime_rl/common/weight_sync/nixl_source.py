@@ -44,6 +44,7 @@ from prime_rl.common.nixl_layout import (
     source_slices,
 )
 from prime_rl.common.nixl_metadata import MetadataClient, MetadataService, is_serving
+from prime_rl.common.weight_layout import dtype_name
 from prime_rl.common.weight_sync.nixl_agent import Backoff, allocate_buffers, make_agent, mem_type, release_agent
 from prime_rl.common.weight_sync.servers import InferenceServers
 from prime_rl.common.wire import (
@@ -60,10 +61,6 @@ logger = logging.getLogger(__name__)
 
 class NixlSendError(RuntimeError):
     """An inference server refused or failed a step, or a receiver stopped taking data."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class NixlSource:

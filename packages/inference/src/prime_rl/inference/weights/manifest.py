@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prime_rl.common.weight_checksum import safetensors_layout
+from prime_rl.common.weight_layout import ALIGNMENT as BUCKET_ALIGNMENT
 from prime_rl.common.wire import DTYPE_ITEMSIZE
 
 # safetensors dtype codes -> torch dtype names (the names used in wire.TensorSpec.dtype).
@@ -34,8 +35,6 @@ SAFETENSORS_DTYPES = {
 }
 ITEMSIZE = DTYPE_ITEMSIZE  # one table for every transport, in prime_rl.common.wire
 FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16"}
-BUCKET_ALIGNMENT = 256
-"""Every tensor starts at a multiple of this many bytes inside a broadcast bucket."""
 MAX_LISTED = 5
 
 

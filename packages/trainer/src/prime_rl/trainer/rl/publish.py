@@ -51,19 +51,16 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import torch
-
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, NCCLBroadcastConfig, NixlBroadcastConfig
-from prime_rl.common.rundir import RunDir
-from prime_rl.common.weight_sync.announce import VersionAnnouncer
+from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
 from prime_rl.trainer.models.config import load_arch_config
+from prime_rl.trainer.rl.publish_base import Publisher, prune_versions
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of, write_hf_dir
-from prime_rl.trainer.weights.staging import HostStaging, gather_full_tensors, model_state
+from prime_rl.trainer.weights.staging import HostStaging, gather_full_tensors
 from prime_rl.trainer.world import World
 
 if TYPE_CHECKING:
@@ -71,89 +68,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MARKER = "STABLE"
-"""Written last into broadcasts/step_<n>.tmp/, before the rename; the inference server checks it."""
 
-
-class BackgroundJob:
-    """At most one background task at a time; its exception is raised by the next ``wait``."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def start(self, fn: Callable[[], None]) -> None:
-        assert self._thread is None, "wait() for the previous job first"
-
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as e:  # re-raised in the training loop by wait()
-                logger.error("%s failed: %s: %s", self.name, type(e).__name__, e)
-                self._error = e
-
-        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
-        self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def wait(self) -> float:
-        """Join the job in flight (if any); returns the seconds waited; raises the job's error."""
-        start = time.perf_counter()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"{self.name} failed: {type(error).__name__}: {error}") from error
-        return time.perf_counter() - start
-
-
-def publish_state(model: CausalLM) -> dict[str, torch.Tensor]:
-    """The model tensors to publish (model names; a tied LM head is the embedding and is not sent twice)."""
-    state = model_state(model)
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    return state
-
-
-class _Publisher:
-    """Shared bookkeeping: the background job, its timings and the announcer (rank 0)."""
-
-    def __init__(self, cfg, model: CausalLM, world: World, job_name: str) -> None:
-        self.cfg, self.model, self.world = cfg, model, world
-        self.dtype: torch.dtype = getattr(torch, cfg.dtype)
-        self.job = BackgroundJob(job_name)
-        self.announcer = VersionAnnouncer(cfg.announce, timeout_s=cfg.announce_timeout) if world.is_main else None
-        # the parameters are updated in place, so their state dict (names -> possibly sharded tensors)
-        # is built once: walking the module tree every step costs tens of milliseconds of host time
-        self.state = publish_state(model)
-        self.last_write_time = 0.0
-        """Seconds the background part of the last completed version took."""
-        self.last_wait_time = 0.0
-        """Seconds the last ``publish`` waited for the previous version's background part (backpressure)."""
-
-    def flush(self) -> None:
-        """Wait until the version in flight is complete (written / served) and announced."""
-        self.last_wait_time = self.job.wait()
-
-    def _announce(self, version: int, path: str | None, blocked: float) -> None:
-        if self.announcer is not None:
-            self.announcer.announce(version, path=path, publish_s=blocked, write_s=self.last_write_time)
-
-    def close(self) -> None:
-        """Flush, then release sockets. Call on every rank at exit."""
-        try:
-            self.flush()
-        finally:
-            if self.announcer is not None:
-                self.announcer.close()
-
-
-class FilesystemPublisher(_Publisher):
+class FilesystemPublisher(Publisher):
     """Safetensors under ``broadcasts/step_<n>/``, written in the background and published atomically.
 
     The training loop never waits for the disk: a writer thread writes the newest staged version while
@@ -265,24 +181,14 @@ class FilesystemPublisher(_Publisher):
         shutil.rmtree(tmp, ignore_errors=True)
         config = load_arch_config(self.model.config)
         write_hf_dir(model_state_dict_to_hf(staging.tensors(), config), tmp, config)
-        (tmp / MARKER).touch()
+        (tmp / BROADCAST_MARKER).touch()
         publish_dir(tmp, final)
-        self._prune(version)
+        prune_versions(self.run_dir, version, self.cfg.keep_last)
         self.last_write_time = time.perf_counter() - start
         self._announce(version, str(final), blocked)
 
-    def _prune(self, version: int) -> None:
-        """Keep the newest ``keep_last`` versions up to ``version``; versions above it belong to a run
-        this one resumed from an earlier checkpoint and must never be served. ``version`` itself (the
-        newest complete one) is always kept, and a directory being written is never listed."""
-        steps = self.run_dir.broadcast_steps()
-        older = [s for s in steps if s <= version]
-        stale = [s for s in steps if s > version] + older[: -self.cfg.keep_last]
-        for step in stale:
-            shutil.rmtree(self.run_dir.broadcast_dir(step), ignore_errors=True)
 
-
-class BroadcastPublisher(_Publisher):
+class BroadcastPublisher(Publisher):
     """nccl (gloo on CPU): rank 0 broadcasts into the inference workers; the reload wait is in the background."""
 
     def __init__(self, cfg: NCCLBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
@@ -313,7 +219,8 @@ class BroadcastPublisher(_Publisher):
         self.flush()  # the previous version is served (and announced) before the next one is sent
         state = self.state
         tensors = gather_full_tensors(state, self.dtype, keep=self.broadcaster is not None)
-        if self.broadcaster is None:
+        broadcaster = self.broadcaster
+        if broadcaster is None:
             for _ in tensors:
                 pass
             return time.perf_counter() - start
@@ -326,15 +233,8 @@ class BroadcastPublisher(_Publisher):
         self.broadcaster.send(layout, [t for _, t in named])
         del named, hf
         blocked = time.perf_counter() - start
-        self.job.start(lambda: self._finish(version, blocked))
+        self.job.start(lambda: self._serve_then_announce(version, blocked, broadcaster.finish))
         return blocked
-
-    def _finish(self, version: int, blocked: float) -> None:
-        start = time.perf_counter()
-        assert self.broadcaster is not None
-        self.broadcaster.finish(version)
-        self.last_write_time = time.perf_counter() - start
-        self._announce(version, None, blocked)
 
     def close(self) -> None:
         try:

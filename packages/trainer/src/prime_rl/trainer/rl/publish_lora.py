@@ -28,10 +28,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig
 from prime_rl.common.lora import ADAPTER_META, ADAPTER_WEIGHTS
-from prime_rl.common.rundir import RunDir
+from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
 from prime_rl.trainer.lora import adapter_config, peft_state_dict, write_adapter_dir
 from prime_rl.trainer.model import CausalLM
-from prime_rl.trainer.rl.publish import MARKER, _Publisher
+from prime_rl.trainer.rl.publish_base import Publisher, prune_versions
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of
 from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
@@ -57,7 +57,7 @@ def adapter_name(model: CausalLM, run_dir: RunDir) -> str:
     return model.model.lora_config.name or run_dir.root.name
 
 
-class LoRAPublisher(_Publisher):
+class LoRAPublisher(Publisher):
     """Adapter-only filesystem versions (see the module docstring); the base is what inference already serves."""
 
     def __init__(self, cfg: FilesystemBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World, name: str):
@@ -95,20 +95,12 @@ class LoRAPublisher(_Publisher):
         for path in tmp.iterdir():
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
-        (tmp / MARKER).touch()
+        (tmp / BROADCAST_MARKER).touch()
         publish_dir(tmp, final)
         self.last_bytes = (final / ADAPTER_WEIGHTS).stat().st_size
-        self._prune(version)
+        prune_versions(self.run_dir, version, self.cfg.keep_last)
         self.last_write_time = time.perf_counter() - start
         self._announce(version, str(final), blocked)
-
-    def _prune(self, version: int) -> None:
-        """As the full-weight publisher: keep the newest `keep_last` versions <= `version`, drop newer ones
-        (left by a run this one resumed from an earlier checkpoint)."""
-        steps = self.run_dir.broadcast_steps()
-        older = [s for s in steps if s <= version]
-        for step in [s for s in steps if s > version] + older[: -self.cfg.keep_last]:
-            shutil.rmtree(self.run_dir.broadcast_dir(step), ignore_errors=True)
 
 
 def build_lora_publisher(

@@ -20,12 +20,12 @@ from prime_rl.common.rundir import RunDir
 from prime_rl.common.weight_sync.nixl_source import NixlWeightSender
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
-from prime_rl.trainer.rl.publish import _Publisher
+from prime_rl.trainer.rl.publish_base import Publisher
 from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
 
 
-class NixlPublisher(_Publisher):
+class NixlPublisher(Publisher):
     def __init__(self, cfg: NixlBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
         super().__init__(cfg, model, world, "nixl weight update")
         self.run_dir = run_dir
@@ -60,14 +60,8 @@ class NixlPublisher(_Publisher):
         del full
         blocked = time.perf_counter() - start
         if self.world.is_main:
-            self.job.start(lambda: self._finish(version, blocked))
+            self.job.start(lambda: self._serve_then_announce(version, blocked, self.sender.finish))
         return blocked
-
-    def _finish(self, version: int, blocked: float) -> None:
-        start = time.perf_counter()
-        self.sender.finish(version)
-        self.last_write_time = time.perf_counter() - start
-        self._announce(version, None, blocked)
 
     def close(self) -> None:
         try:
