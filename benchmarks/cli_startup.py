@@ -10,10 +10,14 @@ Bytecode: by default the children compile into a temporary `PYTHONPYCACHEPREFIX`
 per command fills it first, so the numbers are those of an installed package (pip compiles .pyc files);
 `--no-bytecode-cache` times them with `PYTHONDONTWRITEBYTECODE=1` instead, as on the shared dev
 machine's environment, where every start compiles this checkout's sources again (about 50 ms of `rl`).
+`--baseline DIR` (another checkout, e.g. `git worktree add /tmp/base <commit>`) times that checkout's
+commands too, alternating sample by sample with this one's, so that both see the same machine load: on
+the shared dev machine the load moves single runs by up to 2x, and this is the fair before/after.
 Then one `python -X importtime` run of `rl --help` and of `sft --help` lists the modules that cost the
 most (cumulative, and self time), which is where to look when a number regresses.
 
-Prints one JSON object: per command the median and min seconds (and every sample), plus the offenders.
+Prints one JSON object: per command the median and min seconds (and every sample), plus the offenders;
+with `--baseline`, the baseline's numbers under "baseline_commands".
 """
 
 from __future__ import annotations
@@ -32,13 +36,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ROOT / "packages"
 
 
-def entry_points() -> dict[str, str]:
+def entry_points(root: Path = ROOT) -> dict[str, str]:
     """Console script name -> "module:function", from every package's pyproject.toml."""
     scripts = {}
-    for pyproject in sorted(PACKAGES.glob("*/pyproject.toml")):
+    for pyproject in sorted((root / "packages").glob("*/pyproject.toml")):
         scripts.update(tomllib.loads(pyproject.read_text())["project"].get("scripts", {}))
     return scripts
 
@@ -50,9 +53,9 @@ def script_argv(entry: str, name: str, args: list[str], python_flags: list[str] 
     return [sys.executable, *python_flags, "-c", code, *args]
 
 
-def child_env(pycache: str | None) -> dict[str, str]:
-    """This checkout's packages first on the path; bytecode cached under ``pycache`` (None: not written)."""
-    src = [str(p) for p in sorted(PACKAGES.glob("*/src"))]
+def child_env(pycache: str | None, root: Path = ROOT) -> dict[str, str]:
+    """``root``'s packages first on the path; bytecode cached under ``pycache`` (None: not written)."""
+    src = [str(p) for p in sorted((root / "packages").glob("*/src"))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(src + [os.environ.get("PYTHONPATH", "")])}
     env.pop("PYTHONPYCACHEPREFIX", None)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -63,16 +66,27 @@ def child_env(pycache: str | None) -> dict[str, str]:
     return env
 
 
-def time_command(argv: list[str], env: dict[str, str], repeats: int) -> list[float]:
-    samples = []
-    subprocess.run(argv, env=env, capture_output=True)  # warm-up: fills the bytecode cache, untimed
+def time_commands(runs: list[tuple[list[str], dict[str, str]]], repeats: int) -> list[list[float]]:
+    """Wall seconds of each (argv, env), ``repeats`` samples each, taken in turn (a, b, a, b, ...)."""
+    samples: list[list[float]] = [[] for _ in runs]
+    for argv, env in runs:
+        subprocess.run(argv, env=env, capture_output=True)  # warm-up: fills the bytecode cache, untimed
     for _ in range(repeats):
-        start = time.perf_counter()
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
-        samples.append(time.perf_counter() - start)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{argv[-4:]} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+        for (argv, env), out in zip(runs, samples):
+            start = time.perf_counter()
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+            out.append(time.perf_counter() - start)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{argv[-4:]} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
     return samples
+
+
+def summary(samples: list[float]) -> dict:
+    return {
+        "median_s": round(statistics.median(samples), 4),
+        "min_s": round(min(samples), 4),
+        "samples_s": [round(s, 4) for s in samples],
+    }
 
 
 def import_offenders(argv: list[str], env: dict[str, str], top: int) -> dict[str, list]:
@@ -96,11 +110,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--importtime-top", type=int, default=15)
     parser.add_argument("--no-bytecode-cache", action="store_true", help="PYTHONDONTWRITEBYTECODE=1 in every child")
+    parser.add_argument("--baseline", type=Path, help="another checkout, timed alternately with this one")
     args = parser.parse_args()
 
     scripts = entry_points()
     with tempfile.TemporaryDirectory() as tmp:
         env = child_env(None if args.no_bytecode_cache else f"{tmp}/pycache")
+        trees = [(scripts, env)]
+        if args.baseline is not None:
+            base_env = child_env(None if args.no_bytecode_cache else f"{tmp}/pycache-baseline", args.baseline)
+            trees.append((entry_points(args.baseline), base_env))
         # a tiny model for the dry run (its checks read config.json); numpy + tokenizers, no torch
         make_model = f"from prime_rl.common.testing import make_tiny_model; make_tiny_model({tmp!r} + '/model')"
         subprocess.run([sys.executable, "-c", make_model], env=env, check=True)
@@ -108,18 +127,17 @@ def main() -> None:
             "@", str(ROOT / "examples/arithmetic/rl.toml"),
             "--model.name", f"{tmp}/model", "--output-dir", f"{tmp}/out", "--dry-run",
         ]  # fmt: skip
-        names = ("rl", "sft", "trainer", "inference", "orchestrator")
+        names = ("rl", "sft", "trainer", "inference", "orchestrator", "eval")
         commands = {f"{name} --help": (name, ["--help"]) for name in names}
         commands["rl @ examples/arithmetic/rl.toml --dry-run"] = ("rl", dry_run)
 
-        results = {}
+        results, baseline = {}, {}
         for label, (name, argv) in commands.items():
-            samples = time_command(script_argv(scripts[name], name, argv), env, args.repeats)
-            results[label] = {
-                "median_s": round(statistics.median(samples), 4),
-                "min_s": round(min(samples), 4),
-                "samples_s": [round(s, 4) for s in samples],
-            }
+            runs = [(script_argv(tree_scripts[name], name, argv), tree_env) for tree_scripts, tree_env in trees]
+            samples = time_commands(runs, args.repeats)
+            results[label] = summary(samples[0])
+            if args.baseline is not None:
+                baseline[label] = summary(samples[1])
         offenders = {
             f"{name} --help": import_offenders(
                 script_argv(scripts[name], name, ["--help"], ["-X", "importtime"]), env, args.importtime_top
@@ -137,6 +155,7 @@ def main() -> None:
                 "repeats": args.repeats,
                 "bytecode_cache": not args.no_bytecode_cache,
                 "commands": results,
+                **({"baseline": str(args.baseline), "baseline_commands": baseline} if baseline else {}),
                 "importtime": offenders,
             },
             indent=1,

@@ -125,3 +125,18 @@ def test_orchestrator_never_imports_torch():
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("module", ["prime_rl.orchestrator.entrypoint", "prime_rl.orchestrator.eval_entrypoint"])
+def test_help_imports_only_the_config(module):
+    """`orchestrator --help` and `eval --help` print the schema: the runtime (httpx, numpy, ZeroMQ, asyncio)
+    stays unimported."""
+    code = (
+        f"import sys; from {module} import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "heavy = [m for m in ('torch', 'numpy', 'zmq', 'httpx', 'asyncio', 'urllib.request') if m in sys.modules]\n"
+        "assert not heavy, f'--help imported {heavy}'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "--model.name" in out.stdout

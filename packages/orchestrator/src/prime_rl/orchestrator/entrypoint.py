@@ -2,28 +2,28 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from prime_rl.common.config import parse_config, write_toml
 from prime_rl.common.config.orchestrator import EnvConfig, OrchestratorConfig
 from prime_rl.common.env import STDOUT_IS_LOG_ENV
 from prime_rl.common.logging import setup_logger
-from prime_rl.common.monitor import build_monitor
 from prime_rl.common.rundir import RunDir
-from prime_rl.orchestrator.batch import BatchSender
-from prime_rl.orchestrator.client import InferenceClient
-from prime_rl.orchestrator.envs import build_environment
-from prime_rl.orchestrator.envs.handle import EnvHandle, LocalEnv
-from prime_rl.orchestrator.envs.worker import WorkerEnv
-from prime_rl.orchestrator.orchestrator import Orchestrator
-from prime_rl.orchestrator.teacher import Distiller
-from prime_rl.orchestrator.weights import InferenceControl, NoInferenceControl, ZmqInferenceControl
+
+if TYPE_CHECKING:
+    from prime_rl.orchestrator.envs.handle import EnvHandle
+    from prime_rl.orchestrator.weights import InferenceControl
+
+# The runtime (httpx, numpy, ZeroMQ, the environments: ~0.6 s) is imported in the functions that start a
+# run, so that `orchestrator --help` and bad-config errors need only the config schema.
 
 
 def build_control(config: OrchestratorConfig) -> InferenceControl:
+    from prime_rl.orchestrator.weights import NoInferenceControl, ZmqInferenceControl
+
     if not config.inference.addresses:
         return NoInferenceControl()
     return ZmqInferenceControl(config.inference.addresses, timeout=config.inference.timeout)
@@ -31,6 +31,10 @@ def build_control(config: OrchestratorConfig) -> InferenceControl:
 
 def build_env_handles(entries: list[EnvConfig]) -> list[EnvHandle]:
     """One handle per `[[orchestrator.env]]` entry: worker processes (workers >= 1) or threads here (0)."""
+    from prime_rl.orchestrator.envs import build_environment
+    from prime_rl.orchestrator.envs.handle import LocalEnv
+    from prime_rl.orchestrator.envs.worker import WorkerEnv
+
     handles: list[EnvHandle] = []
     for entry in entries:
         name, weight, timeout = entry.resolved_name, entry.weight, entry.timeout
@@ -42,6 +46,12 @@ def build_env_handles(entries: list[EnvConfig]) -> list[EnvHandle]:
 
 
 async def run(config: OrchestratorConfig) -> None:
+    from prime_rl.common.monitor import build_monitor
+    from prime_rl.orchestrator.batch import BatchSender
+    from prime_rl.orchestrator.client import InferenceClient
+    from prime_rl.orchestrator.orchestrator import Orchestrator
+    from prime_rl.orchestrator.teacher import Distiller
+
     run_dir = RunDir(config.output_dir, config.run_name)
     envs = build_env_handles(config.env)
     eval_envs = build_env_handles(config.eval.env) if config.eval is not None and config.eval.env else None
@@ -91,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     if config.dry_run:
         print(write_toml(config, run_dir.config_path("orchestrator")))
         return
+    import asyncio  # with the runtime: --help and --dry-run never need it
+
     logger = setup_logger("prime_rl", log_file=_log_file(run_dir), level=config.log_level)
     try:
         asyncio.run(run(config))

@@ -9,7 +9,6 @@ is one line and exit code 1 before any rollout.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 
@@ -17,12 +16,9 @@ from prime_rl.common.config import parse_config, write_toml
 from prime_rl.common.config.eval import EvalConfig
 from prime_rl.common.config.orchestrator import SamplingConfig
 from prime_rl.common.logging import setup_logger
-from prime_rl.common.monitor import FileMonitor
 from prime_rl.common.rundir import RunDir
-from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
-from prime_rl.orchestrator.entrypoint import build_env_handles
-from prime_rl.orchestrator.evaluate import run_evals
-from prime_rl.orchestrator.scheduler import start_envs
+
+# As in entrypoint.py: the runtime (httpx, the environments) is imported by `run`, not for --help.
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +28,12 @@ def evals_dir(run_dir: RunDir, step: int):
 
 
 async def run(config: EvalConfig) -> dict[str, float]:
+    from prime_rl.common.monitor import FileMonitor
+    from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
+    from prime_rl.orchestrator.entrypoint import build_env_handles
+    from prime_rl.orchestrator.evaluate import run_evals
+    from prime_rl.orchestrator.scheduler import start_envs
+
     run_dir = RunDir(config.output_dir, config.run_name)
     c = config.model.client
     client = InferenceClient(c.base_url, config.model.name, api_key=c.api_key, timeout=c.timeout,
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     if config.dry_run:
         print(write_toml(config, run_dir.config_path("eval")))
         return
+    import asyncio  # with the runtime: --help and --dry-run never need it
+
     setup_logger("prime_rl", level=config.log_level)
     try:
         asyncio.run(run(config))

@@ -519,6 +519,12 @@ def load_config(cls: type[T], argv: list[str]) -> T:
     return load_config_with_sources(cls, argv)[0]
 
 
+def asks_for_help(argv: list[str]) -> bool:
+    """Whether ``parse_config`` would print the help and exit: an entrypoint that imports a heavy runtime
+    (torch, the orchestrator) checks this first, so that ``--help`` needs the config schema only."""
+    return "-h" in argv or "--help" in argv
+
+
 def parse_config(
     cls: type[T],
     argv: list[str] | None = None,
@@ -533,7 +539,7 @@ def parse_config(
     """
     argv = sys.argv[1:] if argv is None else argv
     prog = prog or Path(sys.argv[0]).name
-    if "-h" in argv or "--help" in argv:
+    if asks_for_help(argv):
         from prime_rl.common.config.cli_help import format_help
 
         at = argv.index("-h" if "-h" in argv else "--help")
