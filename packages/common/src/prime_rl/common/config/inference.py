@@ -36,6 +36,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from prime_rl.common.auth import is_loopback
 from prime_rl.common.config.base import BaseConfig
 from prime_rl.common.config.deployment import DisaggregatedDeployment, InferenceDeployment, LocalInferenceDeployment
+from prime_rl.common.rundir import BROADCAST_MARKER
 from prime_rl.common.vllm_compat import PROCESSED_LOGPROBS
 
 
@@ -119,7 +120,7 @@ class WeightUpdateConfig(BaseConfig):
 
     pause_mode: Literal["keep", "wait", "abort"] = "keep"
     """In-flight requests during an update the client did not pause for: frozen ("keep"), finished ("wait") or aborted."""
-    marker: str = "STABLE"
+    marker: str = BROADCAST_MARKER
     """File a checkpoint directory must contain before it is loaded (written last by the trainer)."""
     broadcast_timeout: float = Field(600.0, gt=0)
     """Seconds a worker waits for the trainer while joining the broadcast group or receiving a bucket."""
