@@ -14,14 +14,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.kernels import fused_logprobs_entropy, fused_nll_sum, vanilla_logprobs_entropy
 from prime_rl.trainer.lora import apply_lora, init_lora_weights, is_lora_param
 from prime_rl.trainer.memory_plan import require_resolved
 from prime_rl.trainer.models import PackedSeqs, build_model, load_hf_weights
-from prime_rl.trainer.parallel import ParallelDims, parallelize_model
+from prime_rl.trainer.parallel import ParallelDims, WorldMesh, parallelize_model
 
 
 class CausalLM(nn.Module):
@@ -63,7 +62,7 @@ class CausalLM(nn.Module):
 
 
 def build_training_model(
-    cfg: TrainerModelConfig, dims: ParallelDims, mesh: DeviceMesh, device: torch.device
+    cfg: TrainerModelConfig, dims: ParallelDims, mesh: WorldMesh, device: torch.device
 ) -> CausalLM:
     require_resolved(cfg, "build_training_model")
     # fp32 masters, except under full offload: the masters live on CPU, the device keeps bf16 weights

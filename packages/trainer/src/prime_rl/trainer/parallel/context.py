@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.trainer.models.attention import prepare_masks
 from prime_rl.trainer.models.packing import PackedSeqs
@@ -54,11 +54,6 @@ def validate_cp(cp: int, world_size: int, dp_replicate: int, num_heads: int, num
             f"model.cp={cp} must divide the FSDP island world_size // dp_replicate = {island}; "
             f"use one of {', '.join(map(str, _divisors(island)))}"
         )
-
-
-def build_cp_mesh(world_size: int, cp: int, device_type: str) -> DeviceMesh:
-    """1-D mesh over the cp consecutive ranks that share a sequence."""
-    return init_device_mesh(device_type, (world_size // cp, cp), mesh_dim_names=("cp_outer", "cp"))["cp"]
 
 
 def shard_sequence(t: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
@@ -120,7 +115,8 @@ class UlyssesAttention(nn.Module):
 
 def apply_cp(model: nn.Module, mesh: DeviceMesh) -> None:
     """Swap every block's `self_attn.core_attention` for its Ulysses wrapper, and give them the full
-    sequence from a pre-hook on `model` (a Transformer: forward(input_ids, position_ids), `.layers`, `.attn`)."""
+    sequence from a pre-hook on `model` (a Transformer: forward(input_ids, position_ids), `.layers`, `.attn`).
+    `mesh` is the 1-D mesh of the cp consecutive ranks that share a sequence (`world_mesh["cp"]`)."""
     wrappers = []
     for block in model.layers:
         attn = block.self_attn

@@ -8,7 +8,8 @@ The MoE module is unchanged: it routes, permutes its tokens into expert order an
    Nemotron-H's relu^2 experts, which have no gate_proj),
 3) all-to-alls the outputs back into the caller's order.
 
-Weights: the stacked `(E, I, H)` expert parameters become DTensors on an `("ep_replicate", "ep")` mesh,
+Weights: the stacked `(E, I, H)` expert parameters become DTensors on the `("ep_replicate", "ep")` view of
+the world mesh (`ParallelDims.build_mesh`: ep consecutive ranks share one full set of experts),
 placements `(Replicate(), Shard(0))`, so names, shapes, `load_hf_weights` (distribute_tensor) and DCP
 checkpoints are unchanged. FSDP ignores them (each rank keeps its experts resident: that is the point of
 EP). Their gradient is reduced by hand in backward: summed over the ranks that hold the same experts
@@ -29,7 +30,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from prime_rl.common.config.trainer import (
@@ -83,11 +84,6 @@ def check_dispatch(moe: MoEConfig, ep: int) -> None:
     error = dispatch_kernels_error(dispatch.type)  # the same line sft / trainer print before torchrun
     if error:
         raise ImportError(error)
-
-
-def build_ep_mesh(world_size: int, ep: int, device_type: str) -> DeviceMesh:
-    """2-D ("ep_replicate", "ep") mesh: ep consecutive ranks share one full set of experts."""
-    return init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("ep_replicate", "ep"))
 
 
 class _ReduceExpertGrad(torch.autograd.Function):

@@ -8,31 +8,29 @@ the expert-parallel experts, which EP keeps resident and reduces itself.
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.kernels.grouped_gemm import triton_grouped_enabled
 from prime_rl.trainer.parallel.checkpointing import apply_ac
 from prime_rl.trainer.parallel.compile import apply_compile, resolve_compile
-from prime_rl.trainer.parallel.context import apply_cp, build_cp_mesh
-from prime_rl.trainer.parallel.dims import ParallelDims, fsdp_mesh
-from prime_rl.trainer.parallel.expert import apply_ep, build_ep_mesh
+from prime_rl.trainer.parallel.context import apply_cp
+from prime_rl.trainer.parallel.dims import ParallelDims, WorldMesh, fsdp_mesh
+from prime_rl.trainer.parallel.expert import apply_ep
 from prime_rl.trainer.parallel.fsdp import apply_fsdp
 from prime_rl.trainer.parallel.offload import apply_ac_offloading
 
 
 def parallelize_model(
-    root: nn.Module, model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, cfg: TrainerModelConfig
+    root: nn.Module, model: nn.Module, dims: ParallelDims, mesh: WorldMesh, cfg: TrainerModelConfig
 ) -> None:
     """`root` is the module whose forward runs a whole micro-batch; `model` the transformer inside it
-    (`model.layers` are the blocks)."""
+    (`model.layers` are the blocks). `mesh` is `dims.build_mesh(...)`: each feature slices its dims by name."""
     blocks = model.layers
     expert_params: list[nn.Parameter] = []
     if dims.ep_enabled:  # 0. expert parallel: module swap, before AC / compile wrap the blocks
-        ep_mesh = build_ep_mesh(dims.world_size, dims.ep, mesh.device_type)
-        expert_params = apply_ep(blocks, ep_mesh, cfg.moe.dispatch)
+        expert_params = apply_ep(blocks, mesh["ep_replicate", "ep"], cfg.moe.dispatch)
     if dims.cp_enabled:  # 1. context parallel (Ulysses) around each block's attention kernel
-        apply_cp(model, build_cp_mesh(dims.world_size, dims.cp, mesh.device_type))
+        apply_cp(model, mesh["cp"])
     if cfg.ac is not None:  # 2. activation checkpointing wraps blocks; must precede compile
         apply_ac(blocks, cfg.ac)
     if cfg.ac_offloading is not None:  # offload what autograd saves outside the checkpoints

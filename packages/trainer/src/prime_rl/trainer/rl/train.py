@@ -29,7 +29,6 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from prime_rl.common.config import ConfigError, parse_config
 from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
@@ -42,7 +41,7 @@ from prime_rl.trainer.lora import BaseModelView
 from prime_rl.trainer.model import CausalLM, build_training_model
 from prime_rl.trainer.models import PackedSeqs
 from prime_rl.trainer.models.router_replay import check_router_replay, replay_mismatch, set_router_replay
-from prime_rl.trainer.parallel import ParallelDims
+from prime_rl.trainer.parallel import ParallelDims, WorldMesh
 from prime_rl.trainer.parallel.context import shard_sequence
 from prime_rl.trainer.rl.batching import TokenBudgetSource
 from prime_rl.trainer.rl.data import ContextParallelSource, FakeSource, OrchestratorSource, RLMicroBatch
@@ -198,7 +197,7 @@ def build_objective(
     loss: TokenLossConfig | SequenceLossConfig,
     model_cfg: TrainerModelConfig,
     dims: ParallelDims,
-    mesh: DeviceMesh,
+    mesh: WorldMesh,
     world: World,
     logger: logging.Logger,
     policy: CausalLM | None = None,
