@@ -11,6 +11,7 @@ from prime_rl.common.config import load_config
 from prime_rl.common.config.base import ConfigError
 from prime_rl.common.config.inference import InferenceConfig
 from prime_rl.common.testing import make_tiny_model
+from prime_rl.common.wire import TensorSpec
 from prime_rl.inference.weights.manifest import (
     Manifest,
     Spec,
@@ -131,6 +132,20 @@ def test_layout_checks():
         check_bucket_layout(["a", "b"], specs, [1, 0], [0, 0], [400, 16])
     with pytest.raises(WeightUpdateError, match="twice"):
         check_bucket_layout(["a", "a"], specs, [0, 1], [0, 0], [16, 400])
+
+
+def test_transfer_checks_dtypes_then_layout_then_manifest():
+    """One check for a broadcast's buckets and a NIXL session's groups (control.py, nixl_control.py)."""
+    manifest = Manifest(expected={"a": Spec("float32", (4,)), "b": Spec("float32", (100,))}, optional={})
+    tensors = [TensorSpec(name="a", dtype="float32", shape=[4]), TensorSpec(name="b", dtype="float32", shape=[100])]
+    assert manifest.check_transfer(tensors, [0, 0], [0, 256], [656], "test") == ["a", "b"]
+    odd = [TensorSpec(name="a", dtype="float4", shape=[4]), tensors[1]]
+    with pytest.raises(WeightUpdateError, match="unsupported dtype 'float4'"):
+        manifest.check_transfer(odd, [0, 0], [0, 16], [416], "test")
+    with pytest.raises(WeightUpdateError, match="aligned"):
+        manifest.check_transfer(tensors, [0, 0], [0, 16], [416], "test")
+    with pytest.raises(WeightUpdateError, match="from test: 1 tensor"):
+        manifest.check_transfer(tensors[:1], [0], [0], [16], "test")
 
 
 def test_missing_files_are_refused(tmp_path):

@@ -52,12 +52,9 @@ from prime_rl.common.wire import (
 )
 from prime_rl.inference.lora import is_adapter_dir, load_adapter
 from prime_rl.inference.weights.manifest import (
-    ITEMSIZE,
     STILL_SERVED,
     Manifest,
-    Spec,
     WeightUpdateError,
-    check_bucket_layout,
     check_checkpoint_dir,
 )
 from prime_rl.inference.weights.verify import verify_weights_dir
@@ -289,13 +286,10 @@ class Controller:
     async def _broadcast(self, request: BroadcastWeightsRequest) -> ControlReply:
         if request.version in self._broadcasts:
             return self._reply(False, f"a broadcast of version {request.version} is already in progress")
-        for spec in request.specs:
-            if spec.dtype not in ITEMSIZE:
-                raise WeightUpdateError(f"tensor {spec.name} has unsupported dtype {spec.dtype!r}")
-        specs = {s.name: Spec(s.dtype, tuple(s.shape)) for s in request.specs}
-        names = [s.name for s in request.specs]
-        check_bucket_layout(names, [specs[n] for n in names], request.buckets, request.offsets, request.bucket_sizes)
-        self.manifest.check(specs, source=f"broadcast of version {request.version}")
+        source = f"broadcast of version {request.version}"
+        names = self.manifest.check_transfer(
+            request.specs, request.buckets, request.offsets, request.bucket_sizes, source
+        )
         await self._lock.acquire()  # released when the receive task ends
         # A worker without a copy of the previous broadcast (the first one, or keep_rollback_copy = false)
         # leaves a failed update partial; the weights on disk that serve now (if any) are then reloaded.

@@ -10,13 +10,13 @@ refused update never touches the workers.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from prime_rl.common.weight_checksum import safetensors_layout
 from prime_rl.common.weight_layout import ALIGNMENT as BUCKET_ALIGNMENT
-from prime_rl.common.wire import DTYPE_ITEMSIZE
+from prime_rl.common.wire import DTYPE_ITEMSIZE, TensorSpec
 
 # safetensors dtype codes -> torch dtype names (the names used in wire.TensorSpec.dtype).
 SAFETENSORS_DTYPES = {
@@ -116,6 +116,25 @@ class Manifest:
             # A trainer's state dict of a tied model names the shared tensor twice; vLLM skips the copy.
             optional["lm_head.weight"] = embed
         return cls(expected=expected, optional=optional)
+
+    def check_transfer(
+        self,
+        tensors: Sequence[TensorSpec],
+        buckets: list[int],
+        offsets: list[int],
+        bucket_sizes: list[int],
+        source: str,
+    ) -> list[str]:
+        """Refuse a transfer (a broadcast's buckets, a NIXL session's groups) unless its tensors have known dtypes,
+        fit their buckets in order (``check_bucket_layout``) and are exactly these. Returns their names in order."""
+        for spec in tensors:
+            if spec.dtype not in ITEMSIZE:
+                raise WeightUpdateError(f"tensor {spec.name} has unsupported dtype {spec.dtype!r}")
+        specs = {s.name: Spec(s.dtype, tuple(s.shape)) for s in tensors}
+        names = [s.name for s in tensors]
+        check_bucket_layout(names, [specs[n] for n in names], buckets, offsets, bucket_sizes)
+        self.check(specs, source=source)
+        return names
 
     def check(self, update: Mapping[str, Spec], source: str) -> None:
         """Raise ``WeightUpdateError`` naming every kind of mismatch between ``update`` and the manifest."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prime_rl.common.nixl_metadata import MetadataClient
 from prime_rl.common.wire import InitNixlRequest, NixlLayout
-from prime_rl.inference.weights.manifest import ITEMSIZE, Manifest, Spec, WeightUpdateError, check_bucket_layout
+from prime_rl.inference.weights.manifest import Manifest, WeightUpdateError
 
 
 def check_nixl_layout(manifest: Manifest, request: InitNixlRequest) -> NixlLayout:
@@ -14,14 +14,9 @@ def check_nixl_layout(manifest: Manifest, request: InitNixlRequest) -> NixlLayou
         layout = client.wait_get(f"{request.session}/layout", request.timeout_s, NixlLayout)
     finally:
         client.close()
-    for spec in layout.specs:
-        if spec.dtype not in ITEMSIZE:
-            raise WeightUpdateError(f"tensor {spec.name} has unsupported dtype {spec.dtype!r}")
-    specs = {s.name: Spec(s.dtype, tuple(s.shape)) for s in layout.specs}
-    names = [s.name for s in layout.specs]
     # Groups follow the broadcast bucket rules (256-byte aligned, in order, no overlap).
-    check_bucket_layout(names, [specs[n] for n in names], layout.groups, layout.offsets, layout.group_sizes)
-    manifest.check(specs, source=f"NIXL session {request.session}")
+    source = f"NIXL session {request.session}"
+    manifest.check_transfer(layout.specs, layout.groups, layout.offsets, layout.group_sizes, source)
     if layout.num_slots not in (1, 2) or layout.num_sources < 1:
         raise WeightUpdateError(
             f"NIXL layout has num_slots={layout.num_slots}, num_sources={layout.num_sources}; "
