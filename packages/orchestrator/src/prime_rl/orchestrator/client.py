@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 
-from prime_rl.common.config.orchestrator import SamplingConfig
+from prime_rl.common.config.orchestrator import ClientModelConfig, SamplingConfig
 from prime_rl.common.vllm_compat import ROUTED_EXPERTS_FIELD
 from prime_rl.orchestrator.envs.base import Messages
 from prime_rl.orchestrator.rollout import Completion
@@ -168,6 +168,13 @@ class InferenceClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    @classmethod
+    def from_config(cls, model: ClientModelConfig) -> InferenceClient:
+        """A client of `model.name` with the settings of its `[model.client]` table."""
+        c = model.client
+        return cls(c.base_url, model.name, api_key=c.api_key, timeout=c.timeout, max_retries=c.max_retries,
+                   retry_backoff=c.retry_backoff, max_backoff=c.max_backoff, metrics_urls=c.metrics_urls)  # fmt: skip
 
     def build_request(self, messages: Messages, n: int, sampling: SamplingArgs) -> dict[str, Any]:
         body: dict[str, Any] = {

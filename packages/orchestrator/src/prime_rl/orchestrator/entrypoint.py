@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from prime_rl.common.config import parse_config, write_toml
 from prime_rl.common.config.orchestrator import EnvConfig, OrchestratorConfig
@@ -14,6 +16,7 @@ from prime_rl.common.logging import setup_logger
 from prime_rl.common.rundir import RunDir
 
 if TYPE_CHECKING:
+    from prime_rl.common.config.eval import EvalConfig
     from prime_rl.orchestrator.envs.handle import EnvHandle
     from prime_rl.orchestrator.weights import InferenceControl
 
@@ -55,17 +58,7 @@ async def run(config: OrchestratorConfig) -> None:
     run_dir = RunDir(config.output_dir, config.run_name)
     envs = build_env_handles(config.env)
     eval_envs = build_env_handles(config.eval.env) if config.eval is not None and config.eval.env else None
-    client_cfg = config.model.client
-    client = InferenceClient(
-        client_cfg.base_url,
-        config.model.name,
-        api_key=client_cfg.api_key,
-        timeout=client_cfg.timeout,
-        max_retries=client_cfg.max_retries,
-        retry_backoff=client_cfg.retry_backoff,
-        max_backoff=client_cfg.max_backoff,
-        metrics_urls=client_cfg.metrics_urls,
-    )
+    client = InferenceClient.from_config(config.model)
     control = build_control(config)
     sender = BatchSender(
         config.trainer.address, config.trainer.port, config.num_train_ranks, config.trainer.send_timeout
@@ -95,25 +88,36 @@ def _log_file(run_dir: RunDir):
         return run_dir.logs_dir / "orchestrator.log"
 
 
-def main(argv: list[str] | None = None) -> None:
-    config = parse_config(OrchestratorConfig, argv, prog="orchestrator")
+def run_command(
+    name: str,
+    config: OrchestratorConfig | EvalConfig,
+    run: Callable[..., Coroutine[Any, Any, object]],
+    log_file: Callable[[RunDir], Path | None] = lambda run_dir: None,
+) -> None:
+    """`orchestrator` and `eval` once their config is parsed. With `dry_run`: write it to
+    <run_dir>/configs/<name>.toml, print the path and return. Else set up logging and run `run(config)` to its end:
+    Ctrl-C exits 130; an error is one line on the console (its traceback goes to the log at debug level), exit 1."""
     run_dir = RunDir(config.output_dir, config.run_name)
     if config.dry_run:
-        print(write_toml(config, run_dir.config_path("orchestrator")))
+        print(write_toml(config, run_dir.config_path(name)))
         return
     import asyncio  # with the runtime: --help and --dry-run never need it
 
-    logger = setup_logger("prime_rl", log_file=_log_file(run_dir), level=config.log_level)
+    logger = setup_logger("prime_rl", log_file=log_file(run_dir), level=config.log_level)
     try:
         asyncio.run(run(config))
     except KeyboardInterrupt:
         logger.info("interrupted")
         sys.exit(130)
     except Exception as e:  # one clear line for the operator; the traceback goes to the log file
-        logger.debug("orchestrator failed", exc_info=True)
-        logger.error("orchestrator failed: %s: %s", type(e).__name__, e)
+        logger.debug("%s failed", name, exc_info=True)
+        logger.error("%s failed: %s: %s", name, type(e).__name__, e)
         logging.shutdown()
         sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_command("orchestrator", parse_config(OrchestratorConfig, argv, prog="orchestrator"), run, _log_file)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ is one line and exit code 1 before any rollout.
 from __future__ import annotations
 
 import logging
-import sys
 
-from prime_rl.common.config import parse_config, write_toml
+from prime_rl.common.config import parse_config
 from prime_rl.common.config.eval import EvalConfig
 from prime_rl.common.config.orchestrator import SamplingConfig
-from prime_rl.common.logging import setup_logger
 from prime_rl.common.rundir import RunDir
+from prime_rl.orchestrator.entrypoint import run_command
 
 # As in entrypoint.py: the runtime (httpx, the environments) is imported by `run`, not for --help.
 
@@ -35,9 +34,7 @@ async def run(config: EvalConfig) -> dict[str, float]:
     from prime_rl.orchestrator.scheduler import start_envs
 
     run_dir = RunDir(config.output_dir, config.run_name)
-    c = config.model.client
-    client = InferenceClient(c.base_url, config.model.name, api_key=c.api_key, timeout=c.timeout,
-                             max_retries=c.max_retries, retry_backoff=c.retry_backoff, max_backoff=c.max_backoff)  # fmt: skip
+    client = InferenceClient.from_config(config.model)
     envs = build_env_handles(config.env)
     try:
         renderers = await start_envs(envs, client, config.model.chat_template, config.model.tool_call_parser)
@@ -57,23 +54,7 @@ async def run(config: EvalConfig) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(EvalConfig, argv, prog="eval")
-    run_dir = RunDir(config.output_dir, config.run_name)
-    if config.dry_run:
-        print(write_toml(config, run_dir.config_path("eval")))
-        return
-    import asyncio  # with the runtime: --help and --dry-run never need it
-
-    setup_logger("prime_rl", level=config.log_level)
-    try:
-        asyncio.run(run(config))
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as e:  # one clear line for the operator
-        logger.debug("eval failed", exc_info=True)
-        logger.error("eval failed: %s: %s", type(e).__name__, e)
-        logging.shutdown()
-        sys.exit(1)
+    run_command("eval", parse_config(EvalConfig, argv, prog="eval"), run)
 
 
 if __name__ == "__main__":
