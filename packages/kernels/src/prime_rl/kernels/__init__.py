@@ -1,19 +1,7 @@
-"""prime_rl.kernels: fused / chunked kernels (Triton on GPU, plain-torch reference everywhere)."""
+"""prime_rl.kernels: fused / chunked kernels (Triton on GPU, plain-torch reference everywhere).
 
-from prime_rl.kernels.lm_head import (
-    IGNORE_INDEX,
-    fused_logprobs_entropy,
-    fused_logprobs_entropy_torch,
-    fused_nll_sum,
-    triton_available,
-    vanilla_logprobs_entropy,
-)
+The public names are the LM head's, listed once in `prime_rl.kernels.lm_head.__all__` and re-exported here.
+"""
 
-__all__ = [
-    "IGNORE_INDEX",
-    "fused_logprobs_entropy",
-    "fused_logprobs_entropy_torch",
-    "fused_nll_sum",
-    "triton_available",
-    "vanilla_logprobs_entropy",
-]
+from prime_rl.kernels.lm_head import *  # noqa: F403
+from prime_rl.kernels.lm_head import __all__ as __all__
