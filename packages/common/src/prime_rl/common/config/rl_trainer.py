@@ -149,45 +149,44 @@ class FilesystemBroadcastConfig(_PublishConfig):
     """Dtype of the published tensors: must be the dtype inference serves the model in."""
 
 
-class NCCLBroadcastConfig(_PublishConfig):
-    """Broadcast weights from trainer rank 0 into the inference workers (NCCL on GPU, gloo on CPU)."""
+class _PushConfig(_PublishConfig):
+    """What the transports that push into running inference workers (NCCL, NIXL) share."""
 
-    type: Literal["nccl"] = "nccl"
     host: str = "127.0.0.1"
-    """Rendezvous host of the broadcast group (trainer rank 0)."""
-    port: int = Field(29700, ge=1, le=65535)
-    """Rendezvous port of the broadcast group."""
+    """Where inference reaches the trainer: the NCCL group's rendezvous (trainer rank 0), or the NIXL metadata
+    service (the trainer head node; started there by the SLURM job)."""
+    port: int = Field(ge=1, le=65535)
+    """Port on `host`; each transport sets its default."""
     timeout: float = Field(600.0, gt=0)
-    """Seconds to wait for inference to join."""
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    """Dtype of the broadcast tensors: must be the dtype inference serves the model in."""
-    inference_addresses: list[str] = []
-    """Control endpoints (tcp://host:port) of the inference servers to push to."""
-    keep_rollback_copy: bool = True
-    """Each inference worker keeps a host copy of the last complete broadcast (the model's checkpoint-format
-    weights in `dtype`, once per worker) so an update that breaks midway or carries NaN/Inf is rolled back."""
-
-
-class NixlBroadcastConfig(_PublishConfig):
-    """Inference workers read the weights from every trainer rank over NIXL (UCX), group by group."""
-
-    type: Literal["nixl"] = "nixl"
-    host: str = "127.0.0.1"
-    """Host of the NIXL metadata service (the trainer head node; started there by the SLURM job)."""
-    port: int = Field(29710, ge=1, le=65535)
-    """Port of the NIXL metadata service; trainer rank 0 starts one in process if none answers there."""
-    timeout: float = Field(600.0, gt=0)
-    """Seconds to wait for a peer: metadata, a readiness notification, a read or a buffer credit."""
+    """Seconds to wait for inference: to join the NCCL group, or for a NIXL peer (metadata, a readiness
+    notification, a read or a buffer credit)."""
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Dtype of the transferred tensors: must be the dtype inference serves the model in."""
     inference_addresses: list[str] = []
     """Control endpoints (tcp://host:port) of the inference servers to update."""
+    keep_rollback_copy: bool = True
+    """Each inference worker keeps a host copy of the last complete update (the model's checkpoint-format weights
+    in `dtype`) and reloads it when an update breaks midway or, over NCCL, carries NaN/Inf."""
+
+
+class NCCLBroadcastConfig(_PushConfig):
+    """Broadcast weights from trainer rank 0 into the inference workers (NCCL on GPU, gloo on CPU)."""
+
+    type: Literal["nccl"] = "nccl"
+    port: int = Field(29700, ge=1, le=65535)
+    """Rendezvous port of the broadcast group."""
+
+
+class NixlBroadcastConfig(_PushConfig):
+    """Inference workers read the weights from every trainer rank over NIXL (UCX), group by group."""
+
+    type: Literal["nixl"] = "nixl"
+    port: int = Field(29710, ge=1, le=65535)
+    """Port of the NIXL metadata service; trainer rank 0 starts one in process if none answers there."""
     group_bytes: int = Field(256 << 20, ge=1 << 10)
     """Bytes per transfer group: the size of one transfer arena (a bigger tensor gets a group of its own)."""
     overlap_transfer_and_replay: bool = False
     """Two arenas on each side: load one group into the engine while the next is received."""
-    keep_rollback_copy: bool = True
-    """Inference keeps a host copy of the last NIXL update so a transfer that fails midway is rolled back."""
 
 
 WeightBroadcastConfig = Annotated[
