@@ -580,6 +580,7 @@ def run_restart_job(tmp_path: Path, *flags: str, **fake: str) -> tuple[subproces
     return proc, calls, replica_port
 
 
+@pytest.mark.chaos
 def test_a_dead_replica_is_restarted_on_its_node_and_readmitted_once_it_serves_the_policy(tmp_path: Path) -> None:
     """SIGKILL of node 1's replica (stand-ins for replicas, router and orchestrator; the job script for real): out of
     the router, the same step started again on the same node, back into the router only once it serves the version
@@ -608,6 +609,7 @@ def test_a_dead_replica_is_restarted_on_its_node_and_readmitted_once_it_serves_t
     assert f"===== [job] {died}" in log.read_text()
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize(
     ("flags", "fake", "reason"),
     [
@@ -627,6 +629,7 @@ def test_a_failed_restart_ends_the_job_naming_both_causes(tmp_path: Path, flags,
     assert status["reason"].endswith(f"; {reason}"), status["reason"]
 
 
+@pytest.mark.chaos
 def test_a_death_with_no_restart_left_ends_the_job_naming_every_death(tmp_path: Path) -> None:
     proc, _, _ = run_restart_job(tmp_path, "--inference.max-restarts", "1", FAKE_KILL="inference-node0,inference-node1")
     assert proc.returncode == 1, proc.stdout + proc.stderr
