@@ -47,15 +47,16 @@ def describe_status(code: int) -> str:
 
 
 @contextmanager
-def locked_state(path: Path) -> Iterator[dict[str, Any]]:
-    """The job's restart record, read and written back under an exclusive lock."""
+def locked_state(path: Path, write: bool = True) -> Iterator[dict[str, Any]]:
+    """The job's restart record, read (and written back unless ``write`` is False) under the record's lock."""
     with open(path.with_name(f"{path.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
         state = json.loads(path.read_text()) if path.exists() else {"deaths": [], "restarting": {}}
         yield state
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(state) + "\n")
-        os.replace(tmp, path)
+        if write:
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps(state) + "\n")
+            os.replace(tmp, path)
 
 
 def replay(args: argparse.Namespace, deaths: list[list]) -> RestartPolicy:
@@ -109,7 +110,7 @@ def readmit(args: argparse.Namespace) -> int:
     i, urls, controls = args.replica, args.urls, args.controls
     deadline, parent = time.monotonic() + args.timeout, os.getppid()
     while os.getppid() == parent:  # the job script is gone: nothing to report to
-        with locked_state(args.state) as state:
+        with locked_state(args.state, write=False) as state:  # probed each second: no write
             restarting = {int(k) for k in state["restarting"]}
             entry = state["restarting"][str(i)]
         served = readmission_version(
