@@ -1,17 +1,14 @@
 """A dead replica behind the router is restarted while the others serve, and re-admitted only once it serves the
 weight version the others serve (replica_restarts.py). Stand-in processes and a stand-in router: no vLLM."""
 
-import json
 import signal
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from prime_rl.common.net import free_port
 from prime_rl.common.restarts import RestartPolicy
+from prime_rl.common.testing_http import serve_http
 from prime_rl.inference.replica_restarts import ReplicaRestarts
 
 pytestmark = pytest.mark.chaos
@@ -22,23 +19,8 @@ class FakeRouter:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                outer.calls.append(self.path)
-                body = json.dumps({}).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.port = free_port()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.httpd = serve_http(post=lambda request: self.calls.append(request.path) or 200)
+        self.port = self.httpd.server_address[1]
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -220,7 +220,8 @@ def test_restart_settings_reach_the_orchestrator_and_bad_ones_are_one_line(model
         (["--inference.restart-window", "0"], "restart_window"),
         (["--inference.max-restarts", "1", "--weight-broadcast.type", "nccl"],
          "inference.max_restarts=1 with weight_broadcast.type='nccl'"),
-        (["--inference.max-restarts", "1", "--slurm.job-name", "t"], "inference.max_restarts=1 with [slurm]"),
+        (["--inference.max-restarts", "1", "--slurm.job-name", "t", "--inference.router.replicas", "2"],
+         "inference.max_restarts=1 with [slurm] restarts one replica per inference node"),
     ]:  # fmt: skip
         out = _rl("--model.name", str(model_dir), "--output-dir", str(tmp_path), *flags, "--dry-run")
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr, (flags, out.stderr)

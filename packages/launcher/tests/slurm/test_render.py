@@ -17,7 +17,7 @@ from prime_rl.common.config import load_config, write_toml
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.config.trainer import SFTConfig
 from prime_rl.common.env import SECRET_FILE_ENV, STALL_TIMEOUT_ENV, TRAINER_LOG_DIR_ENV
-from prime_rl.common.net import free_port
+from prime_rl.common.net import free_port, free_port_range
 from prime_rl.launcher.slurm import load_job, render_job
 from prime_rl.launcher.slurm.__main__ import main
 
@@ -29,6 +29,9 @@ with open(os.environ["FAKE_LOG"], "a") as f:
     env = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE",
                                           "MY_VAR", "PRIME_RL_TRAINER_LOG_DIR")}
     f.write(json.dumps({"name": name, "pid": os.getpid(), "argv": sys.argv[1:], "env": env}) + "\n")
+for prefix, script in (e.split("=", 1) for e in os.environ.get("FAKE_EXEC", "").split(",") if e):
+    if name.startswith(prefix):  # a stand-in plays the step (standin_steps.py), with srun's argv
+        os.execvp(sys.executable, [sys.executable, script, *sys.argv[1:]])
 if any(name.startswith(p) for p in os.environ.get("FAKE_FAIL", "").split(",") if p):
     time.sleep(0.5)
     sys.exit(3)
@@ -529,3 +532,107 @@ def test_rl_with_context_parallelism_sends_per_data_parallel_group(tmp_path: Pat
     cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 1\nnum_train_nodes = 2\ngpus_per_node = 2")
     launcher = dry_run(cfg, "--trainer.model.cp", "2")
     assert "--num-train-ranks 2 " in (launcher / "rl.sbatch").read_text()
+
+
+def write_restart_job(tmp_path: Path, *flags: str) -> tuple[Path, int]:
+    """An rl job with two inference nodes ("localhost", "127.0.0.1": both reachable here) and one trainer node; its
+    script and the first replica's HTTP port (the second's is + 1, control + 100)."""
+    replica_port = free_port_range(102, 10000, 20000)
+    cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 2\nnum_train_nodes = 1\ngpus_per_node = 1")
+    ports = ["--slurm.router-port", str(free_port()), "--slurm.replica-port", str(replica_port)]
+    assert main(["rl", "@", str(cfg), *ports, *flags, "--dry-run"]) == 0
+    return tmp_path / "out" / "r" / "launcher" / "rl.sbatch", replica_port
+
+
+def test_rl_restarts_render_with_the_budget_and_refuse_what_they_cannot_restart(tmp_path: Path, capsys) -> None:
+    script, _ = write_restart_job(tmp_path, "--inference.max-restarts", "2", "--inference.restart-window", "600",
+                                  "--inference.router.startup-timeout", "300")  # fmt: skip
+    text = script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert "-m prime_rl.launcher.slurm.restarts died" in text and "-m prime_rl.launcher.slurm.restarts readmit" in text
+    assert "--max-restarts 2\n  --window 600.0 " in text and "--timeout 300.0 " in text
+    assert 'restart_replica "$name" "$code" && continue' in text and "\nINFERENCE_READY=1\n" in text
+    assert text.index("INFERENCE_READY=1") > text.index('wait_ready router "')  # only once it was ready
+    (tmp_path / "out").rename(tmp_path / "with-restarts")
+    script, _ = write_restart_job(tmp_path)  # max_restarts = 0: a dead replica ends the job, as before
+    assert "restart_replica" not in script.read_text() and "prime_rl.launcher.slurm.restarts" not in script.read_text()
+    for flags in (["--inference.router.replicas", "2"], ["--weight-broadcast.type", "nccl"]):
+        cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 2\nnum_train_nodes = 1\ngpus_per_node = 2")
+        assert main(["rl", "@", str(cfg), "--inference.max-restarts", "1", *flags, "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "inference.max_restarts=1 with " in err, err
+    cfg = write_pd_config(tmp_path, "rl", "num_prefill = 1\nnum_decode = 1")
+    assert main(["rl", "@", str(cfg), "--inference.max-restarts", "1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "P/D instances" in err, err
+
+
+def run_restart_job(tmp_path: Path, *flags: str, **fake: str) -> tuple[subprocess.CompletedProcess, list, int]:
+    script, replica_port = write_restart_job(tmp_path, *flags)
+    standins = Path(__file__).with_name("standin_steps.py")
+    (tmp_path / "fake").mkdir()
+    proc, calls = run_script(
+        script, tmp_path, ["localhost", "127.0.0.1", "t1"], FAKE_DIR=str(tmp_path / "fake"),
+        FAKE_EXEC=",".join(f"{step}={standins}" for step in ("inference-node", "router", "orchestrator")), **fake,
+    )  # fmt: skip
+    for call in calls:
+        assert not pid_alive(call["pid"]), f"{call['name']} still running"
+    return proc, calls, replica_port
+
+
+@pytest.mark.chaos
+def test_a_dead_replica_is_restarted_on_its_node_and_readmitted_once_it_serves_the_policy(tmp_path: Path) -> None:
+    """SIGKILL of node 1's replica (stand-ins for replicas, router and orchestrator; the job script for real): out of
+    the router, the same step started again on the same node, back into the router only once it serves the version
+    the other serves; the run ends well; the death and the recovery are in the job log and STATUS."""
+    proc, calls, port = run_restart_job(tmp_path, "--inference.max-restarts", "1", FAKE_KILL="inference-node1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    starts = [c["argv"] for c in calls if c["name"] == "inference-node1"]
+    assert len(starts) == 2
+    assert "--nodelist=127.0.0.1" in starts[1] and "--open-mode=append" in starts[1]  # same node, its log kept
+    assert [a for a in starts[1] if a != "--open-mode=append"] == starts[0]  # the same command
+    assert [c["name"] for c in calls].count("inference-node0") == 1  # the other replica served on
+    worker = f"http%3A%2F%2F127.0.0.1%3A{port + 1}"
+    fake = tmp_path / "fake"
+    assert (fake / "router.calls").read_text().splitlines() == [
+        f"/remove_worker?url={worker}",
+        f"/add_worker?url={worker}",
+    ]
+    assert (fake / "orchestrator.out").read_text() == "ok\n"  # not re-added while it served the model's weights
+    died = "inference-node1 on 127.0.0.1 died (SIGKILL) at "
+    assert f"job: {died}" in proc.stderr and "removed from the router; restarting it (restart 1/1 within" in proc.stderr
+    assert "job: inference-node1 is back after restart 1/1, serving weight version 3 (" in proc.stdout
+    status = json.loads((fake / "status.json").read_text())
+    assert status["state"] == "running" and status["restarts"] == 1 and status["pid"], status
+    assert status["last_restart"].startswith("inference-node1 is back after restart 1/1"), status
+    log = tmp_path / "out" / "r" / "launcher" / "logs" / "inference-node1.log"
+    assert f"===== [job] {died}" in log.read_text()
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize(
+    ("flags", "fake", "reason"),
+    [
+        ([], {"FAKE_RESTART_DIES": "inference-node1"}, "restart 1/1 died during start-up (exit 1)"),
+        (["--inference.router.startup-timeout", "1"], {"FAKE_RELOAD": "never"},
+         "restart 1/1 was not back serving the others' weights after 1s"),
+    ],
+    ids=["dies-during-start-up", "not-back-in-time"],
+)  # fmt: skip
+def test_a_failed_restart_ends_the_job_naming_both_causes(tmp_path: Path, flags, fake, reason) -> None:
+    proc, _, _ = run_restart_job(tmp_path, "--inference.max-restarts", "1", *flags, FAKE_KILL="inference-node1", **fake)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    status = json.loads((tmp_path / "out" / "r" / "logs" / "latest" / "STATUS").read_text())
+    assert status["state"] == "failed" and status["reason"].startswith(
+        "inference-node1 on 127.0.0.1 died (SIGKILL) at "
+    )
+    assert status["reason"].endswith(f"; {reason}"), status["reason"]
+
+
+@pytest.mark.chaos
+def test_a_death_with_no_restart_left_ends_the_job_naming_every_death(tmp_path: Path) -> None:
+    proc, _, _ = run_restart_job(tmp_path, "--inference.max-restarts", "1", FAKE_KILL="inference-node0,inference-node1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    reason = json.loads((tmp_path / "out" / "r" / "logs" / "latest" / "STATUS").read_text())["reason"]
+    assert "no restart left (1/1 used within inference.restart_window=3600s; earlier: inference-node" in reason, reason
+    assert reason.count("died (SIGKILL) at ") == 2, reason

@@ -78,7 +78,7 @@ class RestartPolicy:
             f"{self.window_s:.0f}s; earlier: {'; '.join(self.causes[-used:])})"
         )
 
-    def died_restarting_reason(self, number: int, during: str) -> str:
+    def died_restarting_reason(self, number: int, during: str, cause: str | None = None) -> str:
         """The run's final reason when restart ``number`` itself failed (``during``: e.g. 'died during start-up
-        (exit 1)')."""
-        return f"{self.causes[-1]}; restart {number}/{self.max_restarts} {during}"
+        (exit 1)'); ``cause``: the death it followed, when not the last one recorded (several replicas)."""
+        return f"{cause or self.causes[-1]}; restart {number}/{self.max_restarts} {during}"

@@ -8,9 +8,10 @@ replica died, so the launcher restarted every replica (or stopped the run). Now,
    routed to it while it is down; the router and the other replicas keep serving;
 2. it is started again with the same command (its process group stopped first);
 3. it is put back (``POST /add_worker?url=``) only once its HTTP health answers and its control plane reports the
-   weight version the other replicas serve: a restarted replica serves the model's own weights until the
-   orchestrator reloads the current policy into it (`prime_rl.orchestrator.heal`), and a request routed to it before
-   would be tagged with a version it does not serve.
+   weight version the other replicas serve (`prime_rl.common.readmission`, the rule the SLURM job uses too): a
+   restarted replica serves the model's own weights until the orchestrator reloads the current policy into it
+   (`prime_rl.orchestrator.heal`), and a request routed to it before would be tagged with a version it does not
+   serve.
 
 A restart that dies, or is not back within ``router.startup_timeout``, or a death with no restart left, ends the
 process naming every cause (the launcher then handles the inference component as a whole). Each step is logged
@@ -31,8 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
-
+from prime_rl.common.readmission import readmission_version, router_worker
 from prime_rl.common.restarts import RestartPolicy, clock, describe_exit
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class _Pending:
     number: int
     deadline: float
     died_at: float
+    cause: str
 
 
 class ReplicaRestarts:
@@ -89,16 +90,19 @@ class ReplicaRestarts:
         )  # fmt: skip
         _stop_group(proc)
         fresh = self.spawn(i)
-        self.pending[i] = _Pending(number, time.monotonic() + self.startup_timeout_s, time.time())
+        self.pending[i] = _Pending(number, time.monotonic() + self.startup_timeout_s, time.time(), cause)
         return fresh
 
     def _check_restart(self, i: int, proc: subprocess.Popen, rc: int | None) -> int | None:
         pending = self.pending[i]
         if rc is not None:
             return self._fail(
-                self.policy.died_restarting_reason(pending.number, f"died during start-up ({describe_exit(rc)})")
+                self.policy.died_restarting_reason(
+                    pending.number, f"died during start-up ({describe_exit(rc)})", pending.cause
+                )
             )
-        if self.healthy(i) and (served := self._served(i)) is not None and self.version(i) == served:
+        served = readmission_version(i, len(self.urls), self.pending, self.healthy, self.version)
+        if served is not None:
             if self._router("add", i):
                 del self.pending[i]
                 logger.warning(
@@ -109,26 +113,13 @@ class ReplicaRestarts:
             return None
         if time.monotonic() > pending.deadline:
             during = f"was not back serving the others' weights after {self.startup_timeout_s:.0f}s"
-            return self._fail(self.policy.died_restarting_reason(pending.number, during))
+            return self._fail(self.policy.died_restarting_reason(pending.number, during, pending.cause))
         return None
 
-    def _served(self, restarted: int) -> int | None:
-        """The weight version the serving replicas report (the newest, mid-update); None if none answers."""
-        versions = [self.version(i) for i in range(len(self.urls)) if i != restarted and i not in self.pending]
-        known = [v for v in versions if v is not None]
-        return max(known) if known else None
-
     def _router(self, action: str, i: int) -> bool:
-        try:
-            response = httpx.post(f"{self.router_url}/{action}_worker", params={"url": self.urls[i]}, timeout=5)
-        except httpx.HTTPError as e:
-            logger.error("router %s_worker %s failed: %s", action, self.urls[i], e)
-            return False
-        if response.status_code != 200:
-            logger.error(
-                "router %s_worker %s answered %d: %s", action, self.urls[i], response.status_code, response.text
-            )
-        return response.status_code == 200
+        if (error := router_worker(self.router_url, action, self.urls[i])) is not None:
+            logger.error("router %s_worker %s %s", action, self.urls[i], error)
+        return error is None
 
     def _fail(self, reason: str) -> int:
         logger.error("%s; stopping every replica", reason)

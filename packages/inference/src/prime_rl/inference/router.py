@@ -161,30 +161,15 @@ def _wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout_s: flo
 
 def _replica_restarts(config: InferenceConfig, urls: list[str], spawn) -> ReplicaRestarts:
     """Restarts of one replica at a time behind the router (`inference.max_restarts`, replica_restarts.py)."""
+    from prime_rl.common.readmission import control_version, http_healthy
     from prime_rl.common.restarts import RestartPolicy
-    from prime_rl.common.transport import ControlClient
-    from prime_rl.common.wire import HealthReply, HealthRequest
 
-    controls = [e.control for e in replica_endpoints(config)]
-
-    def healthy(i: int) -> bool:
-        try:
-            return httpx.get(f"{urls[i]}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def version(i: int) -> int | None:
-        try:
-            with ControlClient(controls[i], timeout_s=2.0) as client:  # the run secret from the environment
-                reply = client.request(HealthRequest())
-        except TimeoutError:
-            return None
-        return reply.weight_version if isinstance(reply, HealthReply) and reply.ok else None
-
+    controls = [e.control for e in replica_endpoints(config)]  # probed with the run secret from the environment
     router_url = f"http://{_client_host(config.server.host)}:{config.server.port}"
     return ReplicaRestarts(
         urls, router_url, spawn, RestartPolicy(config.max_restarts, config.restart_window),
-        startup_timeout_s=config.router.startup_timeout, healthy=healthy, version=version,
+        startup_timeout_s=config.router.startup_timeout, healthy=lambda i: http_healthy(urls[i]),
+        version=lambda i: control_version(controls[i]),
     )  # fmt: skip
 
 

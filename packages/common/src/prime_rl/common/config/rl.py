@@ -274,10 +274,11 @@ class RLConfig(BaseConfig):
                 "restarted server could not get the current policy back (pushed weights have no copy on disk); "
                 "use weight_broadcast.type='filesystem' or inference.max_restarts=0"
             )
-        if self.slurm is not None:
+        if self.slurm is not None and (self.inference.disaggregated is not None or self.inference.router.replicas > 1):
             raise ValueError(
-                f"inference.max_restarts={self.inference.max_restarts} with [slurm]: only the local launcher restarts "
-                "inference so far; set inference.max_restarts=0 (the job fails naming the dead step)"
+                f"inference.max_restarts={self.inference.max_restarts} with [slurm] restarts one replica per inference "
+                "node; P/D instances and inference.router.replicas > 1 per node are not restarted: set "
+                "inference.max_restarts=0 (the job fails naming the dead step)"
             )
         control = self.orchestrator.inference
         if "outage_timeout" not in control.model_fields_set:

@@ -167,6 +167,12 @@ def load_job(kind: str, argv: list[str]) -> SlurmJob:
         extra["router_policy"] = inference.router.policy
         # A node serving several local replicas uses ports port..port+replicas: keep nodes apart.
         extra["replica_port_stride"] = inference.router.replicas + 1 if inference.router.replicas > 1 else 1
+    if kind == "rl" and inference.max_restarts > 0:  # RLConfig refuses what a job cannot restart (P/D, ...)
+        extra["restarts"] = {  # prime_rl.launcher.slurm.restarts
+            "max_restarts": inference.max_restarts,
+            "window_s": inference.restart_window,
+            "startup_timeout_s": inference.router.startup_timeout,
+        }
     job = SlurmJob(kind, config, config.deployment, config.slurm, _run_dir(config), process_configs, extra)
     if job.disaggregated is not None:
         _place_disaggregated(job)

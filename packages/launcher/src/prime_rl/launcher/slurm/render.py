@@ -163,6 +163,7 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "nixl_port": None,
         "launch_metadata_service": False,
         "ready_timeout_s": 1800,
+        "restarts": None,  # rl with inference.max_restarts > 0: the budget and start-up deadline of a restart
         "pd": None,  # P/D-disaggregated inference: its shape (prime_rl.launcher.slurm.job._place_disaggregated)
         **job.extra,
         "commands": component_commands(job, python),
