@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from prime_rl.common.env import SECRET_FILE_ENV
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
-from prime_rl.common.transport import ControlClient, Sender
+from prime_rl.common.transport import Sender
 from prime_rl.common.wire import PauseRequest, WeightsPublished
 from prime_rl.orchestrator.policy import PolicyState
 from prime_rl.orchestrator.weights import VersionListener, WeightUpdater, ZmqInferenceControl
@@ -250,14 +251,13 @@ def test_pause_names_the_orchestrator():
     assert sent == [PauseRequest(mode="keep", by="orchestrator")]
 
 
-def test_an_update_answered_by_a_restarted_server_is_lost_not_applied(tmp_path, control_plane):
+def test_an_update_answered_by_a_restarted_server_is_lost_not_applied(tmp_path, control_plane, monkeypatch):
     """Probe (issue 35): a server that died between two updates and came back before the next one answered that
     update as if nothing happened (ZeroMQ queued the request; the restart answered it), so the orchestrator never
     counted the outage. The new boot id makes it an update lost to a restart, which the watch heals."""
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)  # the plane has no run secret: neither may the clients
     plane = control_plane()
     control = ZmqInferenceControl([plane.endpoint], timeout=10)
-    control._clients = [ControlClient(plane.endpoint, timeout_s=10, secret=None)]  # the plane has no run secret
-    control._health = [ControlClient(plane.endpoint, timeout_s=3, secret=None)]
     lost: list[str] = []
 
     async def on_unanswered(reason: str) -> None:
@@ -275,9 +275,12 @@ def test_an_update_answered_by_a_restarted_server_is_lost_not_applied(tmp_path, 
         await _until(lambda: updater.listener.poll() is not None and updater.listener.latest.version == 2)
         assert not await updater.update_once()
         assert policy.version == 1 and policy.is_open, "the update did not reach the process that serves now"
-        # the watch's health polls see the new process without failing (that restart is the one being waited out)
-        [reply] = await control.health()
-        assert reply.ok and reply.boot_id == plane.boot_id
+        # the watch's health polls see the new process without failing (that restart is the one being waited out);
+        # None until the health socket has reconnected to it
+        deadline = time.monotonic() + 10
+        while (reply := (await control.health())[0]) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert reply is not None and reply.ok and reply.boot_id == plane.boot_id
         assert await updater.update_once() and policy.version == 2  # applied again, to the new process
         updater.listener.close()
 
