@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from prime_rl.common import net
 from prime_rl.common.net import reserve_ports, reserved_port_range
 
 pytestmark = pytest.mark.chaos
@@ -65,3 +66,14 @@ def test_a_dead_holder_frees_its_ports_and_a_bound_port_is_skipped(tmp_path):
     proc.kill()
     proc.wait()
     assert reserve_ports(1, "k", lock_dir=tmp_path, span=(base, base + 1)).base == base
+
+
+def test_free_port_is_never_one_the_kernel_hands_to_outgoing_connections_and_stays_locked(monkeypatch, tmp_path):
+    """A test or launcher asks for a free port, then binds it a moment later: the port must not be one the kernel
+    can give to another process's outgoing connection meanwhile (it did, in CI), nor one a second caller picks."""
+    monkeypatch.setattr(net, "PORT_LOCK_DIR", tmp_path)
+    port = net.free_port()
+    low, high = reserved_port_range()
+    assert low <= port < high
+    with pytest.raises(RuntimeError, match="no 1 consecutive ports"):
+        reserve_ports(1, "other", lock_dir=tmp_path, span=(port, port + 1))  # locked for this caller

@@ -5,15 +5,31 @@ import hashlib
 import os
 import random
 import socket
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS reports free on `host` right now (another process may still take it later)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free on `host` right now, for a caller that binds it itself a moment later.
+
+    It comes from the reserved range (`reserve_ports`), not from ``bind(0)``: the kernel hands ephemeral ports
+    to any process's outgoing connections, and one did take a port between this call and the bind (a ZeroMQ
+    client's source port; CI's orchestrator tests, issue 35). The port stays locked for this process's next
+    `_RECENT_KEEP` calls, so no other caller of `free_port` or `reserve_ports` picks it before it is bound.
+    Falls back to ``bind(0)`` when the lock directory cannot be used."""
+    try:
+        lease = reserve_ports(1, key=f"{os.getpid()}-{random.random()}", host=host)
+    except (OSError, RuntimeError):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    with _RECENT_LOCK:
+        _RECENT.append(lease)
+        if len(_RECENT) > _RECENT_KEEP:
+            _RECENT.popleft().release()
+    return lease.base
 
 
 def free_port_range(count: int, low: int, high: int, host: str = "127.0.0.1") -> int:
@@ -123,3 +139,9 @@ def reserve_ports(
             return lease
         lease.release()
     raise RuntimeError(f"no {count} consecutive ports free and unreserved in {low}-{high - 1} (locks in {lock_dir})")
+
+
+# The leases behind `free_port`'s recent answers (see there).
+_RECENT: deque[PortLease] = deque()
+_RECENT_KEEP = 64
+_RECENT_LOCK = threading.Lock()
