@@ -4,7 +4,8 @@ test_render.py (``FAKE_EXEC``) with srun's argv: what the job's restart path tal
 - ``inference-node<i>``: HTTP ``/health`` on ``--server.port`` and a control plane (run secret from the environment)
   on ``--server.control-port`` reporting the weight version in ``$FAKE_DIR/<step>.version``: 3 at its first start (the
   policy), 0 after a restart (the model's own weights) until the "orchestrator" writes 3. Its first start SIGKILLs
-  itself once ``$FAKE_DIR/kill`` exists if its step is in ``FAKE_KILL``; a restart of a step in ``FAKE_RESTART_DIES``
+  itself once ``$FAKE_DIR/kill`` exists if its step is in ``FAKE_KILL``, or, in ``FAKE_WEDGE``, writes one heartbeat
+  with a 1 s deadline then never again (alive, wedged; SIGTERM ends it); a restart of a step in ``FAKE_RESTART_DIES``
   exits 1 after a moment (dies during start-up).
 - ``router``: ``/health`` answers; ``POST /add_worker`` and ``/remove_worker`` are appended to ``$FAKE_DIR/router.calls``.
 - ``orchestrator``: creates ``kill`` (then, with ``FAKE_RELOAD=never`` or several steps to kill, waits to be
@@ -32,6 +33,7 @@ def arg_after(flag: str) -> str:
 
 
 def replica() -> None:
+    from prime_rl.common.heartbeat import Heartbeat
     from prime_rl.common.transport import ControlServer  # here: the other stand-ins start faster without ZeroMQ
     from prime_rl.common.wire import HealthReply
 
@@ -50,9 +52,13 @@ def replica() -> None:
     reply = lambda message, arrays: HealthReply(ok=True, weight_version=int(version.read_text()))  # noqa: E731
     threading.Thread(target=control.serve_forever, args=(reply, stop), daemon=True).start()
     dies = first and NAME in os.environ.get("FAKE_KILL", "").split(",")
+    wedges = first and NAME in os.environ.get("FAKE_WEDGE", "").split(",")
     while True:
         if dies and (DIR / "kill").exists():
             os.kill(os.getpid(), signal.SIGKILL)
+        if wedges and (DIR / "kill").exists():
+            wedges = False
+            Heartbeat(os.environ["PRIME_RL_HEARTBEAT_DIR"], "inference", 0).beat("serving", deadline_s=1.0)
         time.sleep(0.1)
 
 
@@ -76,7 +82,7 @@ def wait_for(condition, timeout_s: float = 20.0) -> None:
 
 
 def orchestrator() -> None:
-    dead = os.environ["FAKE_KILL"]
+    dead = os.environ.get("FAKE_KILL") or os.environ["FAKE_WEDGE"]
     calls = DIR / "router.calls"
     (DIR / "kill").write_text("")
     if "," in dead or os.environ.get("FAKE_RELOAD") == "never":  # the job is to end without this one

@@ -636,3 +636,38 @@ def test_a_death_with_no_restart_left_ends_the_job_naming_every_death(tmp_path: 
     reason = json.loads((tmp_path / "out" / "r" / "logs" / "latest" / "STATUS").read_text())["reason"]
     assert "no restart left (1/1 used within inference.restart_window=3600s; earlier: inference-node" in reason, reason
     assert reason.count("died (SIGKILL) at ") == 2, reason
+
+
+@pytest.mark.chaos
+def test_a_wedged_replica_is_restarted_like_a_dead_one_and_without_restarts_ends_the_job(
+    tmp_path: Path,
+) -> None:
+    """Node 1's replica stays alive but its heartbeat passes its deadline (a wedged engine): the watchdog names it,
+    the job script stops that step alone, and it takes a dead replica's path (out of the router, restarted on its
+    node, back once it serves the policy). The job goes on; the cause in the job log and STATUS is the stall."""
+    proc, calls, port = run_restart_job(tmp_path, "--inference.max-restarts", "1", FAKE_WEDGE="inference-node1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [c["name"] for c in calls].count("inference-node1") == 2
+    assert [c["name"] for c in calls].count("inference-node0") == 1
+    worker = f"http%3A%2F%2F127.0.0.1%3A{port + 1}"
+    assert (tmp_path / "fake" / "router.calls").read_text().splitlines() == [
+        f"/remove_worker?url={worker}",
+        f"/add_worker?url={worker}",
+    ]
+    assert "stalled in phase 'serving'" in proc.stderr and "stopping inference-node1 to restart it" in proc.stderr
+    stopped = "inference-node1 on 127.0.0.1 was stopped at "
+    assert f"job: {stopped}" in proc.stderr and "removed from the router; restarting it (restart 1/1" in proc.stderr
+    assert "job: inference-node1 is back after restart 1/1, serving weight version 3 (" in proc.stdout
+    status = json.loads((tmp_path / "fake" / "status.json").read_text())
+    assert status["restarts"] == 1 and status["state"] == "running", status
+
+    # Without restarts the same stall ends the job naming it, as before.
+    (tmp_path / "out").rename(tmp_path / "with-restarts")
+    (tmp_path / "fake").rename(tmp_path / "fake-with-restarts")
+    proc, _, _ = run_restart_job(tmp_path, FAKE_WEDGE="inference-node1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    reason = json.loads((tmp_path / "out" / "r" / "logs" / "latest" / "STATUS").read_text())["reason"]
+    assert (
+        reason.startswith("watchdog: inference rank 0 (pid ")
+        and "inference-node1) stalled in phase 'serving'" in reason
+    )

@@ -19,6 +19,7 @@ def find_stall(
     log_of: Callable[[Beat, str], Path | str],
     alive: Callable[[int], bool] | None = None,
     now: float | None = None,
+    skip_group: Callable[[str], bool] | None = None,
 ) -> str | None:
     """The watchdog's verdict: a message naming the process past its phase's deadline, or None.
 
@@ -30,7 +31,8 @@ def find_stall(
 
     ``alive(pid)`` skips an overdue beat whose process has exited (its exit code speaks for it); None where
     pids cannot be checked (SLURM: the process may be on another node). ``log_of(beat, group)`` is the log
-    whose last line is quoted when the beat names none.
+    whose last line is quoted when the beat names none. ``skip_group(group)`` leaves a subdirectory out (a SLURM
+    job's restartable replicas: their stalls restart them, see `overdue_groups`).
 
     When several processes are stuck, the most overdue is often a victim: a trainer waiting for a stuck
     orchestrator's batch entered its phase first, so it is overdue first. So among the processes past or near
@@ -44,6 +46,8 @@ def find_stall(
     directory = Path(heartbeat_dir)
     groups = [""] + sorted(p.name for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []
     for group in groups:
+        if skip_group is not None and skip_group(group):
+            continue
         for beat in read_beats(directory / group, newer_than=newer_than):
             if alive is None or alive(beat.pid):
                 beats.append((beat, group))
@@ -82,6 +86,14 @@ def find_stall(
         more = f" and {len(others) - MAX_LISTED} more" if len(others) > MAX_LISTED else ""
         reason += f"; near or past their deadlines too: {', '.join(listed)}{more}"
     return reason
+
+
+def overdue_beat(directory: Path, newer_than: float, now: float | None = None) -> Beat | None:
+    """The most overdue beat in ``directory`` (one SLURM step's heartbeats), or None when none is past its deadline:
+    the rule by which one restartable step is wedged, without the job-wide naming of `find_stall`."""
+    now = time.time() if now is None else now
+    overdue = [b for b in read_beats(directory, newer_than=newer_than) if b.overdue_s(now) > 0]
+    return max(overdue, key=lambda b: b.overdue_s(now), default=None)
 
 
 NEAR_DEADLINE = 0.8

@@ -19,8 +19,9 @@ Design decisions:
   flock: two replicas may die at once) and replayed into a ``RestartPolicy`` at each call, so the window's rule is
   the one the local launcher applies, not a bash copy of it.
 - Each call is a short process on the batch node, like the watchdog: nothing to keep alive between deaths.
-- Left out: a wedged replica (alive, heartbeat past its deadline) is not restarted here; the job's watchdog ends
-  the job naming it, as before.
+- A wedged replica (alive, a heartbeat past its deadline) is restarted like a dead one: the job's watchdog marks
+  it (`prime_rl.launcher.slurm.watchdog`, ``--restartable``), the job script stops its step and calls ``died``
+  with ``--stalled VERDICT``, which becomes the cause in place of the exit status.
 """
 
 from __future__ import annotations
@@ -82,11 +83,15 @@ def report(args: argparse.Namespace, event: str, restarts: int) -> None:
 def died(args: argparse.Namespace) -> int:
     now, how = time.time(), describe_status(args.code)
     cause = f"{args.name} on {args.node} died ({how}) at {clock(now)}"
+    during = f"died during start-up ({how})"
+    if args.stalled:  # the watchdog's verdict on a live step, stopped by the job script: that is why it ended
+        stall = args.stalled.strip().removeprefix("watchdog: ")
+        cause = f"{args.name} on {args.node} was stopped at {clock(now)}: {stall}"
+        during = f"was stopped during start-up: {stall}"
     with locked_state(args.state) as state:
         policy = replay(args, state["deaths"])
         restarting = state["restarting"].get(str(args.replica))
         if restarting is not None:
-            during = f"died during start-up ({how})"
             print(policy.died_restarting_reason(restarting["number"], during, restarting["cause"]))
             return 1
         if not policy.allows(now):
@@ -159,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     on_death.add_argument("--code", type=int, required=True, help="its exit status as bash reports it")
     on_death.add_argument("--node", required=True, help="the node it ran on")
     on_death.add_argument("--worker-url", required=True, help="its URL in the router")
+    on_death.add_argument("--stalled", default="", help="the watchdog's verdict when the script stopped it (wedged)")
     back = commands.add_parser("readmit", parents=[common], help="put a restarted replica back once it serves")
     back.add_argument("--urls", nargs="+", required=True, help="every replica's HTTP root, in the router's order")
     back.add_argument("--controls", nargs="+", required=True, help="every replica's control address, same order")

@@ -15,6 +15,12 @@ Design decisions:
 - Clocks: a beat's times are the writer's clock, compared with this node's; cluster nodes keep them in
   step (NTP), and deadlines are seconds to minutes, so skew below a second does not matter.
 - It exits on its own when the job script is gone (its parent changes), so it never outlives a job.
+- Restartable steps (``--restartable inference-node``, with ``inference.max_restarts > 0``): a stall in one of
+  them is not the job's end but that step's. The watchdog writes the step's verdict to ``--wedged-dir/<step>``
+  and goes on watching the others; the job script stops the step, whose exit then takes the restart path a
+  death takes (the local launcher restarts a wedged replica the same way, `Supervisor._stalled`). The step is
+  left out while its marker exists; the job script removes the marker (and the step's old beats) when it
+  starts the step again.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prime_rl.common.heartbeat import Beat
-from prime_rl.launcher.stall import find_stall
+from prime_rl.launcher.stall import find_stall, overdue_beat
 
 STALL_EXIT_CODE = 3
 """Exit code for "a process stalled" (the verdict is in REASON_FILE); any other non-zero exit is a crash."""
@@ -46,6 +52,34 @@ def log_of(log_dir: Path, trainer_log_dir: Path | None) -> Callable[[Beat, str],
     return resolve
 
 
+def write_atomic(path: Path, verdict: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(verdict + "\n")
+    os.replace(tmp, path)  # the job script never reads half a verdict
+
+
+def mark_wedged(
+    heartbeat_dir: Path,
+    wedged_dir: Path,
+    restarts: Callable[[str], bool],
+    since: float,
+    resolve: Callable[[Beat, str], Path],
+) -> None:
+    """Write the verdict of each restartable step with a beat past its deadline and no marker yet."""
+    if not heartbeat_dir.is_dir():
+        return
+    for step in sorted(p.name for p in heartbeat_dir.iterdir() if p.is_dir() and restarts(p.name)):
+        marker = wedged_dir / step
+        if marker.exists() or overdue_beat(heartbeat_dir / step, since) is None:
+            continue  # being restarted, or well
+        verdict = find_stall(heartbeat_dir, since, resolve, skip_group=lambda group, step=step: group != step)
+        if verdict is None:  # its beat was replaced since
+            continue
+        wedged_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(marker, verdict)
+        print(f"{verdict}; {step} is restartable: the job script stops it", file=sys.stderr, flush=True)
+
+
 def watch(
     heartbeat_dir: Path,
     log_dir: Path,
@@ -53,19 +87,26 @@ def watch(
     trainer_log_dir: Path | None = None,
     interval_s: float = 1.0,
     since: float | None = None,
+    restartable: tuple[str, ...] = (),
+    wedged_dir: Path | None = None,
 ) -> int:
     """Poll until a process stalls (write the verdict, return STALL_EXIT_CODE) or the job script is gone (0).
 
-    Beats written before ``since`` (unix time; default now) belong to an earlier job of the same run."""
+    Beats written before ``since`` (unix time; default now) belong to an earlier job of the same run. A stall in a
+    step whose name starts with one of ``restartable`` is written to ``wedged_dir/<step>`` instead (see above)."""
     started_at = time.time() if since is None else since
     parent = os.getppid()
     resolve = log_of(log_dir, trainer_log_dir)
+
+    def restarts(group: str) -> bool:
+        return wedged_dir is not None and bool(restartable) and group.startswith(restartable)
+
     while os.getppid() == parent:
-        verdict = find_stall(heartbeat_dir, started_at, resolve)
+        if wedged_dir is not None:
+            mark_wedged(heartbeat_dir, wedged_dir, restarts, started_at, resolve)
+        verdict = find_stall(heartbeat_dir, started_at, resolve, skip_group=restarts)
         if verdict is not None:
-            tmp = reason_file.with_name(f".{reason_file.name}.tmp")
-            tmp.write_text(verdict + "\n")
-            os.replace(tmp, reason_file)  # the job script never reads half a verdict
+            write_atomic(reason_file, verdict)
             print(verdict, file=sys.stderr, flush=True)
             return STALL_EXIT_CODE
         time.sleep(interval_s)
@@ -82,8 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-log-dir", type=Path, default=None, help="logs/attempt_<n>/trainer/torchrun")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between two reads of the heartbeats")
     parser.add_argument("--since", type=float, default=None, help="unix time the job started (default: now)")
+    parser.add_argument(
+        "--restartable", action="append", default=[], help="a step-name prefix whose stall restarts the step"
+    )
+    parser.add_argument("--wedged-dir", type=Path, default=None, help="where a restartable step's verdict is written")
     args = parser.parse_args(argv)
-    return watch(args.heartbeat_dir, args.log_dir, args.reason_file, args.trainer_log_dir, args.interval, args.since)
+    if bool(args.restartable) != (args.wedged_dir is not None):
+        parser.error("--restartable and --wedged-dir go together")
+    return watch(
+        args.heartbeat_dir, args.log_dir, args.reason_file, args.trainer_log_dir, args.interval, args.since,
+        tuple(args.restartable), args.wedged_dir,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
