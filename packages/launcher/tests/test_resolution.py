@@ -11,7 +11,7 @@ from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.launcher.host_facts import HostFacts, gather_slurm, read_served_dtype
-from prime_rl.launcher.resolution import ResolvedRun, resolve, updated
+from prime_rl.launcher.resolution import ResolvedRun, resolve
 from prime_rl.launcher.rl import write_configs
 from prime_rl.launcher.slurm import load_job, write_job
 from prime_rl.launcher.slurm.job import job_class
@@ -75,14 +75,6 @@ def test_served_dtype_comes_from_vllm_or_the_checkpoint(model_dir, tmp_path):
     assert read_served_dtype(_cfg(model_dir, "--inference.vllm.dtype", "half")) == "float16"
     job = load_config(job_class(RLConfig), ["@", str(_slurm_toml(tmp_path / "absent", tmp_path))])
     assert gather_slurm(job) == HostFacts()  # the model is not visible from this submit host
-
-
-def test_updated_replaces_leaves_without_touching_the_original(model_dir):
-    cfg = _cfg(model_dir)
-    new = updated(cfg, {"trainer.data.port": 1234, "max_steps": 7})
-    assert (new.trainer.data.port, new.max_steps) == (1234, 7)
-    assert cfg.trainer.data.port != 1234 and cfg.max_steps is None
-    assert new.orchestrator is cfg.orchestrator  # untouched branches are shared (resolve deep-copies first)
 
 
 def _slurm_toml(model_dir: Path, tmp_path: Path) -> Path:

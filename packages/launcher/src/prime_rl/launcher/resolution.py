@@ -6,15 +6,14 @@ dtype, the resume step) and checks what only a placement can refuse. It is pure:
 call it (`rl` on one node, the SLURM job renderer) and write what it returns, so a local run and a SLURM job
 of one config and one set of facts are given the same per-process configs.
 
-No validated model is assigned to: the resolved config is rebuilt with `model_copy(update=...)` from the
-changed leaves up, over a deep copy, so nothing it returns shares a mutable object with the input.
+No validated model is assigned to: the resolved config is rebuilt (`prime_rl.common.config.rebuild.updated`)
+over a deep copy, so nothing it returns shares a mutable object with the input.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -22,11 +21,10 @@ from prime_rl.common.config import ConfigError
 from prime_rl.common.config.deployment import MultiNodeDeployment
 from prime_rl.common.config.inference import InferenceConfig
 from prime_rl.common.config.orchestrator import OrchestratorConfig
+from prime_rl.common.config.rebuild import updated
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.config.rl_trainer import RLTrainerConfig
 from prime_rl.launcher.host_facts import HostFacts
-
-M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -52,24 +50,6 @@ class ResolvedRun:
     def process_configs(self) -> dict[str, BaseModel]:
         """``{"trainer", "orchestrator", "inference"}``: what each process is started with."""
         return {"trainer": self.trainer, "orchestrator": self.orchestrator, "inference": self.inference}
-
-
-def updated(model: M, changes: dict[str, Any]) -> M:
-    """A copy of ``model`` with the dotted fields of ``changes`` replaced (``{"trainer.data.port": 5}``).
-
-    Built with ``model_copy(update=...)`` from the leaves up: ``model`` and its children are left as they are,
-    and each replaced field counts as set, as an assignment made it."""
-    here: dict[str, Any] = {}
-    below: dict[str, dict[str, Any]] = defaultdict(dict)
-    for path, value in changes.items():
-        head, _, rest = path.partition(".")
-        if rest:
-            below[head][rest] = value
-        else:
-            here[head] = value
-    for head, sub in below.items():
-        here[head] = updated(getattr(model, head), sub)
-    return model.model_copy(update=here)
 
 
 def _check_multi_node(cfg: RLConfig) -> None:

@@ -202,8 +202,11 @@ def _place_disaggregated(job: SlurmJob) -> None:
     inference = job.process_configs["inference"]
     if pd.kv_connector == "ExampleConnector" and "shared_storage_path" not in pd.kv_connector_extra_config:
         # KV moves through files: a directory every node sees (the run dir is on the shared filesystem)
+        # a new inference config, not an assignment into the validated one
         extra = {**pd.kv_connector_extra_config, "shared_storage_path": str(job.run_dir.root.resolve() / "kv_cache")}
-        inference.deployment = pd.model_copy(update={"kv_connector_extra_config": extra})
+        job.process_configs["inference"] = inference.model_copy(
+            update={"deployment": pd.model_copy(update={"kv_connector_extra_config": extra})}
+        )
     job.extra["pd"] = {
         "num_prefill": pd.num_prefill,
         "num_decode": pd.num_decode,
