@@ -9,7 +9,9 @@ runs on the CPU and the trainer runs `num_train_gpus` gloo processes.
 Ports: the ports users set (`inference.server.port`, its control port) are kept; the internal ones
 nobody set (the orchestrator's batch ports, the weight announcements, the broadcast group) are reserved
 at launch above the ephemeral range and locked for the launcher's lifetime, and torchrun's store binds
-port 0 itself, so two runs side by side need only different inference ports and run names.
+port 0 itself, so two runs side by side need only different inference ports and run names. The reservation
+(and the served dtype, the resume step) is gathered by `prime_rl.launcher.host_facts.gather_local`; the configs
+written are what the pure `prime_rl.launcher.resolution.resolve` makes of the config and those facts.
 
 Closed control plane: the launcher writes the run secret (`<run_dir>/control.secret`, 0600) and hands
 it to every process through PRIME_RL_SECRET_FILE, so every ZeroMQ socket of the run (control, batches,
