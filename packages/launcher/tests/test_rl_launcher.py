@@ -12,8 +12,11 @@ from prime_rl.common.config import load_config
 from prime_rl.common.config.base import ConfigError
 from prime_rl.common.config.deployment import SingleNodeDeployment
 from prime_rl.common.config.rl import RLConfig
+from prime_rl.common.rundir import RunDir
 from prime_rl.common.testing import make_tiny_model
-from prime_rl.launcher.rl import PlacementError, place, resolve, shared_gpu_check
+from prime_rl.launcher.host_facts import gather_local
+from prime_rl.launcher.resolution import resolve
+from prime_rl.launcher.rl import PlacementError, place, shared_gpu_check
 
 HEAVY_MODULES = ("torch", "vllm", "numpy", "zmq", "msgspec", "urllib.request", "prime_rl.launcher.supervisor")
 """Modules that neither `rl --help` nor `rl --dry-run` may import (a run imports them where it uses them)."""
@@ -100,8 +103,8 @@ def test_two_runs_side_by_side_do_not_collide(model_dir):
         ["--model.name", str(model_dir), "--inference.server.port", "8001",
          "--orchestrator.model.client.base-url", "http://localhost:8001/v1", "--run.name", "exp2"],
     )  # fmt: skip
-    resolve(a)
-    resolve(b)
+    a = resolve(a, gather_local(a, RunDir(a.output_dir, a.run.name))).config
+    b = resolve(b, gather_local(b, RunDir(b.output_dir, b.run.name))).config
     assert a.run_dir != b.run_dir
     ports = lambda c: {  # noqa: E731
         c.inference.server.port,
@@ -117,9 +120,11 @@ _RESOLVE_AND_HOLD = """
 import json, sys
 from prime_rl.common.config import load_config
 from prime_rl.common.config.rl import RLConfig
-from prime_rl.launcher.rl import resolve
+from prime_rl.common.rundir import RunDir
+from prime_rl.launcher.host_facts import gather_local
+from prime_rl.launcher.resolution import resolve
 cfg = load_config(RLConfig, sys.argv[1:])
-resolve(cfg)
+cfg = resolve(cfg, gather_local(cfg, RunDir(cfg.output_dir, cfg.run.name))).config
 wb = cfg.trainer.weight_broadcast
 print(json.dumps([*range(cfg.orchestrator.trainer.port, cfg.orchestrator.trainer.port + 2),
                   cfg.orchestrator.trainer.weights_port, wb.port]), flush=True)
@@ -380,9 +385,6 @@ def test_rl_marks_the_attempt_of_a_sigkilled_launcher_failed(model_dir, tmp_path
 
 def test_resume_latest_is_resolved_once_for_both_components(model_dir, tmp_path):
     """Probe: "latest" resolved by each component resumed them at steps 8 and 4 (then hung)."""
-    from prime_rl.common.rundir import RunDir
-    from prime_rl.launcher.rl import resolve_resume
-
     run = RunDir(tmp_path, "r")
     for step, parts in ((4, ("trainer", "orchestrator")), (8, ("orchestrator",))):
         for part, marker in (("trainer", ".done"), ("orchestrator", "state.json")):
@@ -391,11 +393,12 @@ def test_resume_latest_is_resolved_once_for_both_components(model_dir, tmp_path)
                 (run.checkpoint_dir(step) / part / marker).write_text("{}")
     flags = ["--model.name", str(model_dir), "--output-dir", str(tmp_path), "--run.name", "r"]
     cfg = load_config(RLConfig, [*flags, "--ckpt.resume-step", "latest"])
-    assert resolve_resume(cfg, run) == 4
-    assert cfg.trainer.ckpt.resume_step == cfg.orchestrator.ckpt.resume_step == 4
+    resolved = resolve(cfg, gather_local(cfg, run))
+    assert resolved.resume_step == 4
+    assert resolved.trainer.ckpt.resume_step == resolved.orchestrator.ckpt.resume_step == 4
     cfg = load_config(RLConfig, [*flags, "--trainer.ckpt.resume-step", "8", "--orchestrator.ckpt.resume-step", "4"])
     with pytest.raises(ConfigError, match="differ"):
-        resolve_resume(cfg, run)
+        gather_local(cfg, run)
     # The launcher refuses a step that is not complete for both, naming the complete ones (exit 2).
     out = _rl(*flags, "--ckpt.resume-step", "8", "--dry-run")
     assert out.returncode == 2 and "complete steps: [4]" in out.stderr, out.stderr

@@ -9,7 +9,9 @@ runs on the CPU and the trainer runs `num_train_gpus` gloo processes.
 Ports: the ports users set (`inference.server.port`, its control port) are kept; the internal ones
 nobody set (the orchestrator's batch ports, the weight announcements, the broadcast group) are reserved
 at launch above the ephemeral range and locked for the launcher's lifetime, and torchrun's store binds
-port 0 itself, so two runs side by side need only different inference ports and run names.
+port 0 itself, so two runs side by side need only different inference ports and run names. The reservation
+(and the served dtype, the resume step) is gathered by `prime_rl.launcher.host_facts.gather_local`; the configs
+written are what the pure `prime_rl.launcher.resolution.resolve` makes of the config and those facts.
 
 Closed control plane: the launcher writes the run secret (`<run_dir>/control.secret`, 0600) and hands
 it to every process through PRIME_RL_SECRET_FILE, so every ZeroMQ socket of the run (control, batches,
@@ -20,7 +22,6 @@ from another run on the same port is never mistaken for ours.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -46,11 +47,12 @@ from prime_rl.common.env import (
     STDOUT_IS_LOG_ENV,
     TRAINER_LOG_DIR_ENV,
 )
-from prime_rl.common.net import PortLease, reserve_ports
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.vllm_compat import installed_vllm_version, unsupported_reason
 from prime_rl.common.weight_checksum import safetensors_layout
 from prime_rl.launcher.dashboard.status import settle_dead_status, write_status
+from prime_rl.launcher.host_facts import gather_local
+from prime_rl.launcher.resolution import ResolvedRun, resolve
 
 if TYPE_CHECKING:
     from prime_rl.launcher.supervisor import Component
@@ -177,52 +179,6 @@ def check_run(cfg: RLConfig) -> None:
         raise ConfigError(error, keys=["inference.deployment.kv_connector"])
 
 
-def served_dtype(cfg: RLConfig) -> str:
-    """The dtype inference serves in, which published weights must match ("auto" = the checkpoint's)."""
-    dtype = cfg.inference.vllm.dtype
-    if dtype != "auto":
-        return {"half": "float16", "float": "float32"}.get(dtype, dtype)
-    config_path = Path(cfg.trainer.model.name) / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(
-            f"model.name={cfg.trainer.model.name!r} has no config.json; give a local HF model directory"
-        )
-    hf = json.loads(config_path.read_text())
-    return str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16")
-
-
-def resolve(cfg: RLConfig) -> None:
-    """Fill what depends on this machine: internal ports and the published weights' dtype.
-
-    Internal ports nobody set are reserved, not merely seen free: taken above the ephemeral range (the
-    kernel never hands them to an outgoing connection) and locked for this process's lifetime, so a second
-    launcher started the same second picks others (`prime_rl.common.net.reserve_ports`)."""
-    key = str(Path(cfg.output_dir).resolve() / cfg.run.name)
-    if "port" not in cfg.orchestrator.trainer.model_fields_set:
-        cfg.orchestrator.trainer.port = _reserve(cfg.deployment.num_train_gpus, key)  # one socket per rank
-        cfg.trainer.data.port = cfg.orchestrator.trainer.port
-    wb = cfg.trainer.weight_broadcast
-    if wb.type in ("nccl", "nixl") and "port" not in wb.model_fields_set:
-        wb.port = _reserve(1, key)
-    endpoint = cfg.orchestrator.trainer
-    if "weights_port" not in endpoint.model_fields_set:  # the trainer's version announcements
-        derived = wb.announce == f"tcp://127.0.0.1:{endpoint.weights_port}"
-        endpoint.weights_port = _reserve(1, key)
-        if derived:
-            wb.announce = f"tcp://127.0.0.1:{endpoint.weights_port}"
-    if "dtype" not in wb.model_fields_set:
-        wb.dtype = served_dtype(cfg)
-
-
-_LEASES: list[PortLease] = []  # held for the launcher's lifetime: a closed lease frees its ports
-
-
-def _reserve(count: int, key: str) -> int:
-    lease = reserve_ports(count, key)
-    _LEASES.append(lease)
-    return lease.base
-
-
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -262,33 +218,12 @@ def check_disk(cfg: RLConfig, path: Path) -> str | None:
     )
 
 
-def resolve_resume(cfg: RLConfig, run_dir: RunDir) -> int | None:
-    """One resume step for trainer and orchestrator: "latest" is the newest step complete for both.
-
-    Each component resolving "latest" on its own resumed them at different steps after a kill between
-    their checkpoints; the resolved step is written into both configs instead.
-    """
-    trainer_step, orchestrator_step = cfg.trainer.ckpt.resume_step, cfg.orchestrator.ckpt.resume_step
-    if trainer_step != orchestrator_step:
-        raise ConfigError(
-            f"trainer.ckpt.resume_step={trainer_step!r} and orchestrator.ckpt.resume_step={orchestrator_step!r} "
-            "differ, so trainer and orchestrator would continue from different steps; set [ckpt] resume_step "
-            "(it sets both)",
-            keys=["trainer.ckpt.resume_step", "orchestrator.ckpt.resume_step"],
-        )
-    step = run_dir.resolve_resume_step(trainer_step)
-    cfg.trainer.ckpt.resume_step = step
-    cfg.orchestrator.ckpt.resume_step = step
-    return step
-
-
-def write_configs(cfg: RLConfig, run_dir: RunDir) -> dict[str, Path]:
-    return {
-        "rl": write_toml(cfg, run_dir.config_path("rl")),
-        "trainer": write_toml(cfg.trainer, run_dir.config_path("trainer")),
-        "orchestrator": write_toml(cfg.orchestrator, run_dir.config_path("orchestrator")),
-        "inference": write_toml(cfg.inference, run_dir.config_path("inference")),
-    }
+def write_configs(run: ResolvedRun, run_dir: RunDir) -> dict[str, Path]:
+    """configs/rl.toml (the whole resolved run) and one config per process."""
+    written = {"rl": write_toml(run.config, run_dir.config_path("rl"))}
+    for name, config in run.process_configs().items():
+        written[name] = write_toml(config, run_dir.config_path(name))
+    return written
 
 
 def _http_ok(url: str) -> bool:
@@ -384,8 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S")
     cfg = parse_config(RLConfig, argv, prog="rl", check=check_run)
     run_dir = RunDir(cfg.output_dir, cfg.run.name)
-    if cfg.slurm is not None:
-        configs = write_configs(cfg, run_dir)
+    if cfg.slurm is not None:  # handed over as it is: the SLURM job resolves it (`gather_slurm`)
+        configs = {"rl": write_toml(cfg, run_dir.config_path("rl"))}
+        for name in ("trainer", "orchestrator", "inference"):
+            configs[name] = write_toml(getattr(cfg, name), run_dir.config_path(name))
         sys.exit(submit_slurm(run_dir, configs, cfg.dry_run))
     if not isinstance(cfg.deployment, SingleNodeDeployment):
         sys.stderr.write(
@@ -396,15 +333,15 @@ def main(argv: list[str] | None = None) -> None:
         infer_gpus, train_gpus = place(cfg.deployment, visible_gpus())
         if infer_gpus and infer_gpus == train_gpus:
             check_shared_gpus(cfg, infer_gpus)
-        resolve(cfg)
-        resume_step = resolve_resume(cfg, run_dir)
+        run = resolve(cfg, gather_local(cfg, run_dir))
     except ConfigError as e:
         sys.stderr.write(f"rl: error: {e}\n")
         sys.exit(2)
     except (PlacementError, FileNotFoundError) as e:
         sys.stderr.write(f"rl: error: {e}\n")
         sys.exit(2)
-    configs = write_configs(cfg, run_dir)
+    configs = write_configs(run, run_dir)
+    cfg, resume_step = run.config, run.resume_step  # from here on, the resolved run
     if cfg.dry_run:
         print(f"wrote {', '.join(str(p) for p in configs.values())}")
         return

@@ -21,6 +21,7 @@ from prime_rl.common.config.inference import LORA_RANKS, InferenceConfig
 from prime_rl.common.config.layout import read_model_shape
 from prime_rl.common.config.monitor import MonitorConfig
 from prime_rl.common.config.orchestrator import OrchestratorConfig
+from prime_rl.common.config.rebuild import updated_fields
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, RLTrainerConfig, WeightBroadcastConfig
 from prime_rl.common.config.trainer import DEFAULT_KEEP_LAST, LoRAConfig
 from prime_rl.common.vllm_compat import (
@@ -172,8 +173,8 @@ class RLConfig(BaseConfig):
         return data
 
     @model_validator(mode="after")
-    def _wire(self) -> RLConfig:
-        server = self.inference.server
+    def _check(self) -> RLConfig:
+        """What no single section can refuse: combinations across trainer, orchestrator and inference."""
         pd = self.inference.disaggregated
         if pd is not None and pd.kv_connector == "ExampleConnector":
             raise ValueError(
@@ -181,25 +182,8 @@ class RLConfig(BaseConfig):
                 "tokens alone, so after a weight update decode would load KV computed by the old weights; use "
                 "NixlConnector (GPUs), or P/D outside rl"
             )
-        self._link_tool_call_parser()
-        if "base_url" not in self.orchestrator.model.client.model_fields_set:
-            self.orchestrator.model.client.base_url = f"http://127.0.0.1:{server.port}/v1"
-        client = self.orchestrator.model.client
-        if self.inference.fronted_by_router and "metrics_urls" not in client.model_fields_set:
-            # rollout concurrency follows vLLM's /metrics, which the router proxies to one replica: read each one's
-            client.metrics_urls = [f"http://127.0.0.1:{port}" for port in self.inference.instance_http_ports]
-        if server.api_key is not None and self.orchestrator.model.client.api_key in (None, "", "EMPTY"):
-            self.orchestrator.model.client.api_key = server.api_key  # the HTTP API refuses requests without it
-        # every replica or P/D instance takes weight updates
-        controls = [f"tcp://127.0.0.1:{port}" for port in self.inference.instance_control_ports]
-        if not self.orchestrator.inference.addresses and self.trainer.weight_broadcast.type == "filesystem":
-            self.orchestrator.inference.addresses = controls
-        wb = self.trainer.weight_broadcast
-        self._wire_restarts(wb.type)
-        if wb.type in ("nccl", "nixl") and not wb.inference_addresses:
-            wb.inference_addresses = list(controls)
-        if wb.announce is None:  # trainer rank 0 runs beside the orchestrator (SLURM: on TRAIN_HEAD)
-            wb.announce = f"tcp://127.0.0.1:{self.orchestrator.trainer.weights_port}"
+        self._served_tool_call_parser()
+        self._check_restarts(self.trainer.weight_broadcast.type)
         lora, served = self.trainer.model.lora, self.inference.lora
         if lora is not None and (served is None or lora.rank > served.max_rank):
             raise ValueError(
@@ -207,19 +191,19 @@ class RLConfig(BaseConfig):
                 f"{served.max_rank if served else 'none ([inference.lora] is unset)'}: the first weight update "
                 f"would be refused; set inference.lora.max_rank >= {lora.rank}"
             )
-        self.trainer.data.host = "127.0.0.1"
-        self.trainer.data.port = self.orchestrator.trainer.port
-        if isinstance(self.deployment, SingleNodeDeployment):
-            # the orchestrator sends per data-parallel group: the cp ranks of a group share its socket (their
-            # cp rank 0 receives and broadcasts); a cp that does not divide the ranks is refused by check_layout
-            cp = self.trainer.model.cp
-            gpus = self.deployment.num_train_gpus
-            self.orchestrator.num_train_ranks = gpus // cp if gpus % cp == 0 else gpus
-            if self.deployment.num_train_gpus % self.trainer.model.dp_replicate:
-                raise ValueError(
-                    f"deployment.num_train_gpus={self.deployment.num_train_gpus} must be divisible by "
-                    f"trainer.model.dp_replicate={self.trainer.model.dp_replicate}"
-                )
+        if isinstance(self.deployment, SingleNodeDeployment) and (
+            self.deployment.num_train_gpus % self.trainer.model.dp_replicate
+        ):
+            raise ValueError(
+                f"deployment.num_train_gpus={self.deployment.num_train_gpus} must be divisible by "
+                f"trainer.model.dp_replicate={self.trainer.model.dp_replicate}"
+            )
+        self._check_routed_experts()
+        if self.trainer.data.fake is not None:
+            raise ValueError("trainer.data.fake is for benchmarking the trainer alone; `rl` trains on rollouts")
+        return self
+
+    def _check_routed_experts(self) -> None:
         if self.trainer.model.moe.router_replay and not self.orchestrator.routed_experts:
             raise ValueError(
                 "trainer.model.moe.router_replay=true needs inference's routed experts, but orchestrator.routed_experts="
@@ -240,32 +224,76 @@ class RLConfig(BaseConfig):
             version = installed_vllm_version()  # package metadata: no vLLM import
             if version is not None and (reason := routed_experts_unsupported(version, installed_vllm_is_cpu(), key)):
                 raise ValueError(reason)
-        if self.trainer.data.fake is not None:
-            raise ValueError("trainer.data.fake is for benchmarking the trainer alone; `rl` trains on rollouts")
-        return self
 
     @model_validator(mode="after")
-    def _fit_context(self) -> RLConfig:
+    def _derive(self) -> RLConfig:
+        """The one place that derives per-process settings from the run config (`_wiring`, `_context`). Each
+        section they touch is replaced by a new one (`prime_rl.common.config.rebuild`): no validated section is
+        patched in place. What depends on the machine (reserved ports, the served dtype, the resume step) is
+        left to the launcher's `resolve`."""
+        changes = {**self._wiring(), **self._context()}
+        for name, section in updated_fields(self, changes).items():
+            setattr(self, name, section)
+        return self
+
+    def _wiring(self) -> dict[str, Any]:
+        """How the processes find each other on one machine, as dotted paths -> values: what the user left unset
+        is derived from [inference.server] and the orchestrator's ports (a SLURM job passes what only the
+        allocation knows, the hosts, as flags)."""
+        server, orch, wb = self.inference.server, self.orchestrator, self.trainer.weight_broadcast
+        client = orch.model.client
+        changes: dict[str, Any] = {}
+        if (parser := self._served_tool_call_parser()) is not None:
+            changes["orchestrator.model.tool_call_parser"] = parser
+        if "base_url" not in client.model_fields_set:
+            changes["orchestrator.model.client.base_url"] = f"http://127.0.0.1:{server.port}/v1"
+        if self.inference.fronted_by_router and "metrics_urls" not in client.model_fields_set:
+            # rollout concurrency follows vLLM's /metrics, which the router proxies to one replica: read each one's
+            urls = [f"http://127.0.0.1:{port}" for port in self.inference.instance_http_ports]
+            changes["orchestrator.model.client.metrics_urls"] = urls
+        if server.api_key is not None and client.api_key in (None, "", "EMPTY"):
+            changes["orchestrator.model.client.api_key"] = server.api_key  # the HTTP API refuses requests without it
+        # every replica or P/D instance takes weight updates
+        controls = [f"tcp://127.0.0.1:{port}" for port in self.inference.instance_control_ports]
+        if not orch.inference.addresses and wb.type == "filesystem":
+            changes["orchestrator.inference.addresses"] = controls
+        if self.inference.max_restarts != 0 and "outage_timeout" not in orch.inference.model_fields_set:
+            # the orchestrator waits out a restart: its start-up deadline plus a minute
+            changes["orchestrator.inference.outage_timeout"] = self.inference.router.startup_timeout + 60.0
+        if wb.type in ("nccl", "nixl") and not wb.inference_addresses:
+            changes["trainer.weight_broadcast.inference_addresses"] = list(controls)
+        if wb.announce is None:  # trainer rank 0 runs beside the orchestrator (SLURM: on TRAIN_HEAD)
+            changes["trainer.weight_broadcast.announce"] = f"tcp://127.0.0.1:{orch.trainer.weights_port}"
+        changes["trainer.data.host"] = "127.0.0.1"
+        changes["trainer.data.port"] = orch.trainer.port
+        if isinstance(self.deployment, SingleNodeDeployment):
+            # the orchestrator sends per data-parallel group: the cp ranks of a group share its socket (their
+            # cp rank 0 receives and broadcasts); a cp that does not divide the ranks is refused by check_layout
+            cp, gpus = self.trainer.model.cp, self.deployment.num_train_gpus
+            changes["orchestrator.num_train_ranks"] = gpus // cp if gpus % cp == 0 else gpus
+        return changes
+
+    def _context(self) -> dict[str, Any]:
         """seq_len, max_model_len, max_tokens and the model's context against each other (config/context.py);
         an unset max_model_len becomes seq_len, capped at the model's context, and the orchestrator learns it."""
         from prime_rl.common.config.context import fit_max_model_len, long_context_allowed, read_model_context
 
-        vllm = self.inference.vllm
-        vllm.max_model_len = fit_max_model_len(
-            vllm.max_model_len,
+        max_model_len = fit_max_model_len(
+            self.inference.vllm.max_model_len,
             self.orchestrator.seq_len,
             self.trainer.data.seq_len,
             self.orchestrator.sampling.max_tokens,
             read_model_context(self.trainer.model.name),
             long_context_allowed(self.inference.env_vars),
         )
+        changes: dict[str, Any] = {"inference.vllm.max_model_len": max_model_len}
         if "max_model_len" not in self.orchestrator.model_fields_set:  # multi-turn rollouts stop there
-            self.orchestrator.max_model_len = vllm.max_model_len
-        return self
+            changes["orchestrator.max_model_len"] = max_model_len
+        return changes
 
-    def _wire_restarts(self, transport: str) -> None:
-        """`inference.max_restarts`: the orchestrator waits out a restart (start-up deadline plus a minute) and
-        reloads the current policy from `broadcasts/` itself; a push transport has no such copy to reload."""
+    def _check_restarts(self, transport: str) -> None:
+        """`inference.max_restarts`: the orchestrator waits out a restart and reloads the current policy from
+        `broadcasts/` itself; a push transport has no such copy to reload."""
         if self.inference.max_restarts == 0:
             return
         if transport != "filesystem":
@@ -280,27 +308,25 @@ class RLConfig(BaseConfig):
                 "node; P/D instances and inference.router.replicas > 1 per node are not restarted: set "
                 "inference.max_restarts=0 (the job fails naming the dead step)"
             )
-        control = self.orchestrator.inference
-        if "outage_timeout" not in control.model_fields_set:
-            control.outage_timeout = self.inference.router.startup_timeout + 60.0
 
-    def _link_tool_call_parser(self) -> None:
+    def _served_tool_call_parser(self) -> str | None:
         """One tool-call format per model: `[inference.vllm] tool_call_parser` (vLLM's chat-API parser, for chat
         clients of the same server) and `orchestrator.model.tool_call_parser` (what tool environments' rollouts
-        parse the sampled text with) name the same thing. Set on inference alone, the orchestrator adopts it; set
-        on both and different, one of them reads the model's calls wrongly, so `rl` refuses before starting. A
-        vLLM parser the orchestrator does not implement is left to chat clients (the orchestrator keeps its own)."""
+        parse the sampled text with) name the same thing. Set on inference alone, the orchestrator adopts it (the
+        value returned); set on both and different, one of them reads the model's calls wrongly, so `rl` refuses
+        before starting. A vLLM parser the orchestrator does not implement is left to chat clients (None: the
+        orchestrator keeps its own)."""
         served = (self.inference.vllm.model_extra or {}).get("tool_call_parser")
         orch = self.orchestrator.model
         if served is None or served not in get_args(type(orch).model_fields["tool_call_parser"].annotation):
-            return
+            return None
         if "tool_call_parser" in orch.model_fields_set and orch.tool_call_parser != served:
             raise ValueError(
                 f"inference.vllm.tool_call_parser={served!r} but orchestrator.model.tool_call_parser="
                 f"{orch.tool_call_parser!r}: both describe how this model writes tool calls; set one value "
                 "(under [inference.vllm] alone is enough)"
             )
-        orch.tool_call_parser = served
+        return served
 
     @property
     def run_dir(self) -> Path:

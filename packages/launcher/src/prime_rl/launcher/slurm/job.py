@@ -27,6 +27,7 @@ from prime_rl.common.config.deployment import (
     unknown_kv_connector,
 )
 from prime_rl.common.rundir import RunDir
+from prime_rl.launcher.host_facts import HostFacts
 
 
 @dataclass(frozen=True)
@@ -145,14 +146,15 @@ def _run_dir(config: BaseModel) -> RunDir:
         raise ConfigError(str(e)) from None
 
 
-def load_job(kind: str, argv: list[str]) -> SlurmJob:
-    """Resolve ``argv`` (``@ cfg.toml --key value``) into a job; raises ConfigError on bad input."""
+def load_job(kind: str, argv: list[str], host: HostFacts | None = None) -> SlurmJob:
+    """Resolve ``argv`` (``@ cfg.toml --key value``) into a job; raises ConfigError on bad input. ``host``: the
+    facts an ``rl`` job is resolved with (default: this submit host's, ``gather_slurm``)."""
     cls = component_class(kind)
     config = load_config(job_class(cls), argv)
-    if kind == "rl":
-        from prime_rl.launcher.slurm.rl_job import rl_process_configs
+    if kind == "rl":  # resolved as a local run is (`prime_rl.launcher.resolution`), with this host's facts
+        from prime_rl.launcher.slurm.rl_job import resolve_rl_job
 
-        process_configs = rl_process_configs(config)
+        config, process_configs = resolve_rl_job(config, host)
     else:
         process_configs = {KINDS[kind].component: process_config(cls, config)}
     extra: dict[str, Any] = {}
@@ -200,8 +202,11 @@ def _place_disaggregated(job: SlurmJob) -> None:
     inference = job.process_configs["inference"]
     if pd.kv_connector == "ExampleConnector" and "shared_storage_path" not in pd.kv_connector_extra_config:
         # KV moves through files: a directory every node sees (the run dir is on the shared filesystem)
+        # a new inference config, not an assignment into the validated one
         extra = {**pd.kv_connector_extra_config, "shared_storage_path": str(job.run_dir.root.resolve() / "kv_cache")}
-        inference.deployment = pd.model_copy(update={"kv_connector_extra_config": extra})
+        job.process_configs["inference"] = inference.model_copy(
+            update={"deployment": pd.model_copy(update={"kv_connector_extra_config": extra})}
+        )
     job.extra["pd"] = {
         "num_prefill": pd.num_prefill,
         "num_decode": pd.num_decode,
