@@ -3,7 +3,10 @@ packed sequences.
 
 Module names follow Hugging Face (`layers.{i}.self_attn.q_proj`, `input_layernorm`, ...) so weight
 conversion is a prefix change plus the MoE router/expert stacking. The forward returns the final
-normed hidden states, not logits: the trainer applies `lm_head` itself (fused / chunked logprobs).
+normed hidden states, not logits. What a loss needs comes from the model's own output layer
+(`lm_head`, tied to `embed_tokens` when the config says so): `token_logprobs` (per-token logprobs and
+entropy, RL) and `token_nll_sum` (SFT's summed NLL), through the fused / chunked head of `lm_head.py`,
+so no [T, V] logits tensor is materialized and nothing outside the model reads `lm_head.weight`.
 
 Swappable pieces, by attribute:
 - `layers[i].self_attn.core_attention`: the attention kernel over packed documents (CP replaces it).
@@ -21,6 +24,7 @@ from torch import nn
 
 from prime_rl.trainer.models.attention import prepare_masks
 from prime_rl.trainer.models.config import ArchConfig
+from prime_rl.trainer.models.lm_head import lm_head_logprobs_entropy, lm_head_nll_sum
 from prime_rl.trainer.models.mamba import GatedRMSNorm, Mamba2Mixer
 from prime_rl.trainer.models.mlp import MLP
 from prime_rl.trainer.models.moe import MoE
@@ -91,6 +95,36 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, seqs)
         return self.norm(x).view(batch, seq_len, -1)
+
+    def token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        seqs: PackedSeqs | None = None,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, T) ids, positions, targets -> (logprobs, entropy), each (T,) fp32, of the distribution at
+        ``temperature``; targets < 0 give logprob 0. ``chunk_size``: tokens per fused LM-head chunk (None: the
+        full [T, V] logits). ``seqs`` as in ``forward``."""
+        hidden = self(input_ids, position_ids, seqs=seqs).flatten(0, 1)  # (T, H); self(): forward hooks run (CP)
+        return lm_head_logprobs_entropy(hidden, self.lm_head.weight, targets.flatten(), temperature, chunk_size)
+
+    def token_nll_sum(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        seqs: PackedSeqs | None = None,
+        chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        """(1, T) ids, positions, targets -> one fp32 scalar, -sum of the non-ignored targets' logprobs (SFT's
+        loss) through the cross-entropy-only head: no entropy, and fused (``chunk_size`` set) three LM-head
+        matmuls instead of four, because the gradient is computed in the forward."""
+        hidden = self(input_ids, position_ids, seqs=seqs).flatten(0, 1)  # (T, H)
+        return lm_head_nll_sum(hidden, self.lm_head.weight, targets.flatten(), temperature, chunk_size)
 
     @torch.no_grad()
     def init_weights(self) -> None:
