@@ -187,3 +187,19 @@ def test_flops_count_no_weight_gradient_for_the_frozen_base(fp32_model_dir):
     apply_lora(head, LoRAConfig(rank=4, target_modules=["q_proj", "down_proj"], modules_to_save=["lm_head"]))
     vocab_hidden = config.vocab_size * config.hidden_size  # the LM head's weight gradient is computed again
     assert training_flops_per_token(head, seq) == training_flops_per_token(lora, seq) + 2 * vocab_hidden
+
+
+@pytest.mark.parametrize("saved", ["embed_tokens", "lm_head"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_flops_count_an_embedding_trained_in_full_only_where_the_lm_head_multiplies_it(tmp_path, tied, saved):
+    """Untied, the embedding is a lookup (no FLOPs) and the LM head a matmul; tied, the one matrix is both, so
+    training either name in full costs the LM head's weight gradient, counted once."""
+    model_dir = make_tiny_model(tmp_path / "tiny", dtype="float32", tie_word_embeddings=tied)
+    config, seq = load_arch_config(str(model_dir)), 256
+    lora = build_model(str(model_dir), device="meta")
+    apply_lora(lora, LoRAConfig(rank=4, target_modules=["q_proj"]))
+    saving = build_model(str(model_dir), device="meta")
+    apply_lora(saving, LoRAConfig(rank=4, target_modules=["q_proj"], modules_to_save=[saved]))
+    multiplies = tied or saved == "lm_head"
+    extra = 2 * config.vocab_size * config.hidden_size if multiplies else 0
+    assert training_flops_per_token(saving, seq) == training_flops_per_token(lora, seq) + extra

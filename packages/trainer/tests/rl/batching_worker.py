@@ -121,7 +121,8 @@ def main(policy_dir: str, reference_dir: str, out: str, budget: str, broken: boo
         if kl:  # another random model of the same shape: KL to it is far from 0
             ref = build_training_model(TrainerModelConfig(name=reference_dir, **plain), dims, mesh, world.device)
             ref.requires_grad_(False)
-        objective = RLObjective(dims, world, settings, norm, max_len, ref)
+        cp_group = mesh["cp"].get_group() if dims.cp_enabled else None  # as rl.train.build_objective
+        objective = RLObjective(dims, world, settings, norm, max_len, ref, cp_group=cp_group)
         if name == "sequence_no_cp_sum":
             objective.cp_group = None
         stats = to_host(objective.forward_backward(policy, forwards))

@@ -169,3 +169,11 @@ def test_objective_normalizations_in_closed_form(one_process_group, norm):
     assert stats["loss/mean"].item() == pytest.approx((per_token * weight).sum().item(), rel=1e-6)
     assert stats["loss/tokens"].item() == 3 and stats["loss/samples"].item() == 2
     torch.testing.assert_close(policy.logprobs.grad, (per_token * weight).float())
+
+
+def test_objective_with_cp_refuses_to_run_without_the_cp_group():
+    """Without the cp group GSPO's ratios of samples cut by a cp slice would silently be per slice."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, world_size=2, cp=2)
+    world = World(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r'cp=2 needs the cp group.*mesh\["cp"\]'):
+        RLObjective(dims, world, LossSettings("sequence"))

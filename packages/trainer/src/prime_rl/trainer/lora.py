@@ -249,11 +249,12 @@ def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
     if not lora_enabled(inner):
         return flops
     adapters = sum(m.lora_A.numel() + m.lora_B.numel() for m in lora_modules(inner).values())
-    # weights trained in full that a token multiplies (the embedding is a lookup; a tied LM head multiplies)
+    # weights trained in full that a token multiplies: the embedding is a lookup, unless it is tied, when the
+    # LM head multiplies it (`named_parameters` lists the tied matrix once, as `embed_tokens.weight`)
     full = sum(p.numel() for n, p in inner.named_parameters() if p.requires_grad and not is_lora_param(n))
-    full -= inner.embed_tokens.weight.numel() if inner.embed_tokens.weight.requires_grad else 0
-    if inner.lm_head.weight.requires_grad and inner.config.tie_word_embeddings:
-        full += inner.lm_head.weight.numel()
+    embedding = inner.embed_tokens.weight
+    if embedding.requires_grad and not inner.config.tie_word_embeddings:
+        full -= embedding.numel()
     return flops - 2 * num_active_params(inner.config) + 2 * full + 6 * adapters
 
 

@@ -1,9 +1,10 @@
-"""The trainable module: a model plus its LM head turned into per-token logprobs.
+"""The trainable module: the FSDP root around a model, whose forward is one micro-batch's loss inputs.
 
-`CausalLM.forward` runs the whole micro-batch (transformer + LM head + log-softmax) so that FSDP's
-root unit, which owns the embedding and the (possibly tied) LM head, holds them gathered for the
-entire forward: the fused kernel reads the unsharded bf16 weight and its gradient flows back into
-FSDP's reduce-scatter like any other.
+`CausalLM.forward` runs the whole micro-batch (transformer + LM head + log-softmax, all the model's own:
+`Transformer.token_logprobs` / `token_nll_sum`) inside the root's forward, so that FSDP's root unit, which
+owns the embedding and the (possibly tied) LM head, holds them gathered for the entire forward: the fused
+kernel reads the unsharded bf16 weight and its gradient flows back into FSDP's reduce-scatter like any
+other. What stays here is the run's choice of LM-head chunk (`model.fused_lm_head_token_chunk_size`).
 
 `build_training_model` does the heavy work in a fixed order: build on meta -> parallelize (compile,
 FSDP) -> allocate the local shards -> load the Hugging Face weights (each rank reads the safetensors
@@ -16,7 +17,6 @@ import torch
 from torch import nn
 
 from prime_rl.common.config.trainer import TrainerModelConfig
-from prime_rl.kernels import fused_logprobs_entropy, fused_nll_sum, vanilla_logprobs_entropy
 from prime_rl.trainer.lora import apply_lora, init_lora_weights, is_lora_param
 from prime_rl.trainer.memory_plan import require_resolved
 from prime_rl.trainer.models import PackedSeqs, build_model, load_hf_weights
@@ -49,16 +49,8 @@ class CausalLM(nn.Module):
         ``nll_sum=True`` returns one fp32 scalar instead, -sum of the non-ignored targets' logprobs (SFT's
         loss), through the cross-entropy-only head ``fused_nll_sum``: no entropy, and three LM-head
         matmuls instead of four because the gradient is computed in the forward."""
-        hidden = self.model(input_ids, position_ids, seqs=seqs).flatten(0, 1)  # (T, H)
-        weight = self.model.lm_head.weight  # (V, H), gathered by the root FSDP unit
-        targets = targets.flatten()  # (T,)
-        if nll_sum:
-            if self.chunk_size is None:
-                return -vanilla_logprobs_entropy(hidden, weight, targets, temperature)[0].sum()
-            return fused_nll_sum(hidden, weight, targets, temperature=temperature)
-        if self.chunk_size is None:
-            return vanilla_logprobs_entropy(hidden, weight, targets, temperature)
-        return fused_logprobs_entropy(hidden, weight, targets, temperature=temperature, chunk_size=self.chunk_size)
+        head = self.model.token_nll_sum if nll_sum else self.model.token_logprobs
+        return head(input_ids, position_ids, targets, temperature, seqs=seqs, chunk_size=self.chunk_size)
 
 
 def build_training_model(

@@ -2,7 +2,9 @@
 
 model = build_model(model_dir, attn="auto", dtype=torch.bfloat16, device="meta")
 hidden = model(input_ids, position_ids)  # (1, T) -> (1, T, H), final-normed, no LM head
-logits = model.lm_head(hidden)
+logits = model.lm_head(hidden)  # (1, T, V): what the parity tests compare with Hugging Face
+logprobs, entropy = model.token_logprobs(input_ids, position_ids, targets, chunk_size=8192)  # (T,) each
+nll = model.token_nll_sum(input_ids, position_ids, targets, chunk_size=8192)  # SFT's loss, a scalar
 """
 
 from prime_rl.trainer.models.attention import ATTN_CHOICES, resolve_attn

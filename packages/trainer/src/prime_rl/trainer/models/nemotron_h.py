@@ -22,27 +22,15 @@ from torch import nn
 from prime_rl.trainer.models.config import ArchConfig
 from prime_rl.trainer.models.mamba import Mamba2Mixer
 from prime_rl.trainer.models.moe import Router, permute_tokens, unpermute_tokens
+from prime_rl.trainer.models.norm import NemotronHRMSNorm
 from prime_rl.trainer.models.packing import PackedSeqs
+from prime_rl.trainer.models.self_attention import Attention
 
 try:  # resolved at import, as in prime_rl.kernels.grouped_gemm
     from prime_rl.kernels.grouped_gemm import triton_grouped_available
     from prime_rl.kernels.grouped_gemm.op import grouped_mm, tile_map
 except ImportError:  # no triton: the per-expert loop is the only path
     grouped_mm = tile_map = None
-
-
-class NemotronHRMSNorm(nn.Module):
-    """RMSNorm that scales in fp32 and casts last (HF NemotronHRMSNorm; Llama's casts before scaling)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x32).to(x.dtype)
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -128,8 +116,6 @@ class NemotronHBlock(nn.Module):
 
     def __init__(self, config: ArchConfig, layer_idx: int, attn: str, sdpa_fallback: bool):
         super().__init__()
-        from prime_rl.trainer.models.transformer import Attention  # transformer.py builds this block
-
         self.layer_idx = layer_idx
         self.block_type = config.layer_types[layer_idx]
         self.norm = NemotronHRMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -3,7 +3,10 @@ packed sequences.
 
 Module names follow Hugging Face (`layers.{i}.self_attn.q_proj`, `input_layernorm`, ...) so weight
 conversion is a prefix change plus the MoE router/expert stacking. The forward returns the final
-normed hidden states, not logits: the trainer applies `lm_head` itself (fused / chunked logprobs).
+normed hidden states, not logits. What a loss needs comes from the model's own output layer
+(`lm_head`, tied to `embed_tokens` when the config says so): `token_logprobs` (per-token logprobs and
+entropy, RL) and `token_nll_sum` (SFT's summed NLL), through the fused / chunked head of `lm_head.py`,
+so no [T, V] logits tensor is materialized and nothing outside the model reads `lm_head.weight`.
 
 Swappable pieces, by attribute:
 - `layers[i].self_attn.core_attention`: the attention kernel over packed documents (CP replaces it).
@@ -19,60 +22,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prime_rl.trainer.models.attention import build_core_attention, prepare_masks
+from prime_rl.trainer.models.attention import prepare_masks
 from prime_rl.trainer.models.config import ArchConfig
+from prime_rl.trainer.models.lm_head import lm_head_logprobs_entropy, lm_head_nll_sum
 from prime_rl.trainer.models.mamba import GatedRMSNorm, Mamba2Mixer
 from prime_rl.trainer.models.mlp import MLP
 from prime_rl.trainer.models.moe import MoE
-from prime_rl.trainer.models.nemotron_h import NemotronHBlock, NemotronHMoE, NemotronHRMSNorm
+from prime_rl.trainer.models.nemotron_h import NemotronHBlock, NemotronHMoE
+from prime_rl.trainer.models.norm import NemotronHRMSNorm, RMSNorm
 from prime_rl.trainer.models.packing import PackedSeqs
-from prime_rl.trainer.models.rope import RotaryEmbedding, apply_rotary
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32, cast back, then scale: the exact HF order, so bf16 outputs agree.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ArchConfig, attn: str, sdpa_fallback: bool):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        o_bias = bias if config.o_proj_bias is None else config.o_proj_bias
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.core_attention = build_core_attention(attn, sdpa_fallback)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, seqs: PackedSeqs
-    ) -> torch.Tensor:
-        """x (T, H) -> (T, H); cos / sin None: no RoPE (Nemotron-H)."""
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if cos is not None:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core_attention(q, k, v, seqs)  # (T, Hq, D)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+from prime_rl.trainer.models.rope import RotaryEmbedding
+from prime_rl.trainer.models.self_attention import Attention
 
 
 class TransformerBlock(nn.Module):
@@ -135,6 +95,36 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, seqs)
         return self.norm(x).view(batch, seq_len, -1)
+
+    def token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        seqs: PackedSeqs | None = None,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, T) ids, positions, targets -> (logprobs, entropy), each (T,) fp32, of the distribution at
+        ``temperature``; targets < 0 give logprob 0. ``chunk_size``: tokens per fused LM-head chunk (None: the
+        full [T, V] logits). ``seqs`` as in ``forward``."""
+        hidden = self(input_ids, position_ids, seqs=seqs).flatten(0, 1)  # (T, H); self(): forward hooks run (CP)
+        return lm_head_logprobs_entropy(hidden, self.lm_head.weight, targets.flatten(), temperature, chunk_size)
+
+    def token_nll_sum(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        seqs: PackedSeqs | None = None,
+        chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        """(1, T) ids, positions, targets -> one fp32 scalar, -sum of the non-ignored targets' logprobs (SFT's
+        loss) through the cross-entropy-only head: no entropy, and fused (``chunk_size`` set) three LM-head
+        matmuls instead of four, because the gradient is computed in the forward."""
+        hidden = self(input_ids, position_ids, seqs=seqs).flatten(0, 1)  # (T, H)
+        return lm_head_nll_sum(hidden, self.lm_head.weight, targets.flatten(), temperature, chunk_size)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -56,7 +56,8 @@ class RLObjective:
 
     ``norm`` sets the normalization ("token", "sequence", "constant" with ``max_len``); ``ref_model``,
     a frozen copy of the initial policy, supplies the reference logprobs of the KL term (one extra
-    forward per micro-batch, no backward).
+    forward per micro-batch, no backward). ``cp_group``: the ranks sharing a sequence (the world mesh's
+    ``mesh["cp"]``), over which the sequence ratio sums its per-sample log-ratios; required when cp > 1.
     """
 
     def __init__(
@@ -68,16 +69,18 @@ class RLObjective:
         max_len: int | None = None,
         ref_model: CausalLM | None = None,
         router_replay: bool = False,
+        cp_group: dist.ProcessGroup | None = None,
     ):
+        if dims.cp_enabled and cp_group is None:
+            raise ValueError(
+                f"RLObjective with cp={dims.cp} needs the cp group, over which GSPO's per-sample log-ratios are "
+                'summed; pass cp_group=mesh["cp"].get_group() (mesh = dims.build_mesh(...)), as build_objective does'
+            )
         self.dims, self.world, self.settings = dims, world, settings
         self.router_replay = router_replay
         """Route by the experts inference reported (rows' ``routed_experts``); False: only measure the mismatch."""
         self.norm, self.max_len, self.ref_model = norm, max_len, ref_model
-        # the sequence ratio sums per-sample log-ratios over the CP ranks of a sequence (created on every rank)
-        self.cp_group = None
-        if dims.cp_enabled and dist.is_initialized():
-            groups = [list(range(d * dims.cp, (d + 1) * dims.cp)) for d in range(world.world_size // dims.cp)]
-            self.cp_group, _ = dist.new_subgroups_by_enumeration(groups)
+        self.cp_group = cp_group
 
     def forward_backward(
         self, model: CausalLM, batches: list[RLMicroBatch], before_last: Callable[[], None] | None = None
@@ -216,7 +219,8 @@ def build_objective(
         else:  # same layout as the policy (FSDP-sharded, so + 4 bytes/param / dp ranks), never stepped
             ref_model = build_training_model(model_cfg, dims, mesh, world.device).requires_grad_(False)
         logger.info(f"KL control: {loss.kl.estimator} x {loss.kl.coef} against a frozen copy of {model_cfg.name}")
-    return RLObjective(dims, world, settings, loss.norm, loss.max_len, ref_model, model_cfg.moe.router_replay)
+    cp_group = mesh["cp"].get_group() if dims.cp_enabled else None  # the cp ranks of one sequence
+    return RLObjective(dims, world, settings, loss.norm, loss.max_len, ref_model, model_cfg.moe.router_replay, cp_group)
 
 
 def apply_env_vars(env_vars: dict[str, str]) -> None:
