@@ -36,6 +36,7 @@ from typing import Any
 from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.rundir import BROADCAST_MARKER
 from prime_rl.common.transport import ControlServer
+from prime_rl.common.weight_transports import refuse_version
 from prime_rl.common.wire import (
     AwaitWeightsRequest,
     BroadcastWeightsRequest,
@@ -286,6 +287,8 @@ class Controller:
     async def _broadcast(self, request: BroadcastWeightsRequest) -> ControlReply:
         if request.version in self._broadcasts:
             return self._reply(False, f"a broadcast of version {request.version} is already in progress")
+        if (refusal := refuse_version("nccl", request.version, self.weight_version)) is not None:
+            return self._reply(False, refusal)
         source = f"broadcast of version {request.version}"
         names = self.manifest.check_transfer(
             request.specs, request.buckets, request.offsets, request.bucket_sizes, source
@@ -375,12 +378,8 @@ class Controller:
     async def _nixl(self, request: NixlWeightsRequest) -> ControlReply:
         if request.version in self._broadcasts:
             return self._reply(False, f"an update to version {request.version} is already in progress")
-        if request.version <= self.weight_version:
-            return self._reply(
-                False,
-                f"refused NIXL update to version {request.version}: version {self.weight_version} is served and "
-                "versions must increase",
-            )
+        if (refusal := refuse_version("nixl", request.version, self.weight_version)) is not None:
+            return self._reply(False, refusal)
         await self._lock.acquire()  # released when the receive task ends
         self._restore_path = None  # NIXL keeps its own rollback copy; nothing on disk holds these weights
 

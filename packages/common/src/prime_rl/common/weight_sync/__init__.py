@@ -10,7 +10,9 @@ lives here, below both; the ends themselves do not:
   torch-free arithmetic and notifications are ``prime_rl.common.nixl_layout``, the metadata service
   ``prime_rl.common.nixl_metadata``);
 - torch-free, beside this package: ``prime_rl.common.weight_layout``, the alignment, the one packer of
-  broadcast buckets and NIXL groups, and torch dtype names (inference's API process checks layouts with it).
+  broadcast buckets and NIXL groups, and torch dtype names (inference's API process checks layouts with it);
+  ``prime_rl.common.weight_transports``, the table of each transport's lifecycle (who serves, who announces,
+  who loads, its control requests and version rule).
 
 Importing this package imports torch; nothing in the rest of ``prime_rl.common`` imports it (checked by
 tests/test_boundaries.py), so the orchestrator and launcher stay torch-free.

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, NCCLBroadcastConfig, NixlBroadcastConfig
 from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
+from prime_rl.common.weight_transports import TRANSPORTS
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
 from prime_rl.trainer.models.config import load_arch_config
@@ -198,7 +199,8 @@ class BroadcastPublisher(Publisher):
         if world.is_main:
             from prime_rl.trainer.weights.broadcast_sender import WeightBroadcaster
 
-            if not cfg.inference_addresses:
+            # The trainer drives the servers' loading (the lifecycle table), so it must know every server.
+            if TRANSPORTS[cfg.type].loads == "trainer" and not cfg.inference_addresses:
                 raise ValueError(
                     "weight_broadcast.type='nccl' needs weight_broadcast.inference_addresses (the inference "
                     "servers' control endpoints, tcp://host:port)"

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from prime_rl.common.config.rl_trainer import NixlBroadcastConfig
 from prime_rl.common.rundir import RunDir
+from prime_rl.common.weight_transports import TRANSPORTS
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
 from prime_rl.trainer.rl.publish_base import Publisher
@@ -29,7 +30,8 @@ class NixlPublisher(Publisher):
     def __init__(self, cfg: NixlBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
         super().__init__(cfg, model, world, "nixl weight update")
         self.run_dir = run_dir
-        if world.is_main and not cfg.inference_addresses:
+        # The trainer drives the servers' loading (the lifecycle table), so it must know every server.
+        if world.is_main and TRANSPORTS[cfg.type].loads == "trainer" and not cfg.inference_addresses:
             raise ValueError(
                 "weight_broadcast.type='nixl' needs weight_broadcast.inference_addresses (the inference servers' "
                 "control endpoints, tcp://host:port)"
