@@ -49,10 +49,10 @@ def bench_tiny(iters: int = ITERS) -> dict:
 
     from prime_rl.common.testing import make_tiny_model
     from prime_rl.common.transport import ControlClient
-    from prime_rl.common.weight_sync.broadcast import WeightBroadcaster
-    from prime_rl.common.weight_sync.nixl_source import NixlWeightSender
     from prime_rl.common.wire import LoadWeightsRequest
     from prime_rl.inference.testing import start_server, stop_server
+    from prime_rl.trainer.weights.broadcast_sender import WeightBroadcaster
+    from prime_rl.trainer.weights.nixl_source import NixlWeightSender
 
     tmp = Path(tempfile.mkdtemp(prefix="nixl-bench-"))
     model = make_tiny_model(tmp / "tiny", dtype="float32", tie_word_embeddings=True)
@@ -130,8 +130,8 @@ def checksum(tensors) -> float:
 
 
 def _nixl_sender(port: int, session: str, overlap: bool, versions: list[int], linked, out) -> None:
-    from prime_rl.common.weight_sync.nixl_source import NixlWeightSender
     from prime_rl.common.wire import TensorSpec
+    from prime_rl.trainer.weights.nixl_source import NixlWeightSender
 
     sd = synthetic_state(0)
     sender = NixlWeightSender(
@@ -160,7 +160,7 @@ def _nixl_sender(port: int, session: str, overlap: bool, versions: list[int], li
 
 def _nixl_receiver(port: int, session: str, versions: list[int], registered, out) -> None:
     from prime_rl.common.nixl_metadata import MetadataClient
-    from prime_rl.common.weight_sync.nixl_receiver import NixlReceiver
+    from prime_rl.inference.weights.nixl_receiver import NixlReceiver
 
     client = MetadataClient("127.0.0.1", port)
     receiver = NixlReceiver(client, session, 0, device=torch.device("cpu"), keep_rollback_copy=False, timeout_s=300)
@@ -208,13 +208,9 @@ def bench_nixl_synthetic(overlap: bool, iters: int) -> dict:
 
 
 def _gloo_rank(rank: int, port: int, iters: int, out) -> None:
-    from prime_rl.common.weight_sync.broadcast import (
-        Spec,
-        build_weight_group,
-        plan_buckets,
-        receive_buckets,
-        send_buckets,
-    )
+    from prime_rl.common.weight_sync.broadcast import Spec, build_weight_group, plan_buckets
+    from prime_rl.inference.weights.broadcast_receiver import receive_buckets
+    from prime_rl.trainer.weights.broadcast_sender import send_buckets
 
     group = build_weight_group("127.0.0.1", port, rank, 2, "gloo", 300)
     sd = synthetic_state(0)

@@ -24,13 +24,9 @@ for pkg in ("common", "trainer", "inference"):
 import torch  # noqa: E402
 
 from prime_rl.common.net import free_port  # noqa: E402
-from prime_rl.common.weight_sync.broadcast import (  # noqa: E402
-    Spec,
-    build_weight_group,
-    plan_buckets,
-    receive_buckets,
-    send_buckets,
-)
+from prime_rl.common.weight_sync.broadcast import Spec, build_weight_group, plan_buckets  # noqa: E402
+from prime_rl.inference.weights.broadcast_receiver import receive_buckets  # noqa: E402
+from prime_rl.trainer.weights.broadcast_sender import send_buckets  # noqa: E402
 
 # -- gpu ------------------------------------------------------------------------------------------
 
@@ -176,9 +172,9 @@ def bench_cpu(iters: int = 5) -> dict:
 
     from prime_rl.common.testing import make_tiny_model
     from prime_rl.common.transport import ControlClient
-    from prime_rl.common.weight_sync.broadcast import WeightBroadcaster
     from prime_rl.common.wire import LoadWeightsRequest
     from prime_rl.inference.testing import start_server, stop_server
+    from prime_rl.trainer.weights.broadcast_sender import WeightBroadcaster
 
     tmp = Path(tempfile.mkdtemp(prefix="wt-bench-"))
     model = make_tiny_model(tmp / "tiny", dtype="float32", tie_word_embeddings=True)

@@ -15,7 +15,7 @@ from prime_rl.common.testing import make_tiny_model
 from prime_rl.inference.testing import Server, start_server, stop_server
 
 # prime-rl-inference without its cpu/gpu extra (scripts/check_packages.sh): only the engine-free tests.
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["test_server.py", "test_server_nixl.py", "test_router.py"]
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["test_server.py", "test_router.py"]
 
 
 @pytest.fixture(scope="session")

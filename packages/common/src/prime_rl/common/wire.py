@@ -488,7 +488,7 @@ class NixlWeightsRequest(Message):
 
 
 class WeightsPublished(Message):
-    """The trainer announces a new, complete policy version (``prime_rl.common.weight_sync.announce``).
+    """The trainer announces a new, complete policy version (``prime_rl.trainer.weights.announce``).
 
     Sent once per version, only when it is whole: with the filesystem transport after the directory
     was written and atomically renamed into place (``path`` names it; the orchestrator has inference

@@ -1,7 +1,9 @@
 """The control plane: wire requests (pause, resume, load, broadcast, health) turned into engine calls.
 
 A ``ControlServer`` (ZeroMQ REP, ``prime_rl.common.transport``) runs in a thread and hands each request
-to ``Controller.handle`` on the server's event loop, where the ``AsyncLLM`` lives. Every weight update:
+to ``Controller.handle`` on the server's event loop, where the ``AsyncLLM`` lives. The controller holds the
+server's state (served version, update lock, failure, client pause) and dispatches; pause, resume and health
+are answered here, weight updates in ``prime_rl.inference.weights``. Every weight update:
 
 1. is validated in this process against the served model's manifest (names, shapes, dtypes) -- a bad
    update is refused before any worker sees it and the old weights keep serving;
@@ -12,6 +14,10 @@ to ``Controller.handle`` on the server's event loop, where the ``AsyncLLM`` live
 5. sets the engine's weight version, which vLLM attaches to every token it generates from then on
    (``weight_versions`` spans in ``/inference/v1/generate`` responses);
 6. resumes generation if step 2 paused it.
+
+Steps 2-6 are ``weights.apply.apply_update``; step 1 and the rest of a transport's requests are
+``weights.load`` (filesystem: ``LoadWeightsRequest``) and ``weights.push`` (nccl, nixl), per the table of
+``prime_rl.common.weight_transports``.
 
 Before step 2 a filesystem update is read in full in a thread (``weights.verify``: sizes, the trainer's
 per-tensor checksums, finite values) while the old weights keep serving. If the workers still fail to
@@ -29,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -50,23 +55,13 @@ from prime_rl.common.wire import (
     PauseRequest,
     ResumeRequest,
 )
-from prime_rl.inference.lora import is_adapter_dir, load_adapter
-from prime_rl.inference.weights.manifest import (
-    STILL_SERVED,
-    Manifest,
-    WeightUpdateError,
-    check_checkpoint_dir,
-)
-from prime_rl.inference.weights.verify import verify_weights_dir
+from prime_rl.inference.weights import push
+from prime_rl.inference.weights.load import load_checkpoint
+from prime_rl.inference.weights.manifest import Manifest, WeightUpdateError
 
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
-
-
-class RestoreFailed(RuntimeError):
-    def __init__(self, path: str, error: Exception) -> None:
-        super().__init__(f"restoring the previous weights from {path} failed too ({type(error).__name__}: {error})")
 
 
 class Controller:
@@ -130,18 +125,20 @@ class Controller:
                 return await self._pause(request, origin)
             if isinstance(request, ResumeRequest):
                 return await self._resume()
+            # Weight updates: the filesystem transport's load (weights.load), the push transports' requests
+            # (weights.push); which transport sends which is the table in prime_rl.common.weight_transports.
             if isinstance(request, LoadWeightsRequest):
-                return await self._load(request)
+                return await load_checkpoint(self, request)
             if isinstance(request, InitBroadcastRequest):
-                return await self._init_broadcast(request)
+                return await push.init_broadcast(self, request)
             if isinstance(request, BroadcastWeightsRequest):
-                return await self._broadcast(request)
+                return await push.begin_broadcast(self, request)
             if isinstance(request, AwaitWeightsRequest):
-                return await self._await_broadcast(request)
+                return await push.await_update(self, request)
             if isinstance(request, InitNixlRequest):
-                return await self._init_nixl(request)
+                return await push.init_nixl(self, request)
             if isinstance(request, NixlWeightsRequest):
-                return await self._nixl(request)
+                return await push.begin_nixl(self, request)
         except WeightUpdateError as e:  # refused before any worker saw it: the served weights are untouched
             error = f"{e}; the update is refused and version {self.weight_version} serves on"
             logger.error("%s", error)
@@ -189,213 +186,6 @@ class Controller:
             boot_id=self.boot_id,
             error="the engine has errored" if errored else self.failure,
         )
-
-    # -- weight updates ------------------------------------------------------------------------
-
-    async def _apply(self, version: int, method: str, *args: Any, restore_path: str | None = None) -> list[dict]:
-        """Pause if needed, run ``method`` in every worker, invalidate caches, tag the version, resume.
-
-        If ``method`` fails and ``restore_path`` is set, the weights there are reloaded before generation
-        resumes (a half-loaded model never serves a request), then the original error is raised.
-        """
-        paused_here = not self._client_paused
-        if paused_here:
-            await self.engine.pause_generation(mode=self.pause_mode)
-        try:
-            try:
-                results = await self.engine.collective_rpc(method, args=args)
-            except Exception as e:
-                if restore_path is None:
-                    raise
-                logger.error("%s failed (%s: %s); restoring %s", method, type(e).__name__, e, restore_path)
-                try:
-                    await self.engine.collective_rpc("prime_load_checkpoint", args=(restore_path,))
-                except Exception as restore_error:
-                    raise RestoreFailed(restore_path, restore_error) from e
-                await self.engine.reset_prefix_cache(reset_running_requests=True)
-                raise
-            # Preempt running requests too: their KV was computed with the old weights.
-            await self.engine.reset_prefix_cache(reset_running_requests=True)
-            await self.label_version(version)
-            self.weight_version = version
-        finally:
-            if paused_here:
-                await self.engine.resume_generation()
-        return results
-
-    async def _load(self, request: LoadWeightsRequest) -> ControlReply:
-        if is_adapter_dir(request.path):  # a LoRA adapter: loaded by name over the base (prime_rl.inference.lora)
-            return await load_adapter(self, request)
-        specs = check_checkpoint_dir(request.path, self.marker)
-        self.manifest.check(specs, source=request.path)
-        start = time.perf_counter()
-        if self.verify_data:
-            # Off the event loop: serving continues while every byte is read.
-            report = await asyncio.to_thread(verify_weights_dir, request.path)
-            logger.info("verified %s: %s", request.path, report)
-        verified = time.perf_counter()
-        async with self._lock:
-            try:
-                results = await self._apply(
-                    request.version, "prime_load_checkpoint", str(request.path), restore_path=self._restore_path
-                )
-            except Exception as e:
-                return self._load_failed(request, e)
-        self._restore_path = str(request.path)
-        self.failure = ""
-        # benchmarks/rl_system.py reads these two durations (verify: serving goes on; load: paused)
-        logger.info(
-            "loaded weights version %d from %s: verify %.3f s, load %.3f s: %s",
-            request.version, request.path, verified - start, time.perf_counter() - verified, results,
-        )  # fmt: skip
-        return self._reply(True)
-
-    def _load_failed(self, request: LoadWeightsRequest, error: Exception) -> ControlReply:
-        """Reply to a load the workers failed; health stays failed unless the previous weights came back."""
-        cause = error.__cause__ if isinstance(error, RestoreFailed) else error
-        what = f"loading weights version {request.version} from {request.path} failed ({type(cause).__name__}: {cause})"
-        if isinstance(error, RestoreFailed):
-            self.failure = f"{what}; {error}"
-        elif self._restore_path is None:
-            self.failure = f"{what}; no previous weights on disk to restore, the served weights may be partial"
-        else:
-            logger.warning("restored weights version %d from %s", self.weight_version, self._restore_path)
-            return self._reply(False, f"{what}; version {self.weight_version} from {self._restore_path} serves again")
-        logger.error("%s", self.failure)
-        return self._reply(False, self.failure)
-
-    async def _init_broadcast(self, request: InitBroadcastRequest) -> ControlReply:
-        if request.backend not in ("gloo", "nccl"):
-            return self._reply(False, f"backend {request.backend!r} is not supported; use 'nccl' (GPU) or 'gloo' (CPU)")
-        async with self._lock:
-            results = await self.engine.collective_rpc(
-                "prime_init_broadcast",
-                args=(
-                    request.host,
-                    request.port,
-                    request.world_size,
-                    request.rank_offset,
-                    request.backend,
-                    self.broadcast_timeout_s,
-                    request.keep_rollback_copy,
-                ),
-            )
-        logger.info("joined weight-broadcast group at %s:%d as %s", request.host, request.port, results)
-        return self._reply(True)
-
-    async def _broadcast(self, request: BroadcastWeightsRequest) -> ControlReply:
-        if request.version in self._broadcasts:
-            return self._reply(False, f"a broadcast of version {request.version} is already in progress")
-        source = f"broadcast of version {request.version}"
-        names = self.manifest.check_transfer(
-            request.specs, request.buckets, request.offsets, request.bucket_sizes, source
-        )
-        await self._lock.acquire()  # released when the receive task ends
-        # A worker without a copy of the previous broadcast (the first one, or keep_rollback_copy = false)
-        # leaves a failed update partial; the weights on disk that serve now (if any) are then reloaded.
-        restore, served = self._restore_path, self.weight_version
-
-        async def receive() -> list[dict]:
-            try:
-                results = await self._apply(
-                    request.version,
-                    "prime_receive_broadcast",
-                    names,
-                    [s.dtype for s in request.specs],
-                    [list(s.shape) for s in request.specs],
-                    request.buckets,
-                    request.offsets,
-                    request.bucket_sizes,
-                    request.version,
-                    served,
-                    restore_path=restore,
-                )
-            except RestoreFailed as e:
-                raise WeightUpdateError(f"broadcast of version {request.version} failed ({e.__cause__}); {e}") from e
-            except Exception as e:
-                what = f"broadcast of version {request.version} failed: {e}"
-                if restore is not None and STILL_SERVED not in str(e):
-                    what += f"; version {served} from {restore} {STILL_SERVED}"
-                raise WeightUpdateError(what) from e
-            finally:
-                self._lock.release()
-            self._restore_path = None  # broadcast weights exist nowhere on disk (the workers keep a copy)
-            return results
-
-        self._broadcasts[request.version] = asyncio.create_task(receive())
-        # Give the collective_rpc a moment to reach the workers before the trainer starts sending;
-        # not needed for correctness (the collective waits for both sides), it keeps the logs in order.
-        await asyncio.sleep(0)
-        return self._reply(True)
-
-    async def _await_broadcast(self, request: AwaitWeightsRequest) -> ControlReply:
-        task = self._broadcasts.pop(request.version, None)
-        if task is None:
-            return self._reply(False, f"no broadcast of version {request.version} was started on this server")
-        try:
-            results = await task
-        except WeightUpdateError as e:  # already says what happened to the served weights
-            logger.error("update to version %d failed: %s", request.version, e)
-            # Health fails only when what serves is not a version the server can name (partial weights).
-            self.failure = "" if STILL_SERVED in str(e) else str(e)
-            return self._reply(False, str(e))
-        except Exception as e:
-            logger.exception("update to version %d failed", request.version)
-            self.failure = (
-                f"update to version {request.version} failed in the workers: {type(e).__name__}: {e}; "
-                "the weights may be partially updated, send a full update again"
-            )
-            return self._reply(False, self.failure)
-        self.failure = ""
-        logger.info("received weights version %d by broadcast: %s", request.version, results)
-        return self._reply(True)
-
-    # -- nixl ------------------------------------------------------------------------------------
-
-    async def _init_nixl(self, request: InitNixlRequest) -> ControlReply:
-        from prime_rl.inference.weights.nixl_control import check_nixl_layout
-
-        # Validate the session's layout here, before any worker allocates or registers anything.
-        await asyncio.to_thread(check_nixl_layout, self.manifest, request)
-        async with self._lock:
-            results = await self.engine.collective_rpc(
-                "prime_init_nixl",
-                args=(
-                    request.host,
-                    request.port,
-                    request.session,
-                    request.rank_offset,
-                    request.keep_rollback_copy,
-                    request.timeout_s,
-                ),
-            )
-        logger.info("NIXL receivers ready for session %s: %s", request.session, results)
-        return self._reply(True)
-
-    async def _nixl(self, request: NixlWeightsRequest) -> ControlReply:
-        if request.version in self._broadcasts:
-            return self._reply(False, f"an update to version {request.version} is already in progress")
-        if request.version <= self.weight_version:
-            return self._reply(
-                False,
-                f"refused NIXL update to version {request.version}: version {self.weight_version} is served and "
-                "versions must increase",
-            )
-        await self._lock.acquire()  # released when the receive task ends
-        self._restore_path = None  # NIXL keeps its own rollback copy; nothing on disk holds these weights
-
-        async def receive() -> list[dict]:
-            try:
-                return await self._apply(request.version, "prime_receive_nixl", request.version)
-            except Exception as e:
-                # The worker's message says whether the old weights are still served (or rolled back).
-                raise WeightUpdateError(f"NIXL update to version {request.version} failed: {e}") from e
-            finally:
-                self._lock.release()
-
-        self._broadcasts[request.version] = asyncio.create_task(receive())
-        await asyncio.sleep(0)
-        return self._reply(True)
 
 
 async def beat_forever(

@@ -1,7 +1,9 @@
-"""The broadcast weight transport, both ends: one trainer rank pushes a state dict into inference workers.
+"""The broadcast weight transport's protocol: the group both ends build and the bucket layout.
 
-Protocol (the inference server's side of the control requests is ``prime_rl.inference.control``; its
-workers call ``receive_batches`` from ``prime_rl.inference.worker.extension``):
+The sending end is ``prime_rl.trainer.weights.broadcast_sender`` (``WeightBroadcaster``, ``send_buckets``),
+the receiving end ``prime_rl.inference.weights.broadcast_receiver`` (``receive_batches``, called by the vLLM
+workers through ``prime_rl.inference.worker``; the server's side of the control requests is
+``prime_rl.inference.control``). What both must agree on lives here:
 
 1. Group. The trainer's sending rank is rank 0 of a fresh process group (gloo on CPU, NCCL on GPU) built
    from a TCP store it hosts at ``host:port``; inference server ``s`` joins with ``InitBroadcastRequest``
@@ -14,23 +16,18 @@ workers call ``receive_batches`` from ``prime_rl.inference.worker.extension``):
    (bucket id, byte offset per tensor, bucket sizes) travels in ``BroadcastWeightsRequest`` with each
    tensor's HF name, dtype (torch name: "bfloat16", "float32", ...) and shape, so the receiver never
    re-derives it. Dtypes must equal the served model's dtype and names/shapes its HF checkpoint: the
-   server refuses anything else before any data moves.
+   server refuses anything else before any data moves. ``pack_bucket`` / ``unpack_bucket`` are the two
+   directions of that byte placement.
 3. Round. ``BroadcastWeightsRequest`` to every server (answered after validation, once the workers
    wait) -> broadcast bucket 0, 1, ... from rank 0 as flat uint8 tensors -> ``AwaitWeightsRequest`` to
-   every server (answered when the weights are loaded and the version is live). ``WeightBroadcaster``
-   exposes the three phases (``begin`` / ``send`` / ``finish``) so a publisher can leave the last one,
-   which waits for the engines' reload, to a background thread.
+   every server (answered when the weights are loaded and the version is live).
 
-Packing bucket ``i + 1`` overlaps the broadcast of bucket ``i`` on GPU (NCCL runs on its own stream);
-at most two buckets are in flight, so the extra memory is two buckets.
-
-Depends on torch and ``prime_rl.common`` only: no vLLM, no trainer code.
+Depends on torch and ``prime_rl.common`` only: no vLLM, no trainer or inference code.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -39,16 +36,10 @@ import torch.distributed as dist
 
 from prime_rl.common.weight_layout import ALIGNMENT as BUCKET_ALIGNMENT
 from prime_rl.common.weight_layout import dtype_name, pack_aligned
-from prime_rl.common.weight_sync.servers import InferenceServers
-from prime_rl.common.wire import AwaitWeightsRequest, BroadcastWeightsRequest, InitBroadcastRequest, TensorSpec
 
 STORE_PREFIX = "prime_rl/weight_broadcast"
 """Keys in the TCP store are namespaced so the store could be shared with other rendezvous users."""
 DEFAULT_BUCKET_BYTES = 256 << 20  # best of 64 MiB / 256 MiB / 1 GiB on 2 H200 (benchmarks/results/weight_transfer.md)
-
-
-class WeightBroadcastError(RuntimeError):
-    """An inference server refused or failed a broadcast step."""
 
 
 # -- the group -----------------------------------------------------------------------------------
@@ -166,141 +157,3 @@ def unpack_bucket(layout: BucketLayout, bucket: int, buffer: torch.Tensor) -> li
         off = layout.offsets[i]
         out.append((spec.name, buffer[off : off + spec.num_bytes].view(getattr(torch, spec.dtype)).view(spec.shape)))
     return out
-
-
-def send_buckets(
-    group: WeightGroup, layout: BucketLayout, tensors: Sequence[torch.Tensor], max_in_flight: int = 2
-) -> None:
-    """Broadcast every bucket from rank 0, packing the next while the previous ones are on the wire."""
-    pending: deque[dist.Work] = deque()
-    for b in range(len(layout.bucket_sizes)):
-        if len(pending) >= max_in_flight:
-            pending.popleft().wait()
-        buffer = pack_bucket(layout, b, tensors, group.device)
-        pending.append(group.broadcast(buffer, async_op=True))
-    while pending:
-        pending.popleft().wait()
-
-
-def receive_buckets(group: WeightGroup, layout: BucketLayout) -> dict[str, torch.Tensor]:
-    """The receiving end of ``send_buckets`` for a plain torch process (tests, benchmarks)."""
-    out: dict[str, torch.Tensor] = {}
-    for b, size in enumerate(layout.bucket_sizes):
-        buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
-        group.broadcast(buffer)
-        out.update(unpack_bucket(layout, b, buffer))
-    return out
-
-
-def receive_batches(
-    group: WeightGroup, layout: BucketLayout, on_bucket: Callable[[int, torch.Tensor], None] | None = None
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Receive bucket by bucket (an inference worker's end of ``send_buckets``): yields the tensors of
-    each bucket as views of it, so a worker loads one bucket while holding no more than one.
-    ``on_bucket(b, buffer)`` sees each raw bucket first (the worker's rollback copy)."""
-    for b, size in enumerate(layout.bucket_sizes):
-        buffer = torch.empty(size, dtype=torch.uint8, device=group.device)
-        group.broadcast(buffer)
-        if on_bucket is not None:
-            on_bucket(b, buffer)
-        yield unpack_bucket(layout, b, buffer)
-
-
-# -- the round trip with inference servers -------------------------------------------------------
-
-
-class WeightBroadcaster:
-    """Rank 0 of the trainer: joins the group with every inference server and pushes weights to them.
-
-    ``addresses``: control endpoints (``tcp://host:port``) of the inference servers; ``workers_per_server``:
-    vLLM workers of each (dp * tp; default 1 each).
-    """
-
-    def __init__(
-        self,
-        addresses: Sequence[str],
-        *,
-        host: str,
-        port: int,
-        backend: str = "nccl",
-        workers_per_server: Sequence[int] | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        timeout_s: float = 600.0,
-        keep_rollback_copy: bool = True,
-    ) -> None:
-        self.addresses = list(addresses)
-        self.keep_rollback_copy = keep_rollback_copy
-        self.workers = list(workers_per_server or [1] * len(self.addresses))
-        if len(self.workers) != len(self.addresses):
-            raise ValueError(
-                f"{len(self.workers)} worker counts for {len(self.addresses)} servers; give one per server"
-            )
-        self.host, self.port, self.backend = host, port, backend
-        self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
-        self.servers = InferenceServers(self.addresses, timeout_s, WeightBroadcastError)
-        self.group: WeightGroup | None = None
-
-    def connect(self) -> None:
-        """Build the group: every server joins (in the background) while this process hosts the rendezvous."""
-        world_size = 1 + sum(self.workers)
-        offsets = [1 + sum(self.workers[:i]) for i in range(len(self.workers))]
-        joined = self.servers.start(
-            lambda i: InitBroadcastRequest(
-                host=self.host,
-                port=self.port,
-                world_size=world_size,
-                rank_offset=offsets[i],
-                backend=self.backend,
-                keep_rollback_copy=self.keep_rollback_copy,
-            ),
-            "InitBroadcastRequest",
-        )
-        self.group = build_weight_group(self.host, self.port, 0, world_size, self.backend, self.timeout_s)
-        joined()
-
-    def plan(self, named_specs: Iterable[Spec]) -> BucketLayout:
-        """The bucket layout of an update with these tensor specs (in send order)."""
-        return plan_buckets(list(named_specs), self.bucket_bytes)
-
-    def begin(self, version: int, layout: BucketLayout) -> None:
-        """Phase 1: every server validates the layout and its workers wait for the buckets."""
-        if self.group is None:
-            raise WeightBroadcastError("call connect() before pushing weights")
-        request = BroadcastWeightsRequest(
-            version=version,
-            specs=[TensorSpec(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in layout.specs],
-            buckets=layout.buckets,
-            offsets=layout.offsets,
-            bucket_sizes=layout.bucket_sizes,
-        )
-        # Servers validate identically (same checkpoint), so either all accept or all refuse.
-        self.servers.request(lambda i: request, "BroadcastWeightsRequest")
-
-    def send(self, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
-        """Phase 2: broadcast the buckets (``tensors`` indexed like ``layout.specs``)."""
-        assert self.group is not None
-        send_buckets(self.group, layout, tensors)
-
-    def finish(self, version: int) -> None:
-        """Phase 3: wait until every server has loaded ``version`` and serves it; raises if any failed."""
-        self.servers.request(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
-
-    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketLayout:
-        """Send one full update; returns when every server serves ``version``. Raises if any refuses."""
-        specs, tensors = [], []
-        for name, t in named_tensors:
-            t = t.detach().contiguous()
-            specs.append(Spec.of(name, t))
-            tensors.append(t)
-        layout = self.plan(specs)
-        self.begin(version, layout)
-        self.send(layout, tensors)
-        self.finish(version)
-        return layout
-
-    def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-        self.servers.close()

@@ -1,7 +1,8 @@
 """NIXL set-up shared by both ends of the NIXL weight transport: the API import, agents, buffers, polling.
 
-``nixl_source`` (trainer ranks) and ``nixl_receiver`` (inference workers) build their agents, register
-their buffers and poll with these helpers, so the two ends cannot drift apart.
+``prime_rl.trainer.weights.nixl_source`` (trainer ranks) and ``prime_rl.inference.weights.nixl_receiver``
+(inference workers) build their agents, register their buffers and poll with these helpers, so the two
+ends cannot drift apart.
 """
 
 from __future__ import annotations

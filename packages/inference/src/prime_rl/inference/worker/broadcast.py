@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from prime_rl.common.weight_sync.broadcast import BucketLayout, WeightGroup, receive_batches, unpack_bucket
+from prime_rl.common.weight_sync.broadcast import BucketLayout, WeightGroup, unpack_bucket
+from prime_rl.inference.weights.broadcast_receiver import receive_batches
 from prime_rl.inference.weights.manifest import STILL_SERVED
 from prime_rl.inference.worker.reload import LayerwiseReload
 

@@ -10,8 +10,9 @@ alone does not.
 Validation (names, shapes, dtypes) happens in the API process before any of this runs, so a bad
 update never reaches the model. What can only be seen in the data while it streams in (a transfer that
 breaks midway, NaN/Inf) is rolled back from a host copy of the last complete update (``worker/broadcast.py``,
-``worker/nixl.py``). The transfer protocol itself (broadcast group, bucket layout, NIXL
-receiver) is shared with the trainer in ``prime_rl.common.weight_sync``.
+``worker/nixl.py``). The receiving ends of the transports are ``prime_rl.inference.weights``
+(``broadcast_receiver``, ``nixl_receiver``); the protocol they share with the trainer's senders (broadcast
+group, bucket layout, NIXL agents) is ``prime_rl.common.weight_sync``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class PrimeWorkerExtension:
     _prime_group: WeightGroup | None = None
     _prime_bcast_keep = True  # keep a host copy of the last complete broadcast (set by prime_init_broadcast)
     _prime_bcast_copy = None  # prime_rl.inference.worker.broadcast.RollbackCopy of the served broadcast
-    _prime_nixl = None  # prime_rl.common.weight_sync.nixl_receiver.NixlReceiver, built by prime_init_nixl
+    _prime_nixl = None  # prime_rl.inference.weights.nixl_receiver.NixlReceiver, built by prime_init_nixl
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from prime_rl.common.nixl_metadata import MetadataClient
-from prime_rl.common.weight_sync.nixl_receiver import NixlReceiver, NixlTransferError
 from prime_rl.inference.weights.manifest import STILL_SERVED
+from prime_rl.inference.weights.nixl_receiver import NixlReceiver, NixlTransferError
 from prime_rl.inference.worker.reload import LayerwiseReload
 
 

@@ -9,7 +9,7 @@ and how long ``publish`` waited for it (backpressure); log them next to the bloc
 
 Who owns what. The trainer owns every version: it is the only component that decides a version
 exists, moves it, and announces it, once complete, to the orchestrator as a ``WeightsPublished``
-message over ZeroMQ (``prime_rl.common.weight_sync.announce``; no marker file is a notification).
+message over ZeroMQ (``prime_rl.trainer.weights.announce``; no marker file is a notification).
 The orchestrator owns staleness: it tags rollouts with the newest announced version that inference
 serves and waits for announcements to honour ``max_off_policy_steps``. The one asymmetry is who makes
 inference load: with nccl/nixl the trainer pushes (the sender must take part in the transfer) and
@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, NCCLBroadcastConfig, NixlBroadcastConfig
 from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
+from prime_rl.common.weight_transports import TRANSPORTS
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
 from prime_rl.trainer.models.config import load_arch_config
@@ -196,9 +197,10 @@ class BroadcastPublisher(Publisher):
         self.run_dir = run_dir
         self.broadcaster = None
         if world.is_main:
-            from prime_rl.common.weight_sync.broadcast import WeightBroadcaster
+            from prime_rl.trainer.weights.broadcast_sender import WeightBroadcaster
 
-            if not cfg.inference_addresses:
+            # The trainer drives the servers' loading (the lifecycle table), so it must know every server.
+            if TRANSPORTS[cfg.type].loads == "trainer" and not cfg.inference_addresses:
                 raise ValueError(
                     "weight_broadcast.type='nccl' needs weight_broadcast.inference_addresses (the inference "
                     "servers' control endpoints, tcp://host:port)"

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from prime_rl.common.rundir import RunDir
-from prime_rl.common.weight_sync.announce import VersionAnnouncer
 from prime_rl.trainer.model import CausalLM
+from prime_rl.trainer.weights.announce import VersionAnnouncer
 from prime_rl.trainer.weights.staging import model_state
 from prime_rl.trainer.world import World
 

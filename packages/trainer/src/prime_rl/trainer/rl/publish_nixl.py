@@ -1,7 +1,7 @@
 """The RL trainer's NIXL publisher: every trainer rank is a NIXL source the inference workers read from.
 
 Each rank gathers the full state dict (all-gathers, cast to the publish dtype on its device), stages
-its slice of every transfer group (``prime_rl.common.weight_sync.nixl_source``) and waits for the
+its slice of every transfer group (``prime_rl.trainer.weights.nixl_source``) and waits for the
 receivers' credits. Rank 0 then waits for every server to serve the version and announces it to the
 orchestrator in the background (see ``prime_rl.trainer.rl.publish`` for what overlaps and why the
 staging itself cannot). The session (layout, peer metadata, prepared reads) is set up on the first
@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from prime_rl.common.config.rl_trainer import NixlBroadcastConfig
 from prime_rl.common.rundir import RunDir
-from prime_rl.common.weight_sync.nixl_source import NixlWeightSender
+from prime_rl.common.weight_transports import TRANSPORTS
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
 from prime_rl.trainer.rl.publish_base import Publisher
+from prime_rl.trainer.weights.nixl_source import NixlWeightSender
 from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
 
@@ -29,7 +30,8 @@ class NixlPublisher(Publisher):
     def __init__(self, cfg: NixlBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
         super().__init__(cfg, model, world, "nixl weight update")
         self.run_dir = run_dir
-        if world.is_main and not cfg.inference_addresses:
+        # The trainer drives the servers' loading (the lifecycle table), so it must know every server.
+        if world.is_main and TRANSPORTS[cfg.type].loads == "trainer" and not cfg.inference_addresses:
             raise ValueError(
                 "weight_broadcast.type='nixl' needs weight_broadcast.inference_addresses (the inference servers' "
                 "control endpoints, tcp://host:port)"

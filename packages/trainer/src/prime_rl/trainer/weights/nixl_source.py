@@ -1,7 +1,8 @@
 """Sending end of the NIXL weight transport: every trainer rank is a source the inference workers read from.
 
-Protocol (the receiving end is ``prime_rl.common.weight_sync.nixl_receiver``; shared arithmetic in
-``prime_rl.common.nixl_layout``, agent and buffer set-up in ``nixl_agent``):
+Protocol (the receiving end is ``prime_rl.inference.weights.nixl_receiver``; shared arithmetic in
+``prime_rl.common.nixl_layout``, agent and buffer set-up in
+``prime_rl.common.weight_sync.nixl_agent``):
 
 1. Session (``connect``, once). Rank 0 plans the layout (transfer groups of at most ``group_bytes``)
    and stores it in the metadata service under a fresh session id; every rank allocates its slot(s)
@@ -16,7 +17,7 @@ Protocol (the receiving end is ``prime_rl.common.weight_sync.nixl_receiver``; sh
    of g into the slot, and notify every receiver ``R:<version>:g:<slot>``. Rank 0 finally sends
    ``AwaitWeightsRequest`` and returns when every server serves ``version``.
 
-Depends on torch, NIXL and ``prime_rl.common`` only (no vLLM, no trainer code). ``push`` is
+Depends on torch, NIXL and ``prime_rl.common`` only (no vLLM, no inference code). ``push`` is
 ``begin`` + ``stage`` + ``finish``; a publisher may leave ``finish`` (the engines' reload) to a
 background thread.
 """
@@ -46,7 +47,6 @@ from prime_rl.common.nixl_layout import (
 from prime_rl.common.nixl_metadata import MetadataClient, MetadataService, is_serving
 from prime_rl.common.weight_layout import dtype_name
 from prime_rl.common.weight_sync.nixl_agent import Backoff, allocate_buffers, make_agent, mem_type, release_agent
-from prime_rl.common.weight_sync.servers import InferenceServers
 from prime_rl.common.wire import (
     AwaitWeightsRequest,
     InitNixlRequest,
@@ -55,6 +55,7 @@ from prime_rl.common.wire import (
     NixlWeightsRequest,
     TensorSpec,
 )
+from prime_rl.trainer.weights.servers import InferenceServers
 
 logger = logging.getLogger(__name__)
 

@@ -5,14 +5,10 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-pytest.importorskip("torch", reason="prime_rl.common.weight_sync needs prime-rl-common[torch]")
-
-from prime_rl.common.net import free_port  # noqa: E402
-from prime_rl.common.transport import Receiver  # noqa: E402
-from prime_rl.common.weight_sync.announce import VersionAnnouncer  # noqa: E402
-from prime_rl.common.wire import WeightsPublished  # noqa: E402
+from prime_rl.common.net import free_port
+from prime_rl.common.transport import Receiver
+from prime_rl.common.wire import WeightsPublished
+from prime_rl.trainer.weights.announce import VersionAnnouncer
 
 
 def test_announcement_reaches_an_orchestrator_that_binds_later():
@@ -37,7 +33,7 @@ def test_the_last_announcement_survives_a_rank_that_ends_with_os_exit():
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     script = (
         "import os, sys\n"
-        "from prime_rl.common.weight_sync.announce import VersionAnnouncer\n"
+        "from prime_rl.trainer.weights.announce import VersionAnnouncer\n"
         "a = VersionAnnouncer(sys.argv[1], timeout_s=5)\n"
         "a.announce(7, path='/run/broadcasts/step_7')\n"
         "a.close()\n"

@@ -15,7 +15,7 @@ to ZeroMQ's I/O thread, and a trainer rank ends with ``os._exit`` (``exit_rank``
 thread with the last announcement still queued (seen in CI: the final version never reached the
 orchestrator). Terminating the context is what waits for delivery, bounded by the linger.
 
-Torch-free (wire + transport), but lives here beside the transports that call it.
+Torch-free (wire + transport), but lives here beside the publishers that call it.
 """
 
 from __future__ import annotations

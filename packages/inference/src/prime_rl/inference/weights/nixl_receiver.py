@@ -22,7 +22,8 @@ two host copies of the weights; without it a failure after the first loaded grou
 partially updated (and says so).
 
 Pure torch + NIXL: no vLLM here, so plain processes (tests, benchmarks) can receive too. The sending
-end is ``prime_rl.common.weight_sync.nixl_source``; agent and buffer set-up are shared in ``nixl_agent``.
+end is ``prime_rl.trainer.weights.nixl_source``; agent and buffer set-up are shared in
+``prime_rl.common.weight_sync.nixl_agent``.
 """
 
 from __future__ import annotations

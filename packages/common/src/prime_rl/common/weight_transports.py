@@ -1,0 +1,117 @@
+"""The lifecycle of one policy version under each weight transport, as one table (``TRANSPORTS``).
+
+Three transports move the trainer's weights into the inference workers (``[weight_broadcast] type``). They
+differ in who holds the bytes inference reads, which trainer ranks take part, who makes inference load, what
+the announcement carries and which control requests do it. That used to be prose spread over the publishers,
+the controller and the orchestrator; here it is data, read by code:
+
+- the publishers (``prime_rl.trainer.rl.publish*``) refuse a transport whose loading the trainer drives when no
+  inference control address is given (``Transport.loads == "trainer"``);
+- the inference controller (``prime_rl.inference.control``) applies each transport's version rule
+  (``refuse_version``) and the request sets below are checked against what it answers
+  (packages/inference/tests/test_control_push.py);
+- the rows are checked against the config's transport types (packages/common/tests/test_weight_transports.py).
+
+What every transport shares: a version ``n`` exists for the rest of the system only once the trainer's global
+rank 0 has sent ``WeightsPublished(n)`` to the orchestrator (``ANNOUNCER``), and only once it is whole.
+
+Left out on purpose: one component that drives loading for every transport. The filesystem transport is loaded
+by the orchestrator around its request gate (that keeps its version tags exact), the push transports by the
+trainer (the sender must take part in the transfer); unifying them is a behaviour change, not a table.
+
+Torch-free (``prime_rl.common.wire`` only), beside the torch-level ``prime_rl.common.weight_sync`` package as
+``weight_layout`` is, so the orchestrator, launcher and config checks may read it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from prime_rl.common.wire import (
+    AwaitWeightsRequest,
+    BroadcastWeightsRequest,
+    InitBroadcastRequest,
+    InitNixlRequest,
+    LoadWeightsRequest,
+    Message,
+    NixlWeightsRequest,
+)
+
+ANNOUNCER = "trainer global rank 0"
+"""Who sends ``WeightsPublished`` to the orchestrator, under every transport."""
+
+
+@dataclass(frozen=True)
+class Transport:
+    """Who does what for one policy version under one transport."""
+
+    name: Literal["filesystem", "nccl", "nixl"]
+    """``[weight_broadcast] type``."""
+    serves: str
+    """Who holds the bytes inference reads, and where."""
+    sending_ranks: Literal["rank 0", "every rank"]
+    """Trainer ranks that take part in moving a version (the rest only join the all-gathers)."""
+    announced_when: str
+    """What must have happened before ``ANNOUNCER`` announces the version."""
+    announces_path: bool
+    """``WeightsPublished.path`` names a directory to load (True), or is None: inference already serves it."""
+    loads: Literal["orchestrator", "trainer"]
+    """Who sends the control requests that make inference load a version."""
+    setup: tuple[type[Message], ...]
+    """Control requests sent once per session, to every inference server, before the first version."""
+    update: tuple[type[Message], ...]
+    """Control requests sent per version, in this order, to every inference server."""
+    versions_increase: bool
+    """The server refuses a version not above the one it serves (``refuse_version``). The filesystem
+    transport reloads any version (a restore, a resumed run); a broadcast is not checked."""
+
+
+TRANSPORTS: dict[str, Transport] = {
+    t.name: t
+    for t in (
+        Transport(
+            name="filesystem",
+            serves="trainer rank 0's background writer: safetensors in <run_dir>/broadcasts/step_<n>/",
+            sending_ranks="rank 0",
+            announced_when="step_<n>.tmp/ is written, fsynced and renamed to step_<n>/",
+            announces_path=True,
+            loads="orchestrator",
+            setup=(),
+            update=(LoadWeightsRequest,),
+            versions_increase=False,
+        ),
+        Transport(
+            name="nccl",
+            serves="trainer rank 0: broadcasts byte buckets into a group it hosts (NCCL on GPU, gloo on CPU)",
+            sending_ranks="rank 0",
+            announced_when="every inference server answered AwaitWeightsRequest: it serves version n",
+            announces_path=False,
+            loads="trainer",
+            setup=(InitBroadcastRequest,),
+            update=(BroadcastWeightsRequest, AwaitWeightsRequest),
+            versions_increase=False,
+        ),
+        Transport(
+            name="nixl",
+            serves="every trainer rank: its slice of each transfer group in registered slots the workers read",
+            sending_ranks="every rank",
+            announced_when="every inference server answered AwaitWeightsRequest: it serves version n",
+            announces_path=False,
+            loads="trainer",
+            setup=(InitNixlRequest,),
+            update=(NixlWeightsRequest, AwaitWeightsRequest),
+            versions_increase=True,
+        ),
+    )
+}
+
+
+def refuse_version(transport: str, version: int, served: int) -> str | None:
+    """Why an inference server serving ``served`` refuses ``version`` under ``transport``; None if it may load it."""
+    if TRANSPORTS[transport].versions_increase and version <= served:
+        return (
+            f"refused {transport.upper()} update to version {version}: version {served} is served and "
+            "versions must increase"
+        )
+    return None

@@ -1,0 +1,181 @@
+"""The push transports (nccl, nixl) in the API process: the control requests the trainer sends, per
+``prime_rl.common.weight_transports.TRANSPORTS`` (set-up once, then begin + await per version).
+
+Set-up (``InitBroadcastRequest`` / ``InitNixlRequest``) runs in every worker under the update lock. A
+version's first request is validated here (the manifest, the version rule of the table), then answered
+at once while a task receives it in the workers (``apply_update`` with ``prime_receive_broadcast`` /
+``prime_receive_nixl``, which call ``prime_rl.inference.weights.broadcast_receiver`` / ``nixl_receiver``),
+so the trainer may start sending; ``AwaitWeightsRequest`` answers when that task ends. The lock is held
+from the first request until the task ends: updates never interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from prime_rl.common.weight_transports import refuse_version
+from prime_rl.common.wire import (
+    AwaitWeightsRequest,
+    BroadcastWeightsRequest,
+    ControlReply,
+    InitBroadcastRequest,
+    InitNixlRequest,
+    NixlWeightsRequest,
+)
+from prime_rl.inference.weights.apply import RestoreFailed, apply_update
+from prime_rl.inference.weights.manifest import STILL_SERVED, WeightUpdateError
+
+if TYPE_CHECKING:
+    from prime_rl.inference.control import Controller
+
+logger = logging.getLogger(__name__)
+
+
+# -- nccl (gloo on CPU) ----------------------------------------------------------------------
+
+
+async def init_broadcast(controller: Controller, request: InitBroadcastRequest) -> ControlReply:
+    """Every worker joins the trainer's broadcast group as rank ``rank_offset`` + its global index."""
+    if request.backend not in ("gloo", "nccl"):
+        return controller._reply(
+            False, f"backend {request.backend!r} is not supported; use 'nccl' (GPU) or 'gloo' (CPU)"
+        )
+    async with controller._lock:
+        results = await controller.engine.collective_rpc(
+            "prime_init_broadcast",
+            args=(
+                request.host,
+                request.port,
+                request.world_size,
+                request.rank_offset,
+                request.backend,
+                controller.broadcast_timeout_s,
+                request.keep_rollback_copy,
+            ),
+        )
+    logger.info("joined weight-broadcast group at %s:%d as %s", request.host, request.port, results)
+    return controller._reply(True)
+
+
+async def begin_broadcast(controller: Controller, request: BroadcastWeightsRequest) -> ControlReply:
+    """Validate the layout, then receive it in a task; answered before any data moves."""
+    if request.version in controller._broadcasts:
+        return controller._reply(False, f"a broadcast of version {request.version} is already in progress")
+    if (refusal := refuse_version("nccl", request.version, controller.weight_version)) is not None:
+        return controller._reply(False, refusal)
+    source = f"broadcast of version {request.version}"
+    names = controller.manifest.check_transfer(
+        request.specs, request.buckets, request.offsets, request.bucket_sizes, source
+    )
+    await controller._lock.acquire()  # released when the receive task ends
+    # A worker without a copy of the previous broadcast (the first one, or keep_rollback_copy = false)
+    # leaves a failed update partial; the weights on disk that serve now (if any) are then reloaded.
+    restore, served = controller._restore_path, controller.weight_version
+
+    async def receive() -> list[dict]:
+        try:
+            results = await apply_update(
+                controller,
+                request.version,
+                "prime_receive_broadcast",
+                names,
+                [s.dtype for s in request.specs],
+                [list(s.shape) for s in request.specs],
+                request.buckets,
+                request.offsets,
+                request.bucket_sizes,
+                request.version,
+                served,
+                restore_path=restore,
+            )
+        except RestoreFailed as e:
+            raise WeightUpdateError(f"broadcast of version {request.version} failed ({e.__cause__}); {e}") from e
+        except Exception as e:
+            what = f"broadcast of version {request.version} failed: {e}"
+            if restore is not None and STILL_SERVED not in str(e):
+                what += f"; version {served} from {restore} {STILL_SERVED}"
+            raise WeightUpdateError(what) from e
+        finally:
+            controller._lock.release()
+        controller._restore_path = None  # broadcast weights exist nowhere on disk (the workers keep a copy)
+        return results
+
+    controller._broadcasts[request.version] = asyncio.create_task(receive())
+    # Give the collective_rpc a moment to reach the workers before the trainer starts sending;
+    # not needed for correctness (the collective waits for both sides), it keeps the logs in order.
+    await asyncio.sleep(0)
+    return controller._reply(True)
+
+
+async def await_update(controller: Controller, request: AwaitWeightsRequest) -> ControlReply:
+    """Wait for the update task of ``version`` (either push transport) and say what serves now."""
+    task = controller._broadcasts.pop(request.version, None)
+    if task is None:
+        return controller._reply(False, f"no broadcast of version {request.version} was started on this server")
+    try:
+        results = await task
+    except WeightUpdateError as e:  # already says what happened to the served weights
+        logger.error("update to version %d failed: %s", request.version, e)
+        # Health fails only when what serves is not a version the server can name (partial weights).
+        controller.failure = "" if STILL_SERVED in str(e) else str(e)
+        return controller._reply(False, str(e))
+    except Exception as e:
+        logger.exception("update to version %d failed", request.version)
+        controller.failure = (
+            f"update to version {request.version} failed in the workers: {type(e).__name__}: {e}; "
+            "the weights may be partially updated, send a full update again"
+        )
+        return controller._reply(False, controller.failure)
+    controller.failure = ""
+    logger.info("received weights version %d by broadcast: %s", request.version, results)
+    return controller._reply(True)
+
+
+# -- nixl ------------------------------------------------------------------------------------
+
+
+async def init_nixl(controller: Controller, request: InitNixlRequest) -> ControlReply:
+    """Check the session's layout against the manifest, then build every worker's receiver."""
+    from prime_rl.inference.weights.nixl_control import check_nixl_layout
+
+    # Validate the session's layout here, before any worker allocates or registers anything.
+    await asyncio.to_thread(check_nixl_layout, controller.manifest, request)
+    async with controller._lock:
+        results = await controller.engine.collective_rpc(
+            "prime_init_nixl",
+            args=(
+                request.host,
+                request.port,
+                request.session,
+                request.rank_offset,
+                request.keep_rollback_copy,
+                request.timeout_s,
+            ),
+        )
+    logger.info("NIXL receivers ready for session %s: %s", request.session, results)
+    return controller._reply(True)
+
+
+async def begin_nixl(controller: Controller, request: NixlWeightsRequest) -> ControlReply:
+    """Refuse a version the table's rule refuses, then pull it in a task; answered before any data moves."""
+    if request.version in controller._broadcasts:
+        return controller._reply(False, f"an update to version {request.version} is already in progress")
+    if (refusal := refuse_version("nixl", request.version, controller.weight_version)) is not None:
+        return controller._reply(False, refusal)
+    await controller._lock.acquire()  # released when the receive task ends
+    controller._restore_path = None  # NIXL keeps its own rollback copy; nothing on disk holds these weights
+
+    async def receive() -> list[dict]:
+        try:
+            return await apply_update(controller, request.version, "prime_receive_nixl", request.version)
+        except Exception as e:
+            # The worker's message says whether the old weights are still served (or rolled back).
+            raise WeightUpdateError(f"NIXL update to version {request.version} failed: {e}") from e
+        finally:
+            controller._lock.release()
+
+    controller._broadcasts[request.version] = asyncio.create_task(receive())
+    await asyncio.sleep(0)
+    return controller._reply(True)
