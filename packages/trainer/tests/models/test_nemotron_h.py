@@ -22,6 +22,9 @@ TINY_NH = dict(
     chunk_size=8, conv_kernel=4, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
     moe_shared_expert_intermediate_size=32, n_group=4, topk_group=2, routed_scaling_factor=2.5,
     layer_norm_epsilon=1e-5, max_position_embeddings=256,
+    # dt clamped below at 1e-3 by every transformers version: up to 5.24 at time_step_min, from 5.25 at
+    # time_step_limit (which we follow, as vLLM does); the default limit (0, inf) clamps nothing
+    time_step_min=1e-3, time_step_limit=(1e-3, float("inf")),
 )  # fmt: skip
 CASES = {
     "hybrid_moe": {},  # Nemotron-3's mix: Mamba-2, attention, MLP, MoE with grouped sigmoid routing
@@ -205,6 +208,9 @@ def test_config_reads_pattern_or_block_types_and_counts_active_params(tmp_path):
     old_style.pop("n_groups"), old_style.pop("conv_kernel")
     legacy = load_arch_config(old_style)  # released checkpoints: hybrid_override_pattern and mamba_* keys
     assert legacy.layer_types == c.layer_types and (legacy.mamba_n_groups, legacy.conv_kernel) == (2, 3)
+    assert c.time_step_limit == (1e-3, float("inf"))  # as written by transformers (JSON Infinity)
+    bare = {k: v for k, v in TINY_NH.items() if not k.startswith("time_step")}
+    assert load_arch_config({**bare, "model_type": "nemotron_h"}).time_step_limit == (0.0, float("inf"))
     assert [c.is_moe_layer(i) for i in range(5)] == [False, False, False, False, True]
     assert (c.num_experts, c.n_group, c.topk_group, c.routed_scaling_factor) == (8, 4, 2, 2.5)
     # active params per token: everything but the input embedding, with 3 of 8 routed experts per token
@@ -221,6 +227,7 @@ def test_config_reads_pattern_or_block_types_and_counts_active_params(tmp_path):
         ({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu' is not supported; only 'relu2'"),
         ({"n_groups": 3}, "n_groups=3 must divide mamba_num_heads=8"),
         ({"n_group": 3}, "n_group=3 must divide"),
+        ({"time_step_limit": [0.1, 0.01]}, r"time_step_limit=\[0.1, 0.01\] must be \[low, high\]"),
     ],
 )
 def test_bad_configs_are_refused_with_the_fix(overrides, match):

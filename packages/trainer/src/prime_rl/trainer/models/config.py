@@ -14,6 +14,7 @@ MoE); its Mamba-2 fields are the ``mamba_*`` ones below and its MoE reuses the G
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,8 +79,8 @@ class ArchConfig:
     conv_kernel: int = 4
     chunk_size: int = 128
     """Chunk length of the SSD scan (a speed / memory trade-off: the result does not depend on it)."""
-    time_step_min: float = 0.001
-    """dt is clamped below at this value (transformers' Nemotron-H does so in every path)."""
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    """dt is clamped to [low, high] (config.json's `time_step_limit`, as vLLM and transformers >= 5.25 do)."""
     use_conv_bias: bool = True
     mamba_proj_bias: bool = False
     """Bias on the Mamba-2 in_proj / out_proj (HF `use_bias`)."""
@@ -193,6 +194,17 @@ def nemotron_h_layer_types(d: dict[str, Any]) -> list[str]:
     return [NEMOTRON_H_PATTERN[ch] for ch in pattern]
 
 
+def _time_step_limit(d: dict[str, Any]) -> tuple[float, float]:
+    """Mamba-2's dt clamp from config.json (`time_step_limit`, or NVIDIA's `mamba_dt_limit`); (0, inf) when absent,
+    as in transformers' and vLLM's configs."""
+    limit = d.get("mamba_dt_limit", d.get("time_step_limit")) or (0.0, math.inf)
+    # transformers writes infinity as {"__float__": "Infinity"} (plain JSON has no inf)
+    low, high = (float(x["__float__"] if isinstance(x, dict) else x) for x in limit) if len(limit) == 2 else (1, 0)
+    if not low <= high:
+        raise ValueError(f"time_step_limit={limit!r} must be [low, high] with low <= high; check config.json")
+    return low, high
+
+
 def _nemotron_h_config(d: dict[str, Any], source_dir: str | None) -> ArchConfig:
     """Nemotron-H / Nemotron-3, reading the old key names HF still accepts (mamba_n_groups, mamba_d_conv, ...)."""
     for key, supported in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
@@ -235,7 +247,7 @@ def _nemotron_h_config(d: dict[str, Any], source_dir: str | None) -> ArchConfig:
         mamba_n_groups=d.get("mamba_n_groups", d.get("n_groups", 8)),
         conv_kernel=d.get("mamba_d_conv", d.get("conv_kernel", 4)),
         chunk_size=d.get("mamba_chunk_size", d.get("chunk_size", 128)),
-        time_step_min=float(d.get("mamba_dt_min", d.get("time_step_min", 0.001))),
+        time_step_limit=_time_step_limit(d),
         use_conv_bias=bool(d.get("mamba_conv_bias", d.get("use_conv_bias", True))),
         mamba_proj_bias=bool(d.get("use_bias", False)),
         moe_shared_expert_intermediate_size=d.get("moe_shared_expert_intermediate_size", 0) if has_moe else 0,

@@ -3,9 +3,10 @@
 Design:
 - Parameter names and shapes are transformers' `NemotronHMamba2Mixer` (`in_proj`, `conv1d`, `dt_bias`,
   `A_log`, `D`, `norm`, `out_proj`), so loading is a prefix change; the numerics follow its torch path
-  (fp32 scan, dt clamped below at `time_step_min`, gated RMSNorm per group of `n_groups`). That clamp is
-  transformers' choice: vLLM (0.32) and the config's own `time_step_limit` use (0, inf), so for a head whose
-  softplus(dt) falls below time_step_min (1e-3) the trainer and inference disagree slightly.
+  (fp32 scan, dt clamped to the config's `time_step_limit`, gated RMSNorm per group of `n_groups`). The clamp
+  is the one vLLM applies and transformers >= 5.25 too (default (0, inf)); transformers up to 5.24 clamped
+  below at `time_step_min` (1e-3) instead, which made trainer and inference disagree slightly for a head
+  whose softplus(dt) fell below it.
 - Packed rows: the trainer concatenates documents and restarts positions at 0 for each one. Both the
   conv1d state and the SSM state restart at every document start, so a packed row gives exactly the
   outputs of its documents run one by one. Nothing reads host ints: the resets are masks built from
@@ -142,7 +143,7 @@ class Mamba2Mixer(nn.Module):
         c = config
         self.num_heads, self.head_dim = c.mamba_num_heads, c.mamba_head_dim
         self.n_groups, self.state_size = c.mamba_n_groups, c.ssm_state_size
-        self.chunk_size, self.time_step_min = c.chunk_size, c.time_step_min
+        self.chunk_size, self.time_step_limit = c.chunk_size, c.time_step_limit
         self.inner = self.num_heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.n_groups * self.state_size
         self.in_proj = nn.Linear(c.hidden_size, self.inner + self.conv_dim + self.num_heads, bias=c.mamba_proj_bias)
@@ -163,7 +164,7 @@ class Mamba2Mixer(nn.Module):
         xbc = F.silu(causal_conv1d_packed(xbc, self.conv1d.weight, self.conv1d.bias, seqs.doc_ids))  # (T, conv_dim)
         xs, B, C = xbc.split([self.inner, self.n_groups * self.state_size, self.n_groups * self.state_size], dim=-1)
         # dt in the activation dtype up to the clamp, then fp32: HF's order, so bf16 runs agree too
-        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(min=self.time_step_min)  # (T, h)
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).clamp(*self.time_step_limit)  # (T, h)
         A = -torch.exp(self.A_log.float())  # (h,)
         xs = xs.reshape(num_tokens, self.num_heads, self.head_dim).float()  # (T, h, p)
         groups = (num_tokens, self.n_groups, self.state_size)
