@@ -1,6 +1,7 @@
 """A dead replica behind the router is restarted while the others serve, and re-admitted only once it serves the
 weight version the others serve (replica_restarts.py). Stand-in processes and a stand-in router: no vLLM."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -81,3 +82,41 @@ def test_a_replica_that_dies_while_restarting_ends_the_process_naming_both_cause
     replicas[0].wait()
     assert restarts.check(replicas) == 1
     assert "replica 0" in restarts.reason and "restart 1/1 died during start-up (SIGKILL)" in restarts.reason
+
+
+def test_a_replica_alive_with_an_overdue_heartbeat_is_restarted_alone_and_its_old_beat_dropped(tmp_path):
+    """Its engine errored (the API server beats "engine errored" with no deadline) or wedged: the replica's process
+    lives on, and the launcher, which would restart every replica for it, does not read its beats."""
+    from prime_rl.common.heartbeat import Heartbeat
+
+    router = FakeRouter()
+    replicas = [_replica(0), _replica(1)]
+    beats = [tmp_path / "inference-replica0", tmp_path / "inference-replica1"]
+    restarts = ReplicaRestarts(
+        ["http://127.0.0.1:1", "http://127.0.0.1:2"], f"http://127.0.0.1:{router.port}", _replica,
+        RestartPolicy(1, 3600.0), startup_timeout_s=30.0, healthy=lambda i: True, version=lambda i: 3,
+        beats=lambda i: beats[i],
+    )  # fmt: skip
+    try:
+        for directory in beats:  # an overdue beat of another process (not in the replica's group) is not its stall
+            Heartbeat(directory, "inference").beat("serving", deadline_s=0.0)
+        assert restarts.check(replicas) is None and not restarts.pending
+        wedged = replicas[1]
+        beat = Heartbeat(beats[1], "inference")
+        beat.beat("serving", deadline_s=60.0)
+        path = beat.path
+        data = path.read_text().replace(f'"pid": {os.getpid()}', f'"pid": {wedged.pid}')
+        path.write_text(data.replace('"deadline_s": 60.0', '"deadline_s": 0.0'))  # the replica's own, overdue
+        assert restarts.check(replicas) is None
+        assert replicas[1] is not wedged and replicas[0].poll() is None  # that one alone
+        assert wedged.wait(timeout=10) == -signal.SIGKILL  # its group stopped, not left running
+        assert not beats[1].exists()
+        assert router.calls == ["/remove_worker?url=http%3A%2F%2F127.0.0.1%3A2"]
+        assert (
+            "replica 1" in str(restarts.pending[1].cause) and "stalled in phase 'serving'" in restarts.pending[1].cause
+        )
+    finally:
+        for proc in replicas:
+            proc.kill()
+            proc.wait()
+        router.close()

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from prime_rl.common.heartbeat import read_beats
 from prime_rl.common.readmission import readmission_version, router_worker
 from prime_rl.common.restarts import RestartPolicy, clock, describe_exit
 
@@ -59,10 +62,11 @@ class ReplicaRestarts:
         startup_timeout_s: float,
         healthy: Callable[[int], bool],
         version: Callable[[int], int | None],
+        beats: Callable[[int], Path | None] = lambda i: None,
     ) -> None:
         self.urls, self.router_url, self.spawn, self.policy = urls, router_url, spawn, policy
         self.startup_timeout_s = startup_timeout_s
-        self.healthy, self.version = healthy, version
+        self.healthy, self.version, self.beats = healthy, version, beats
         self.pending: dict[int, _Pending] = {}
         self.reason = ""
 
@@ -73,11 +77,24 @@ class ReplicaRestarts:
             if i in self.pending:
                 if (verdict := self._check_restart(i, proc, rc)) is not None:
                     return verdict
-            elif rc is not None:
-                cause = f"replica {i} (pid {proc.pid}) died ({describe_exit(rc)}) at {clock(time.time())}"
+            elif rc is not None or (stall := self._stalled(i, proc)) is not None:
+                how = f"died ({describe_exit(rc)})" if rc is not None else stall
+                cause = f"replica {i} (pid {proc.pid}) {how} at {clock(time.time())}"
                 if not self.policy.allows(time.time()):
                     return self._fail(self.policy.exhausted_reason(cause, time.time()))
                 replicas[i] = self._restart(i, proc, cause)
+        return None
+
+    def _stalled(self, i: int, proc: subprocess.Popen) -> str | None:
+        """How replica ``i`` is stuck while alive (a heartbeat of its process group past its deadline: its engine
+        errored, a wedged engine core), or None. What the launcher does for a single server, per replica."""
+        directory = self.beats(i)
+        if directory is None:
+            return None
+        now = time.time()
+        for beat in read_beats(directory):
+            if beat.overdue_s(now) > 0 and _in_group(beat.pid, proc.pid):
+                return f"stalled in phase '{beat.phase}' for {now - beat.since:.0f}s (deadline {beat.deadline_s:.0f}s)"
         return None
 
     def _restart(self, i: int, proc: subprocess.Popen, cause: str) -> subprocess.Popen:
@@ -89,6 +106,8 @@ class ReplicaRestarts:
             self.policy.window_s,
         )  # fmt: skip
         _stop_group(proc)
+        if (directory := self.beats(i)) is not None:
+            shutil.rmtree(directory, ignore_errors=True)  # the old process's last beat is no verdict on the new one
         fresh = self.spawn(i)
         self.pending[i] = _Pending(number, time.monotonic() + self.startup_timeout_s, time.time(), cause)
         return fresh
@@ -125,6 +144,14 @@ class ReplicaRestarts:
         logger.error("%s; stopping every replica", reason)
         self.reason = reason
         return 1
+
+
+def _in_group(pid: int, group: int) -> bool:
+    """Whether ``pid`` is alive in process group ``group`` (a replica and the engine core it started)."""
+    try:
+        return os.getpgid(pid) == group
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def _stop_group(proc: subprocess.Popen) -> None:

@@ -37,6 +37,7 @@ from prime_rl.common import commands
 from prime_rl.common.config import write_toml
 from prime_rl.common.config.deployment import NIXL_CONNECTORS
 from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.common.env import HEARTBEAT_DIR_ENV
 from prime_rl.inference.replica_restarts import ReplicaRestarts
 
 
@@ -159,6 +160,16 @@ def _wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout_s: flo
         time.sleep(1.0)
 
 
+def replica_heartbeat_dir(i: int) -> Path | None:
+    """Where replica ``i`` beats (``<run heartbeats>/inference-replica<i>``), None outside a launched run.
+
+    Used with per-replica restarts only. Not at the launcher's own directory level: the launcher restarts the whole
+    `inference` component on a stall it reads there, while one replica's stall (its engine errored, a wedged engine)
+    is this supervisor's to restart alone (`ReplicaRestarts`)."""
+    root = os.environ.get(HEARTBEAT_DIR_ENV)
+    return Path(root) / f"inference-replica{i}" if root else None
+
+
 def _replica_restarts(config: InferenceConfig, urls: list[str], spawn) -> ReplicaRestarts:
     """Restarts of one replica at a time behind the router (`inference.max_restarts`, replica_restarts.py)."""
     from prime_rl.common.readmission import control_version, http_healthy
@@ -169,7 +180,7 @@ def _replica_restarts(config: InferenceConfig, urls: list[str], spawn) -> Replic
     return ReplicaRestarts(
         urls, router_url, spawn, RestartPolicy(config.max_restarts, config.restart_window),
         startup_timeout_s=config.router.startup_timeout, healthy=lambda i: http_healthy(urls[i]),
-        version=lambda i: control_version(controls[i]),
+        version=lambda i: control_version(controls[i]), beats=replica_heartbeat_dir,
     )  # fmt: skip
 
 
@@ -250,6 +261,8 @@ def _supervise(config: InferenceConfig, base: Path, slices: list[str | None], ex
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
         port, control = config.instance_http_ports[i], config.instance_control_ports[i]
+        if restarts_enabled and (beats := replica_heartbeat_dir(i)):  # its own: every replica beats as inference-0
+            env[HEARTBEAT_DIR_ENV] = str(beats)
         cmd = commands.inference_replica_command(sys.executable, base, port, control, role)
         if role is not None:
             env.update(_side_channel_env(config, i))
