@@ -241,12 +241,13 @@ def test_zero_advantage_groups_are_left_out_and_counted(tmp_path, make_server, p
         assert m["reward/mean"] > 0  # metrics still cover every group sampled
     assert orchestrator.step == steps
 
-    # switched off, every group trains
+    # switched off, every group trains; a server of its own: the first run's last requests (in flight when it
+    # stopped, no seed) may still reach the first server after its run ended
+    server = make_server()
     run = tmp_path / "unfiltered"
     config = make_config(run, server.base_url, port, num_train_ranks=1, max_steps=steps, batch_size=16,
                          env={"type": "reverse_text", "min_len": 3, "max_len": 4}, ckpt={},
                          advantage={"filter_zero_advantage": False}, sampling={"max_tokens": 16, "seed": 100})  # fmt: skip
-    server.requests.clear()
     trainer = FakeTrainer(RunDir(run, "run"), port, 1, steps, config.trainer.weights_port)
     run_orchestrator(config, FlatOnShortTasksEnv(min_len=3, max_len=4), RecordingControl())
     trainer.join()
