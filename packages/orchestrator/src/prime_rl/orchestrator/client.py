@@ -42,6 +42,7 @@ import numpy as np
 from prime_rl.common.config.orchestrator import ClientModelConfig, SamplingConfig
 from prime_rl.common.vllm_compat import ROUTED_EXPERTS_FIELD
 from prime_rl.orchestrator.envs.base import Messages
+from prime_rl.orchestrator.http_pool import ShardedHTTP
 from prime_rl.orchestrator.responses import ChatResponse, ChatTokens, CompletionResponse
 from prime_rl.orchestrator.rollout import Completion
 
@@ -164,10 +165,10 @@ class InferenceClient:
         """Set by the orchestrator when inference may be restarted under it (see the module docstring)."""
         self.num_resent = 0
         """Requests this client sent again itself after an outage (not counting the scheduler's groups)."""
-        self._http = httpx.AsyncClient(
+        self._http = ShardedHTTP(  # one httpx client's pool is quadratic in the requests in flight (http_pool.py)
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
             headers={"Authorization": f"Bearer {api_key}"},
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            max_connections=max_connections,
         )
 
     async def aclose(self) -> None:
