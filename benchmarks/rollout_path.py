@@ -12,13 +12,14 @@ token ids, and one `logprobs.content` entry per token (`"token_id:<id>"`, a floa
 logprobs), so the bodies are as large as vLLM's (about 0.1 kB a token).
 
 - ``instant``: the server answers at once: the orchestrator's own ceiling (tokens/s it can take in), with a
-  cProfile top list of the orchestrator's process (``--profile``).
+  cProfile top list of the orchestrator's process over the steps (``--profile``; by own time).
 - ``paced``: the server is one vLLM engine with a fixed decode step (`--max-num-seqs` / `--engine-rate`
   seconds, 14.5 ms for 256 / 17.7k): every running sequence gets one token a step, at most `--max-num-seqs`
   run (the rest wait), so tokens/s grow with the sequences in flight up to the offline rate, as a memory-bound
   engine's do. It reports whether the orchestrator keeps every sequence in flight.
 
-The loop is the synchronous `rl` one (`max_off_policy_steps = 0`, concurrency as the config resolves it): a step
+The environment is `rl_system.py`'s (arithmetic, in its default worker process). The loop is the synchronous `rl`
+one (`max_off_policy_steps = 0`, concurrency as the config resolves it): a step
 collects `rollouts / group_size` groups, then the policy gate opens the next version (no trainer, no weight load:
 `--gap-s` stands in for them). In-flight counts come from the server's arrival and reply times (one clock:
 CLOCK_MONOTONIC is system-wide). Prints one JSON object.
@@ -179,24 +180,27 @@ def in_flight(log: list[tuple[float, float, int]], start: float, end: float) -> 
     return dict(mean=weighted / span, max=peak, all_in_after_s=all_in_at, all_in_share=full_s / span)
 
 
-async def run_steps(args: argparse.Namespace, base_url: str) -> list[dict]:
+async def run_steps(args: argparse.Namespace, base_url: str, profiler: cProfile.Profile | None) -> list[dict]:
     from prime_rl.common.config.orchestrator import OrchestratorConfig
     from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
-    from prime_rl.orchestrator.envs.arithmetic import ArithmeticEnv
-    from prime_rl.orchestrator.envs.handle import LocalEnv
+    from prime_rl.orchestrator.entrypoint import build_env_handles
     from prime_rl.orchestrator.policy import PolicyState
     from prime_rl.orchestrator.scheduler import RolloutScheduler
 
-    config = OrchestratorConfig(batch_size=args.rollouts, group_size=args.group_size, max_off_policy_steps=0)
+    config = OrchestratorConfig(
+        batch_size=args.rollouts, group_size=args.group_size, max_off_policy_steps=0, env={"type": "arithmetic"}
+    )
     client = InferenceClient(base_url, "bench")
     policy = PolicyState(version=0)
     scheduler = RolloutScheduler(
-        LocalEnv(ArithmeticEnv()), client, policy, np.random.default_rng(0),
+        build_env_handles(config.env), client, policy, np.random.default_rng(0),
         SamplingArgs(max_tokens=args.max_tokens, temperature=1.0), group_size=args.group_size,
         groups_per_step=config.groups_per_step, max_off_policy_steps=0, max_concurrent=config.max_concurrent,
         follow_load=config.concurrency == "load", base_concurrent=config.base_concurrent,
     )  # fmt: skip
     await scheduler.setup()
+    if profiler is not None:  # the steps only: not imports and the environment worker's start
+        profiler.enable()
     scheduler.start()
     steps = []
     try:
@@ -207,14 +211,19 @@ async def run_steps(args: argparse.Namespace, base_url: str) -> list[dict]:
             tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
             log = (await client._http.get(base_url.removesuffix("/v1") + "/stats")).json()["log"]
             mine = [e for e in log if e[0] < end]  # requests of the next step (already sent) are not this step's
-            replied = max(r for _, r, _ in mine)
+            first, replied = min(a for a, _, _ in mine), max(r for _, r, _ in mine)
             steps.append(dict(step=step, seconds=end - start, tokens=tokens, tokens_per_s=tokens / (end - start),
                               in_flight_sequences=in_flight(mine, start, end),
-                              after_last_reply_s=end - replied))  # fmt: skip
+                              # the orchestrator's own time: before the first request reached the server, and
+                              # after the server's last reply (reading, parsing, scoring the last groups)
+                              before_first_request_s=first - start, after_last_reply_s=end - replied,
+                              server_s=replied - first))  # fmt: skip
             await policy.close()  # the weight update: the next step's groups wait for version step + 1
             await asyncio.sleep(args.gap_s)
             await policy.open(version=step + 1)
     finally:
+        if profiler is not None:
+            profiler.disable()
         await scheduler.close()
         await client.aclose()
     return steps
@@ -225,11 +234,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     proc, base_url = start_server(args, step_s)
     profiler = cProfile.Profile() if args.profile and mode == "instant" else None
     try:
-        if profiler is not None:
-            profiler.enable()
-        steps = asyncio.run(run_steps(args, base_url))
-        if profiler is not None:
-            profiler.disable()
+        steps = asyncio.run(run_steps(args, base_url, profiler))
     finally:
         proc.terminate()
         proc.wait()
