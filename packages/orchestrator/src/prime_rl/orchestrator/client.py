@@ -27,19 +27,23 @@ import base64
 import contextlib
 import contextvars
 import io
+import json
 import logging
 import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
+import msgspec
 import numpy as np
 
 from prime_rl.common.config.orchestrator import ClientModelConfig, SamplingConfig
 from prime_rl.common.vllm_compat import ROUTED_EXPERTS_FIELD
 from prime_rl.orchestrator.envs.base import Messages
+from prime_rl.orchestrator.http_pool import ShardedHTTP
+from prime_rl.orchestrator.responses import ChatResponse, ChatTokens, CompletionResponse
 from prime_rl.orchestrator.rollout import Completion
 
 if TYPE_CHECKING:
@@ -49,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 _GONE_STATUSES = (502, 503, 504)
 """Answers of a server (or a router in front of it) that is going away or not back yet."""
+T = TypeVar("T")
 _RESENT_BY_CALLER: contextvars.ContextVar[bool] = contextvars.ContextVar("prime_rl_resent_by_caller", default=False)
 
 
@@ -160,10 +165,10 @@ class InferenceClient:
         """Set by the orchestrator when inference may be restarted under it (see the module docstring)."""
         self.num_resent = 0
         """Requests this client sent again itself after an outage (not counting the scheduler's groups)."""
-        self._http = httpx.AsyncClient(
+        self._http = ShardedHTTP(  # one httpx client's pool is quadratic in the requests in flight (http_pool.py)
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
             headers={"Authorization": f"Bearer {api_key}"},
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            max_connections=max_connections,
         )
 
     async def aclose(self) -> None:
@@ -205,8 +210,7 @@ class InferenceClient:
         return body
 
     async def sample(self, messages: Messages, n: int, sampling: SamplingArgs) -> ChatResult:
-        data = await self._post(self.build_request(messages, n, sampling))
-        return parse_chat_response(data, n)
+        return parse_chat_response(await self._post_raw(self.build_request(messages, n, sampling)), n)
 
     # Token-level API (multi-turn rollouts, see multiturn.py): the server's own chat template renders
     # messages to ids (/tokenize), and generation takes ids in (/v1/completions with a token-id prompt).
@@ -266,7 +270,7 @@ class InferenceClient:
 
     async def complete(self, prompt_ids: list[int], n: int, sampling: SamplingArgs) -> list[TokenCompletion]:
         """Sample `n` continuations of exactly `prompt_ids` (vLLM's /v1/completions with a token-id prompt)."""
-        data = await self._post(
+        data = await self._post_raw(
             self.build_completion_request(prompt_ids, n, sampling), url=f"{self.base_url}/completions"
         )
         return parse_completion_response(data, n)
@@ -280,6 +284,10 @@ class InferenceClient:
         return response.status_code == 200
 
     async def _post(self, body: dict[str, Any], url: str | None = None) -> dict[str, Any]:
+        return json.loads(await self._post_raw(body, url))
+
+    async def _post_raw(self, body: dict[str, Any], url: str | None = None) -> bytes:
+        """POST ``body`` as JSON (with the retries and outage handling of the module docstring); the answer's bytes."""
         url = url or self.url
         start = time.monotonic()
         last_error = ""
@@ -293,7 +301,7 @@ class InferenceClient:
                 gone = True
             else:
                 if response.status_code < 400:
-                    return response.json()
+                    return response.content
                 if response.status_code < 500:
                     error = PromptTooLongError if _CONTEXT_REFUSAL in response.text else InferenceError
                     raise error(f"{url} refused the request with HTTP {response.status_code}: {response.text[:500]}")
@@ -324,76 +332,80 @@ class InferenceClient:
         )
 
 
-def _choice_token_ids(choice: dict[str, Any]) -> list[int]:
-    if choice.get("token_ids") is not None:
-        return [int(t) for t in choice["token_ids"]]
-    content = (choice.get("logprobs") or {}).get("content") or []
-    ids = []
-    for entry in content:  # fallback: tokens spelled "token_id:<id>"
-        match = _TOKEN_ID.match(entry.get("token", ""))
-        if match is None:
-            raise InferenceError(
-                "response has no choices[].token_ids and tokens are not 'token_id:<n>'; "
-                "serve with vLLM (return_token_ids / return_tokens_as_token_ids)"
-            )
-        ids.append(int(match.group(1)))
-    return ids
+def _decode(data: bytes | dict[str, Any], schema: type[T], what: str) -> T:
+    """A response body (raw JSON, or already decoded) as ``schema``; a body of the wrong shape is an InferenceError."""
+    try:
+        return msgspec.json.decode(data, type=schema) if isinstance(data, bytes) else msgspec.convert(data, schema)
+    except msgspec.MsgspecError as e:
+        raise InferenceError(f"unreadable {what} response: {e}; is the server vLLM (0.26 to 0.32)?") from None
 
 
-def decode_routed_experts(choice: dict[str, Any]) -> np.ndarray | None:
+def _spelled_token_ids(data: bytes | dict[str, Any]) -> dict[int, list[int]]:
+    """Per choice index, the ids of tokens spelled "token_id:<id>" (the fallback when a server sends no token_ids)."""
+    out = {}
+    for choice in _decode(data, ChatTokens, "chat completion").choices or []:
+        ids = []
+        for entry in (choice.logprobs.content if choice.logprobs else None) or []:
+            match = _TOKEN_ID.match(entry.token)
+            if match is None:
+                raise InferenceError(
+                    "response has no choices[].token_ids and tokens are not 'token_id:<n>'; "
+                    "serve with vLLM (return_token_ids / return_tokens_as_token_ids)"
+                )
+            ids.append(int(match.group(1)))
+        out[choice.index] = ids
+    return out
+
+
+def decode_routed_experts(encoded: str | None, index: int = 0) -> np.ndarray | None:
     """A choice's routed experts (vLLM: base64 of the `.npy` bytes of a (tokens - 1, layers, top_k) uint8 / uint16
     array; see `vllm_compat.ROUTED_EXPERTS_FIELD`), or None when the server returned none."""
-    encoded = choice.get(ROUTED_EXPERTS_FIELD)
     if encoded is None:
         return None
     try:
         array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
     except ValueError as e:
-        raise InferenceError(f"choice {choice.get('index', 0)}: unreadable {ROUTED_EXPERTS_FIELD} ({e})") from None
+        raise InferenceError(f"choice {index}: unreadable {ROUTED_EXPERTS_FIELD} ({e})") from None
     if array.ndim != 3:
         raise InferenceError(
-            f"choice {choice.get('index', 0)}: {ROUTED_EXPERTS_FIELD} has shape {array.shape}; expected "
-            "(tokens - 1, layers, top_k)"
+            f"choice {index}: {ROUTED_EXPERTS_FIELD} has shape {array.shape}; expected (tokens - 1, layers, top_k)"
         )
     return array
 
 
-def parse_chat_response(data: dict[str, Any], n: int) -> ChatResult:
-    """Turn a chat-completions JSON body (vLLM flavour) into prompt ids and completions."""
-    prompt_ids = data.get("prompt_token_ids")
-    if prompt_ids is None:
+def parse_chat_response(data: bytes | dict[str, Any], n: int) -> ChatResult:
+    """Turn a chat-completions body (vLLM flavour; raw JSON or decoded) into prompt ids and completions."""
+    body = _decode(data, ChatResponse, "chat completion")
+    if body.prompt_token_ids is None:
         raise InferenceError("response has no prompt_token_ids; the server must support vLLM's return_token_ids=true")
-    choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+    choices = sorted(body.choices or [], key=lambda c: c.index)
     if len(choices) != n:
         raise InferenceError(f"asked for n={n} completions, got {len(choices)}")
+    spelled = _spelled_token_ids(data) if any(c.token_ids is None for c in choices) else {}
     completions = []
     for choice in choices:
-        token_ids = _choice_token_ids(choice)
-        content = (choice.get("logprobs") or {}).get("content") or []
-        logprobs = [float(entry["logprob"]) for entry in content]
-        message = choice.get("message") or {}
-        text = message.get("content") or ""
-        completion = Completion(token_ids, logprobs, text, choice.get("finish_reason"))
-        completion.routed_experts = decode_routed_experts(choice)
+        token_ids = choice.token_ids if choice.token_ids is not None else spelled.get(choice.index, [])
+        content = (choice.logprobs.content if choice.logprobs else None) or []
+        text = (choice.message.content if choice.message else None) or ""
+        completion = Completion(token_ids, [entry.logprob for entry in content], text, choice.finish_reason)
+        completion.routed_experts = decode_routed_experts(choice.routed_experts, choice.index)
         completions.append(completion)
-    return ChatResult([int(t) for t in prompt_ids], completions)
+    return ChatResult(body.prompt_token_ids, completions)
 
 
-def parse_completion_response(data: dict[str, Any], n: int) -> list[TokenCompletion]:
+def parse_completion_response(data: bytes | dict[str, Any], n: int) -> list[TokenCompletion]:
     """Turn a /v1/completions body (vLLM flavour, `return_token_ids`, `logprobs=0`) into completions."""
-    choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+    choices = sorted(_decode(data, CompletionResponse, "completion").choices or [], key=lambda c: c.index)
     if len(choices) != n:
         raise InferenceError(f"asked for n={n} completions, got {len(choices)}")
     out = []
     for choice in choices:
-        if choice.get("token_ids") is None or choice.get("prompt_token_ids") is None:
+        if choice.token_ids is None or choice.prompt_token_ids is None:
             raise InferenceError(
                 "completion choice has no token_ids / prompt_token_ids; the server must support vLLM's "
                 "return_token_ids=true"
             )
-        logprobs = [float(lp) for lp in (choice.get("logprobs") or {}).get("token_logprobs") or []]
-        completion = Completion(
-            [int(t) for t in choice["token_ids"]], logprobs, choice.get("text") or "", choice.get("finish_reason")
-        )
-        out.append(TokenCompletion([int(t) for t in choice["prompt_token_ids"]], completion))
+        logprobs = (choice.logprobs.token_logprobs if choice.logprobs else None) or []
+        completion = Completion(choice.token_ids, logprobs, choice.text or "", choice.finish_reason)
+        out.append(TokenCompletion(choice.prompt_token_ids, completion))
     return out
