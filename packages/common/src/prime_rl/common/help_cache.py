@@ -10,7 +10,7 @@ having imported nothing but this module.
 Validity follows the bytecode's rules (the text is derived from code, as a .pyc is): the cache lies beside
 this module's bytecode (``__pycache__``, or under ``PYTHONPYCACHEPREFIX``), is not written under ``-B`` /
 ``PYTHONDONTWRITEBYTECODE``, and is used only while every module file the rendering process had loaded
-(config modules, ``cli_help``, pydantic, the stdlib; ~250 files) has the [mtime_ns, size] it had then, and
+(config modules, ``cli_help``, pydantic, the stdlib; 220-240 files) has the [mtime_ns, size] it had then, and
 the interpreter, its prefix and ``sys.path`` are the same. The key is the command, its config class, the
 section asked for and the terminal width the text was wrapped to. Only a bare ``CMD --help [SECTION]`` is
 cached: other arguments beside ``--help`` may pick another schema first (``sft @ job.toml --help`` with a
