@@ -13,6 +13,10 @@ machine's environment, where every start compiles this checkout's sources again 
 `--baseline DIR` (another checkout, e.g. `git worktree add /tmp/base <commit>`) times that checkout's
 commands too, alternating sample by sample with this one's, so that both see the same machine load: on
 the shared dev machine the load moves single runs by up to 2x, and this is the fair before/after.
+`rl --help` and `sft --help` go through the console scripts, which print the text the last `--help` stored
+(`prime_rl.common.help_cache`; the untimed warm-up stores it, as a user's first `--help` does);
+`rl --help, rendered` and `sft --help, rendered` call the commands' mains, which render it every time, as on
+the first `--help` after the code changed (and every one under `--no-bytecode-cache`, where nothing is stored).
 Then one `python -X importtime` run of `rl --help` and of `sft --help` lists the modules that cost the
 most (cumulative, and self time), which is where to look when a number regresses.
 
@@ -36,6 +40,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RENDERED = {"rl": "prime_rl.launcher.rl:main", "sft": "prime_rl.trainer.sft.entrypoint:main"}
+"""the commands' own mains: they render `--help` every time, where the console scripts print the stored text"""
 
 
 def entry_points(root: Path = ROOT) -> dict[str, str]:
@@ -128,12 +134,16 @@ def main() -> None:
             "--model.name", f"{tmp}/model", "--output-dir", f"{tmp}/out", "--dry-run",
         ]  # fmt: skip
         names = ("rl", "sft", "trainer", "inference", "orchestrator", "eval")
-        commands = {f"{name} --help": (name, ["--help"]) for name in names}
-        commands["rl @ examples/arithmetic/rl.toml --dry-run"] = ("rl", dry_run)
+        commands = {f"{name} --help": (name, name, ["--help"]) for name in names}
+        # the same help rendered by the command itself, as on the first `--help` after a code change
+        commands.update({f"{name} --help, rendered": (name, RENDERED[name], ["--help"]) for name in RENDERED})
+        commands["rl @ examples/arithmetic/rl.toml --dry-run"] = ("rl", "rl", dry_run)
 
         results, baseline = {}, {}
-        for label, (name, argv) in commands.items():
-            runs = [(script_argv(tree_scripts[name], name, argv), tree_env) for tree_scripts, tree_env in trees]
+        for label, (name, entry, argv) in commands.items():
+            runs = [
+                (script_argv(tree_scripts.get(entry, entry), name, argv), tree_env) for tree_scripts, tree_env in trees
+            ]
             samples = time_commands(runs, args.repeats)
             results[label] = summary(samples[0])
             if args.baseline is not None:

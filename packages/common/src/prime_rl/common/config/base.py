@@ -44,6 +44,8 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict
 from pydantic.fields import PydanticUndefined
 
+from prime_rl.common.help_cache import asks_for_help, help_section, help_width, store_help
+
 CLI = "command line"
 T = TypeVar("T", bound=BaseModel)
 
@@ -519,12 +521,6 @@ def load_config(cls: type[T], argv: list[str]) -> T:
     return load_config_with_sources(cls, argv)[0]
 
 
-def asks_for_help(argv: list[str]) -> bool:
-    """Whether ``parse_config`` would print the help and exit: an entrypoint that imports a heavy runtime
-    (torch, the orchestrator) checks this first, so that ``--help`` needs the config schema only."""
-    return "-h" in argv or "--help" in argv
-
-
 def parse_config(
     cls: type[T],
     argv: list[str] | None = None,
@@ -542,9 +538,10 @@ def parse_config(
     if asks_for_help(argv):
         from prime_rl.common.config.cli_help import format_help
 
-        at = argv.index("-h" if "-h" in argv else "--help")
-        section = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else None
-        sys.stdout.write(format_help(cls, prog, section))
+        width = help_width()
+        text = format_help(cls, prog, help_section(argv), width)
+        sys.stdout.write(text)
+        store_help(prog, f"{cls.__module__}.{cls.__qualname__}", argv, width, text)  # for the next `prog --help`
         raise SystemExit(0)
     sources: dict[str, str] = {}
     with warnings.catch_warnings(record=True) as caught:

@@ -18,7 +18,6 @@ import importlib.util
 import inspect
 import json
 import os
-import shutil
 import sys
 import textwrap
 import typing
@@ -30,6 +29,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from prime_rl.common.config.base import _is_bool, _is_optional_model, _models_in, _union_args, _variants
+from prime_rl.common.help_cache import help_width
 
 OPTION_COLUMN = 34
 
@@ -248,8 +248,9 @@ def _union_note(all_sections: list[_Section]) -> str:
     return f" Setting a table's type ({_flag(example)}.type) switches variant: the earlier variant's keys are dropped."
 
 
-def format_help(cls: type[BaseModel], prog: str, section: str | None = None) -> str:
-    width = max(80, min(shutil.get_terminal_size((120, 24)).columns, 140))
+def format_help(cls: type[BaseModel], prog: str, section: str | None = None, width: int | None = None) -> str:
+    """The whole ``prog --help [section]`` text, wrapped to ``width`` columns (default: the terminal's)."""
+    width = help_width() if width is None else width
     doc = _one_line((cls.__doc__ or "").strip().split("\n\n")[0])
     all_sections = sections(cls, width)  # walked once: the head, the union note and the body share it
     head = [
