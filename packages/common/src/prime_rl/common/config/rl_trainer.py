@@ -7,21 +7,12 @@ weights are published to inference.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from prime_rl.common.config.base import BaseConfig
-from prime_rl.common.config.monitor import MonitorConfig
-from prime_rl.common.config.trainer import (
-    AdamWConfig,
-    CheckpointConfig,
-    ConstantSchedulerConfig,
-    OptimizerConfig,
-    SchedulerConfig,
-    TrainerModelConfig,
-)
+from prime_rl.common.config.trainer import CheckpointConfig, TrainerRunConfig
 
 AUTO_MICRO_BATCH_TOKENS = 8192
 """`data.micro_batch_tokens = "auto"` gives forwards of at least this many tokens: on an H200 (Qwen3-1.7B shape)
@@ -194,39 +185,21 @@ WeightBroadcastConfig = Annotated[
 ]
 
 
-class RLTrainerConfig(BaseConfig):
+class RLTrainerConfig(TrainerRunConfig):
     """The RL trainer: receives packed rollouts, steps the policy, publishes weights."""
 
-    model: TrainerModelConfig
-    """The policy model and its parallel layout."""
     data: RLDataConfig = RLDataConfig()
     """Batches from the orchestrator, or fake data."""
     loss: LossConfig = TokenLossConfig()
     """The policy-gradient loss: `type = "token"` (default) or `"sequence"` (GSPO), normalization, KL."""
-    optim: OptimizerConfig = AdamWConfig()
-    """Optimizer: `type = "adamw"` or `"sign_sgd"`."""
-    scheduler: SchedulerConfig = ConstantSchedulerConfig()
-    """Learning-rate schedule."""
     ckpt: CheckpointConfig = CheckpointConfig(export_hf=False)
-    """Checkpointing and resume."""
+    """Checkpointing and resume (no Hugging Face export at the end: inference already has the weights)."""
     weight_broadcast: WeightBroadcastConfig = FilesystemBroadcastConfig()
     """How new weights reach inference."""
-    max_steps: int = Field(100, ge=1)
-    """Optimizer steps to train for."""
-    output_dir: Path = Path("outputs")
-    """Parent of the run directory."""
     run_name: str = "rl"
     """Run directory name: <output_dir>/<run_name>."""
-    seed: int = 0
-    """Seed for any randomness in training."""
-    monitor: MonitorConfig = MonitorConfig()
-    """Metrics sinks besides metrics.jsonl: `[monitor.wandb]` logs to Weights & Biases."""
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    """Console log level (rank 0)."""
     env_vars: dict[str, str] = {}
     """Environment variables every trainer rank sets at start-up (e.g. CUDA_HOME); ${VAR} expands."""
-    dry_run: bool = False
-    """Write the resolved config to <run_dir>/configs/trainer.toml and exit."""
 
     @model_validator(mode="after")
     def _check(self) -> RLTrainerConfig:
@@ -253,7 +226,3 @@ class RLTrainerConfig(BaseConfig):
                 "trained in full, so inference would sample from other weights than the trainer's; leave it empty for RL"
             )
         return self
-
-    @property
-    def run_dir(self) -> Path:
-        return self.output_dir / self.run_name

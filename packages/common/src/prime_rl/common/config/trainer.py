@@ -370,14 +370,12 @@ class SingleNodeDeploymentConfig(BaseConfig):
     """Processes to launch (one per GPU; gloo processes on a CPU machine). None: $WORLD_SIZE or 1."""
 
 
-class SFTConfig(BaseConfig):
-    """Supervised fine-tuning with FSDP2 on packed sequences."""
+class TrainerRunConfig(BaseConfig):
+    """What every trainer run has, SFT or RL: the model, its optimizer and schedule, checkpoints, how long it
+    trains, where it writes and how it logs. `SFTConfig` and `RLTrainerConfig` add their data and the rest."""
 
     model: TrainerModelConfig
     """The model and its parallel layout."""
-
-    data: DataConfig
-    """Training data: `type = "sft"` (chat file) or `type = "fake"` (random tokens)."""
 
     optim: OptimizerConfig = AdamWConfig()
     """Optimizer: `type = "adamw"` or `"sign_sgd"`."""
@@ -388,16 +386,13 @@ class SFTConfig(BaseConfig):
     ckpt: CheckpointConfig = CheckpointConfig()
     """Checkpointing and resume."""
 
-    deployment: SingleNodeDeploymentConfig = SingleNodeDeploymentConfig()
-    """Where the trainer ranks run."""
-
     max_steps: int = Field(100, ge=1)
     """Optimizer steps to train for."""
 
     output_dir: Path = Path("outputs")
     """Parent of the run directory."""
 
-    run_name: str = "sft"
+    run_name: str
     """Run directory name: everything goes to <output_dir>/<run_name>."""
 
     seed: int = 0
@@ -412,6 +407,23 @@ class SFTConfig(BaseConfig):
     dry_run: bool = False
     """Write the resolved config to <run_dir>/configs/trainer.toml and exit."""
 
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.run_name
+
+
+class SFTConfig(TrainerRunConfig):
+    """Supervised fine-tuning with FSDP2 on packed sequences."""
+
+    data: DataConfig
+    """Training data: `type = "sft"` (chat file) or `type = "fake"` (random tokens)."""
+
+    deployment: SingleNodeDeploymentConfig = SingleNodeDeploymentConfig()
+    """Where the trainer ranks run."""
+
+    run_name: str = "sft"
+    """Run directory name: everything goes to <output_dir>/<run_name>."""
+
     @model_validator(mode="after")
     def _check_layout(self) -> "SFTConfig":
         """The parallel layout and batch split, against the rank count when it is known and config.json."""
@@ -422,10 +434,6 @@ class SFTConfig(BaseConfig):
         if world is not None:
             check_batch(self.data.batch_size, self.data.micro_batch_size, world // self.model.cp, world_key=world_key)
         return self
-
-    @property
-    def run_dir(self) -> Path:
-        return self.output_dir / self.run_name
 
 
 def _world_size(deployment: BaseConfig) -> tuple[int | None, str]:
