@@ -1,0 +1,63 @@
+"""The GPU timeline that benchmarks/rl_system.py draws: nvidia-smi's CSV read back, busy share, a valid SVG."""
+
+from __future__ import annotations
+
+import os
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_timeline  # noqa: E402
+
+GPU_CSV = """\
+2026/12/03 23:00:00.000, 0, 1000, 143771, 0
+2026/12/03 23:00:00.250, 0, 52000, 143771, 97
+2026/12/03 23:00:00.500, 0, [N/A], 143771, 50
+2026/12/03 23:00:00.750, 0, 9000, 143771, 100
+2026/12/03 23:00:01.000, 0, 9000, 1437
+"""
+APPS_CSV = """\
+2026/12/03 23:00:00.250, 4242, 50000
+2026/12/03 23:00:00.750, 4243, 8000
+"""
+
+
+@pytest.fixture
+def csv_path(tmp_path):
+    path = tmp_path / "timeline.csv"
+    path.write_text(GPU_CSV)
+    gpu_timeline.apps_path(path).write_text(APPS_CSV)
+    return path
+
+
+def test_samples_are_read_in_seconds_skipping_unreadable_rows(csv_path):
+    samples = gpu_timeline.read_samples(csv_path, roles={4242: "inference", 4243: "trainer"})
+    assert samples.devices[0] == [(0.0, 1000.0, 0.0), (0.25, 52000.0, 97.0), (0.75, 9000.0, 100.0)]
+    assert samples.memory_total == {0: 143771.0}
+    assert samples.processes == {"inference": [(0.25, 50000.0)], "trainer": [(0.75, 8000.0)]}
+
+
+def test_busy_fraction_is_the_share_of_samples_with_a_kernel_running(csv_path):
+    assert gpu_timeline.busy_fraction(gpu_timeline.read_samples(csv_path)) == {0: pytest.approx(2 / 3)}
+
+
+def test_svg_is_well_formed_and_names_every_line_and_mark(csv_path):
+    samples = gpu_timeline.read_samples(csv_path, roles={4242: "inference", 4243: "trainer"})
+    svg = gpu_timeline.render_svg(samples, marks=[(0.5, "sleep")], title="colocated")
+    root = ET.fromstring(svg)
+    texts = {t.text for t in root.iter("{http://www.w3.org/2000/svg}text")}
+    assert {"GPU 0 used", "inference", "trainer", "sleep", "colocated"} <= texts
+
+
+def test_an_unsampled_run_says_why_there_is_no_picture(tmp_path):
+    (tmp_path / "empty.csv").write_text("")
+    with pytest.raises(ValueError, match="no GPU samples"):
+        gpu_timeline.render_svg(gpu_timeline.read_samples(tmp_path / "empty.csv"))
+
+
+def test_a_process_this_machine_cannot_see_keeps_its_pid():
+    assert gpu_timeline.role_of(os.getpid()) == f"pid {os.getpid()}"
+    assert gpu_timeline.role_of(2**22 + 12345) == f"pid {2**22 + 12345}"
