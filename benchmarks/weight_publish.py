@@ -13,9 +13,9 @@ there, ``save_hf_weights``, marker) on the same model.
 
 Then the inference side of the same update, on the published directory (page cache warm, as on one host):
 ``verify_s`` (``prime_rl.inference.weights.verify.verify_weights_dir``: sizes, checksums, finite values) and
-``load_s`` (the worker's file reader ``_iter_safetensors``, each tensor copied to the device; vLLM's own
-``load_weights`` into its parameters is not included: ``benchmarks/rl_system.py`` logs the server's real
-figure). ``update_s`` = write + verify + load, the filesystem update's critical path (issue #29: <= 2 s).
+``load_s`` (the worker's file reader ``_iter_safetensors``, each tensor copied into a preallocated tensor on
+the device, as a weight loader copies into its parameter; vLLM's own ``load_weights`` bookkeeping is not
+included: ``benchmarks/rl_system.py`` logs the server's real figure). ``update_s`` = write + verify + load, the filesystem update's critical path (issue #29: <= 2 s).
 """
 
 from __future__ import annotations
@@ -68,11 +68,12 @@ def main(shape: str, versions: int = 3, previous: bool = True) -> dict:
         num_bytes = sum(p.numel() for p in model.parameters()) * 2
         publisher = build_publisher(FilesystemBroadcastConfig(keep_last=2), RunDir(tmp, "run"), model, world)
         blocked, background, verify, load = [], [], [], []
+        params: dict = {}  # the "engine's parameters" the load copies into, allocated by the first version
         for version in range(1, versions + 1):
             blocked.append(publisher.publish(version))
             publisher.flush()
             background.append(publisher.last_write_time)
-            verify_s, load_s = _inference_side(RunDir(tmp, "run").broadcast_dir(version), world.device)
+            verify_s, load_s = _inference_side(RunDir(tmp, "run").broadcast_dir(version), world.device, params)
             verify.append(verify_s)
             load.append(load_s)
         publisher.close()
@@ -111,7 +112,7 @@ def main(shape: str, versions: int = 3, previous: bool = True) -> dict:
     }
 
 
-def _inference_side(path: Path, device) -> tuple[float, float]:
+def _inference_side(path: Path, device, params: dict) -> tuple[float, float]:
     """(verify seconds, load seconds) of one published directory, as the inference server reads it."""
     import torch
 
@@ -121,8 +122,10 @@ def _inference_side(path: Path, device) -> tuple[float, float]:
     start = time.perf_counter()
     verify_weights_dir(path)
     verified = time.perf_counter()
-    for _, tensor in _iter_safetensors(str(path)):
-        tensor.to(device, non_blocking=True)
+    for name, tensor in _iter_safetensors(str(path)):
+        if name not in params:
+            params[name] = torch.empty_like(tensor, device=device)
+        params[name].copy_(tensor, non_blocking=True)  # reads the file's pages (safetensors maps them on CPU)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return verified - start, time.perf_counter() - verified
