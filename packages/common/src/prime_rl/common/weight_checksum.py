@@ -91,8 +91,10 @@ def combine_piece_crcs(pieces: Sequence[tuple[int, int]]) -> int:
     return crc
 
 
-def split_range(begin: int, end: int, piece: int = PIECE_BYTES) -> list[tuple[int, int]]:
-    """[begin, end) as consecutive [a, b) of at most ``piece`` bytes; one empty piece for an empty range."""
+def split_range(begin: int, end: int, piece: int | None = None) -> list[tuple[int, int]]:
+    """[begin, end) as consecutive [a, b) of at most ``piece`` (default ``PIECE_BYTES``) bytes; one empty
+    piece for an empty range."""
+    piece = piece or PIECE_BYTES
     return [(a, min(a + piece, end)) for a in range(begin, end, piece)] or [(begin, end)]
 
 
