@@ -3,12 +3,14 @@
     python benchmarks/weight_update_parts.py 1gib                 # ~1.1 GB bf16, 11 Qwen3-1.7B layers
     python benchmarks/weight_update_parts.py qwen3-1.7b           # 3.4 GB bf16, the Qwen3-1.7B shape
     python benchmarks/weight_update_parts.py 1gib --src /tmp/old  # another tree's packages (before/after)
+    python benchmarks/weight_update_parts.py 1gib --rounds 5      # rounds per run (default 3; median printed)
 
 What ``benchmarks/weight_publish.py`` times inside the trainer, isolated so that two trees can be compared
 in alternation on a loaded machine: ``write_s`` (``write_hf_dir``: shards written side by side from memory
 and their checksums), ``verify_s`` (``verify_weights_dir``: sizes, checksums, finite values), ``load_s``
 (the worker's ``_iter_safetensors``, each tensor copied into a preallocated tensor on the device) and
-``update_s`` (their sum). Each round writes a fresh directory (page cache warm, as on one host). ``--src``
+``update_s`` (their sum), and each part's CPU seconds over all threads (``*_cpu_s``: wall time on a shared
+machine carries its load, CPU time much less). Each round writes a fresh directory (page cache warm, as on one host). ``--src``
 puts that tree's ``packages/*/src`` first on the path (e.g. ``git archive <commit> packages | tar -x -C
 /tmp/old``).
 """
@@ -34,6 +36,8 @@ def _src_root() -> Path:
 for _pkg in ("common", "kernels", "trainer", "inference"):
     sys.path.insert(0, str(_src_root() / "packages" / _pkg / "src"))
 
+OPTIONS = ("--src", "--rounds")
+"""Options that take a value."""
 SHAPES = {"1gib": 11, "qwen3-1.7b": 28}
 """Decoder layers of the Qwen3-1.7B shape (hidden 2048, MLP 6144, 16 query / 8 KV heads of 128, vocab 151936)."""
 
@@ -74,29 +78,32 @@ def main(shape: str, rounds: int = 3) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="update-parts-"))
     config = load_arch_config(make_tiny_model(tmp / "model"))  # side files only (config.json)
     params: dict = {}
-    parts: dict[str, list[float]] = {"write_s": [], "verify_s": [], "load_s": []}
+    parts: dict[str, list[float]] = {
+        f"{part}{unit}": [] for unit in ("_s", "_cpu_s") for part in ("write", "verify", "load")
+    }
     try:
         for r in range(rounds):
             out = tmp / f"step_{r}"
-            start = time.perf_counter()
+            marks = [(time.perf_counter(), time.process_time())]
             write_hf_dir(state, out, config)
-            written = time.perf_counter()
+            marks.append((time.perf_counter(), time.process_time()))
             verify_weights_dir(out)
-            verified = time.perf_counter()
+            marks.append((time.perf_counter(), time.process_time()))
             for name, tensor in _iter_safetensors(str(out)):
                 if name not in params:
                     params[name] = torch.empty_like(tensor, device=device)
                 params[name].copy_(tensor, non_blocking=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            loaded = time.perf_counter()
-            parts["write_s"].append(written - start)
-            parts["verify_s"].append(verified - written)
-            parts["load_s"].append(loaded - verified)
+            marks.append((time.perf_counter(), time.process_time()))
+            for i, part in enumerate(("write", "verify", "load")):
+                parts[f"{part}_s"].append(marks[i + 1][0] - marks[i][0])
+                # CPU seconds of every thread of the process: steadier than wall time on a shared machine
+                parts[f"{part}_cpu_s"].append(marks[i + 1][1] - marks[i][1])
             shutil.rmtree(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    update = [sum(x) for x in zip(*parts.values(), strict=True)]
+    update = [sum(x) for x in zip(parts["write_s"], parts["verify_s"], parts["load_s"], strict=True)]
     return {
         "shape": shape,
         "src": str(_src_root()),
@@ -111,5 +118,6 @@ def main(shape: str, rounds: int = 3) -> dict:
 
 
 if __name__ == "__main__":
-    args = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--") and sys.argv[i - 1] != "--src"]
-    print(json.dumps(main(args[0] if args else "1gib")))
+    args = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--") and sys.argv[i - 1] not in OPTIONS]
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
+    print(json.dumps(main(args[0] if args else "1gib", rounds)))
