@@ -13,6 +13,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from prime_rl.common.weight_checksum import CHECKSUMS_FILE, compute_checksums, read_checksums, write_checksums
+from prime_rl.inference.weights import verify
 from prime_rl.inference.weights.manifest import WeightUpdateError
 from prime_rl.inference.weights.verify import verify_weights_dir
 
@@ -124,4 +125,35 @@ def test_many_tensors_scanned_at_once_report_the_first_bad_one_in_file_order(tmp
     for bad in ("layer17.weight", "layer05.weight"):
         _poke(tmp_path / "model.safetensors", bad, struct.pack("<f", float("nan")))
     with pytest.raises(WeightUpdateError, match="tensor layer05.weight has 1 NaN"):
+        verify_weights_dir(tmp_path)
+
+
+def test_tensors_read_in_several_pieces_pass_and_a_defect_in_a_late_piece_is_found(tmp_path, monkeypatch):
+    """Large tensors are read in pieces on several threads (checksums merged with crc32_combine) and tested
+    for NaN/Inf in blocks: a sound file passes, a bad value or a changed byte in a late piece is refused."""
+    monkeypatch.setattr(verify, "PIECE_BYTES", 1024)  # a 64x32 float32 tensor: 8 pieces
+    monkeypatch.setattr(verify, "_BLOCK", 64)  # several finite-test blocks per piece
+    path = _weights(tmp_path)
+    assert verify_weights_dir(path).tensors == 3
+    _poke(path / "model.safetensors", "a.weight", struct.pack("<f", 0.5), at=7 * 1024 + 12)  # finite, 8th piece
+    with pytest.raises(WeightUpdateError, match="a.weight has crc32"):
+        verify_weights_dir(path)
+    _poke(path / "model.safetensors", "a.weight", struct.pack("<f", float("inf")), at=5 * 1024 + 4)
+    with pytest.raises(WeightUpdateError, match="a.weight has 1 NaN/Inf"):
+        verify_weights_dir(path, check_finite=True)
+
+
+def test_files_are_scanned_together_but_the_first_defect_in_file_order_is_reported(tmp_path):
+    rng = np.random.default_rng(1)
+    for shard in ("model-00001.safetensors", "model-00002.safetensors"):
+        save_file({f"{shard[:11]}.w": rng.standard_normal((32, 32)).astype(np.float32)}, str(tmp_path / shard))
+    write_checksums(tmp_path)
+    assert verify_weights_dir(tmp_path).files == 2
+    first, second = tmp_path / "model-00001.safetensors", tmp_path / "model-00002.safetensors"
+    _poke(first, "model-00001.w", struct.pack("<f", 0.25))  # changed data in the first file
+    second.write_bytes(second.read_bytes()[:-4])  # and a truncated second one
+    with pytest.raises(WeightUpdateError, match="model-00001.w has crc32"):
+        verify_weights_dir(tmp_path)
+    first.write_bytes(first.read_bytes()[:-4])
+    with pytest.raises(WeightUpdateError, match="model-00001.safetensors is .* truncated"):
         verify_weights_dir(tmp_path)

@@ -1,6 +1,8 @@
 """The filesystem transport's writer: safetensors byte-identical to the library's, shards written side by side,
 and checksums summed from memory that equal what a reader computes from the files."""
 
+import zlib
+
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -20,12 +22,15 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 def test_file_is_byte_identical_to_safetensors_and_crcs_match_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "_PIECE", 4096)  # many pieces per tensor, written by several threads
+    monkeypatch.setattr(files, "_BLOCK", 1000)  # blocks that do not divide a piece: a short last block
     tensors = _tensors()
     crcs = files.write_safetensors(tmp_path / "ours.safetensors", tensors, {"format": "pt"}, workers=4)
     save_file(tensors, str(tmp_path / "lib.safetensors"), metadata={"format": "pt"})
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "lib.safetensors").read_bytes()
     (tmp_path / "lib.safetensors").unlink()
     assert crcs == compute_checksums(tmp_path)
+    # summed piece by piece and merged, yet zlib's CRC of each tensor's whole bytes
+    assert crcs == {name: zlib.crc32(t.view(torch.uint8).numpy().tobytes()) for name, t in tensors.items()}
 
 
 def test_hf_dir_is_sharded_per_writer_and_loads_back(tmp_path, monkeypatch):

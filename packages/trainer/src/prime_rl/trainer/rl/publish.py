@@ -25,13 +25,14 @@ What overlaps the next step, per transport:
 - filesystem: the loop pays for the all-gathers (collective, every rank, one parameter at a time) and
   the cast to the publish dtype on the device; the device-to-host copy runs on a side CUDA stream into
   a reusable pinned buffer, and a writer thread writes ``broadcasts/step_<n>.tmp/``, fsyncs it,
-  writes the ``STABLE`` marker last, renames it to ``step_<n>/`` (atomic), prunes old versions and
-  announces. The loop never waits for the disk: when the writer is still busy, the next version goes to
-  a second buffer, and a staged version the writer has not started is replaced by a newer one (never
-  announced; ``skipped`` counts them). A trainer killed mid-write leaves only ``step_<n>.tmp`` (removed
-  at the next start), never a loadable partial ``step_<n>``. Host memory: one copy of the weights in
-  the publish dtype, pinned, on rank 0, and a second one once the disk falls behind the steps
-  (``weights.staging``); no further copy is made to write it (``weights.files``).
+  writes the ``STABLE`` marker last, renames it to ``step_<n>/`` (atomic), announces it, then prunes
+  old versions (off the update's critical path). The loop never waits for the disk: when the writer is
+  still busy, the next version goes to a second buffer, and a staged version the writer has not started
+  is replaced by a newer one (never announced; ``skipped`` counts them). A trainer killed mid-write
+  leaves only ``step_<n>.tmp`` (removed at the next start), never a loadable partial ``step_<n>``.
+  Host memory: one copy of the weights in the publish dtype, pinned, on rank 0, and a second one once
+  the disk falls behind the steps (``weights.staging``); no further copy is made to write it
+  (``weights.files``).
 - nccl: gather + cast on the device, bucket packing and the broadcast itself stay in ``publish`` (the
   sender must take part; GPU-to-GPU it is ~10 ms for 3.5 GB); waiting for every server to reload the
   weights (``AwaitWeightsRequest``, the slow part) and the announcement move to the background thread.
@@ -184,9 +185,11 @@ class FilesystemPublisher(Publisher):
         write_hf_dir(model_state_dict_to_hf(staging.tensors(), config), tmp, config)
         (tmp / BROADCAST_MARKER).touch()
         publish_dir(tmp, final)
-        prune_versions(self.run_dir, version, self.cfg.keep_last)
         self.last_write_time = time.perf_counter() - start
         self._announce(version, str(final), blocked)
+        # After the announcement: removing old versions took 0.22-0.26 s on the H200 machine, and inference
+        # needs only the version just announced (never pruned: it is the newest one kept).
+        prune_versions(self.run_dir, version, self.cfg.keep_last)
 
 
 class BroadcastPublisher(Publisher):
