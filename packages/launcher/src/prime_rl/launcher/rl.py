@@ -152,7 +152,10 @@ def check_colocated(cfg: RLConfig, gpus: list[str], facts: HostFacts) -> HostFac
         tp = cfg.inference.vllm.tensor_parallel_size
         if (error := fit_error(gpu_bytes, num_params, cfg.deployment.num_gpus, tp)) is not None:
             raise ConfigError(error, keys=["deployment.num_gpus"])
-    log.info("colocated: inference and trainer take turns on GPU %s", ",".join(gpus) or "CPU (nothing to free)")
+    log.info(
+        "colocated: inference and trainer take turns on %s",
+        f"GPU {','.join(gpus)}" if gpus else "the CPU (nothing to free)",
+    )
     return dataclasses.replace(facts, gpu_bytes=gpu_bytes, num_params=num_params)
 
 
