@@ -55,6 +55,7 @@ def test_split_runs_neither_sleep_nor_offload(model):
           "--inference.vllm.data-parallel-size", "2"], "must equal deployment.num_gpus=2"),
         (["--trainer.offload-between-steps", "false"], "keep its free memory from vLLM"),
         (["--slurm.job-name", "x"], "runs on this node only"),
+        (["--inference.max-restarts", "1"], "set inference.max_restarts=0"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_naming_the_fix(model, monkeypatch, flags, message):

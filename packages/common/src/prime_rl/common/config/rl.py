@@ -265,6 +265,12 @@ class RLConfig(BaseConfig):
                 "deployment.type='colocated' runs on this node only, but [slurm] asks for a multi-node job; remove "
                 "[slurm], or use deployment.type='multi_node' (inference and trainer on nodes of their own)"
             )
+        if self.inference.max_restarts:
+            raise ValueError(
+                f"inference.max_restarts={self.inference.max_restarts} with deployment.type='colocated': a restarted "
+                "server would come back awake while the trainer holds the GPUs, and the hand-over does not wait one out; "
+                "set inference.max_restarts=0"
+            )
         if self.orchestrator.max_off_policy_steps != 0:
             raise ValueError(
                 f"orchestrator.max_off_policy_steps={self.orchestrator.max_off_policy_steps} with deployment.type="
