@@ -41,11 +41,11 @@ processes that both hold their memory; the files on disk need neither side awake
 
 
 class ColocatedDeployment(BaseConfig):
-    """Inference and trainer on the same ``num_gpus`` GPUs of this machine, taking turns (synchronous RL).
+    """Inference and trainer on the same GPUs of this machine, in turns: vLLM sleeps while the trainer steps."""
 
-    Each step: rollouts, then vLLM sleeps (sleep mode frees its KV cache and, at level 1, moves its weights to
-    host memory), the trainer steps and publishes, then vLLM wakes its weights, loads the new ones and wakes its
-    KV cache. Inference runs tensor x data parallel over the GPUs, the trainer FSDP over them."""
+    # Each step: rollouts, then vLLM sleeps (sleep mode frees its KV cache and, at level 1, moves its weights to
+    # host memory), the trainer steps and publishes, then vLLM wakes its weights, loads the new ones and wakes its
+    # KV cache. Inference runs tensor x data parallel over the GPUs, the trainer FSDP over them (docs/DESIGN.md).
 
     type: Literal["colocated"] = "colocated"
     num_gpus: int = Field(1, ge=1)
