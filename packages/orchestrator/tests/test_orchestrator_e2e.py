@@ -64,6 +64,7 @@ class FakeTrainer:
     ):
         self.run_dir, self.publish_delay, self.weights_port = run_dir, publish_delay, weights_port
         self.received: list[list[tuple[TrainingBatch, dict]]] = [[] for _ in range(num_ranks)]
+        self.arrival_times: list[list[float]] = [[] for _ in range(num_ranks)]  # time.monotonic() of each batch
         self.errors: list[BaseException] = []
         self.threads = [
             threading.Thread(target=self._run, args=(rank, port, num_steps), daemon=True) for rank in range(num_ranks)
@@ -77,6 +78,7 @@ class FakeTrainer:
             with Receiver(f"tcp://127.0.0.1:{port + rank}", bind=False, timeout_s=30) as receiver:
                 for i in range(num_steps):
                     message, arrays = receiver.recv()
+                    self.arrival_times[rank].append(time.monotonic())
                     self.received[rank].append((message, {k: np.array(v) for k, v in arrays.items()}))
                     if rank == 0:
                         time.sleep(self.publish_delay)

@@ -186,3 +186,26 @@ def installed_vllm_is_cpu() -> bool:
         return True
     except metadata.PackageNotFoundError:
         return "+cpu" in (installed_vllm_version() or "")
+
+
+# Sleep mode (colocated runs, `[deployment] type = "colocated"`). `AsyncLLM.sleep(level)`, `wake_up(tags)` and
+# `is_sleeping()` exist with these names in 0.26 and 0.32 (0.32 adds `sleep(level, mode="abort")`; prime-rl
+# never passes it: inference is idle when it is put to sleep). Wake-up tags: "weights", "kv_cache" (0.32 adds
+# "scheduling", woken with "kv_cache"). It needs vLLM's CUDA memory pool (`vllm.cumem_allocator`, a compiled
+# extension): the CPU build has none and refuses `enable_sleep_mode` ("Sleep mode is not supported on current
+# platform"), so on CPU the inference server keeps its memory and only reports the state it was asked for.
+SLEEP_TAGS = ("weights", "kv_cache")
+"""What `wake_up` can wake, in the order a colocated step wakes them (weights, then the new ones load, then KV)."""
+
+
+def sleep_mode_available() -> bool | None:
+    """Whether the installed vLLM can sleep (its CUDA memory-pool extension is there), read from the package's
+    files without importing vLLM; None when no vLLM is installed here (nothing to check against)."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    spec = find_spec("vllm")  # the top-level spec only: a submodule's would import vllm
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = Path(next(iter(spec.submodule_search_locations)))
+    return any(package.glob("cumem_allocator*.so"))

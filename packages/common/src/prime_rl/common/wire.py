@@ -377,6 +377,10 @@ class HealthReply(Message):
     """As in ``ControlReply``: random per start of the server process."""
     error: str = ""
     """Why ``ok`` is False: e.g. a failed weight update whose previous weights could not be restored."""
+    sleeping: bool = False
+    """True while the engine sleeps (colocated runs: the trainer has the GPUs); see ``SleepRequest``."""
+    awake: list[str] = []
+    """What of the engine is awake ("weights", "kv_cache"): both when not sleeping, none right after a sleep."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,6 +528,37 @@ class EnvReply(Message):
     """One line: what failed (not ok)."""
 
 
+# ---------------------------------------------------------------------------------------------
+# Colocated runs (``[deployment] type = "colocated"``): inference sleeps while the trainer steps
+# ---------------------------------------------------------------------------------------------
+
+
+class SleepRequest(Message):
+    """Orchestrator -> inference: abort what runs and sleep (vLLM sleep mode) so the trainer can use the GPUs.
+
+    Level 1 moves the weights to host memory and frees the KV cache; level 2 discards both (the next weight
+    load brings weights back). Answered once the memory is freed."""
+
+    level: int = 1
+    """vLLM sleep level, 1 or 2."""
+    by: str = ""
+    """Who asks (logged with the peer address)."""
+
+
+class WakeUpRequest(Message):
+    """Orchestrator -> inference: wake what ``tags`` names (``[]``: everything). A colocated step wakes
+    "weights" first (so new weights can load into them), then "kv_cache" once they are loaded."""
+
+    tags: list[str] = []
+    """"weights", "kv_cache", or empty for both."""
+    by: str = ""
+    """Who asks (logged with the peer address)."""
+
+
+COLOCATED_MESSAGE_TYPES: tuple[type[Message], ...] = (SleepRequest, WakeUpRequest)
+"""Added to ``MESSAGE_TYPES`` below; kept in one block so other additions to the wire merge beside it."""
+
+
 # Append new messages above this line and add them here; the union decoder needs the closed set.
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     TrainingBatch,
@@ -545,6 +580,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     WeightsPublished,
     EnvRequest,
     EnvReply,
+    *COLOCATED_MESSAGE_TYPES,
 )
 
 

@@ -54,7 +54,10 @@ from prime_rl.common.wire import (
     NixlWeightsRequest,
     PauseRequest,
     ResumeRequest,
+    SleepRequest,
+    WakeUpRequest,
 )
+from prime_rl.inference import sleep
 from prime_rl.inference.weights import push
 from prime_rl.inference.weights.load import load_checkpoint
 from prime_rl.inference.weights.manifest import Manifest, WeightUpdateError
@@ -100,6 +103,8 @@ class Controller:
         self._client_paused = False
         self._lock = asyncio.Lock()
         self._broadcasts: dict[int, asyncio.Task] = {}
+        self.sleep_state = sleep.SleepState.of(engine)
+        """Colocated runs: what of the engine is awake (``prime_rl.inference.sleep``)."""
         self.boot_id = uuid.uuid4().hex[:16]
         """Sent with every reply: a client that sees it change knows this address now serves a restarted process
         (one that never got the updates the old one did), even when the restart fell between two of its requests."""
@@ -125,6 +130,10 @@ class Controller:
                 return await self._pause(request, origin)
             if isinstance(request, ResumeRequest):
                 return await self._resume()
+            if isinstance(request, SleepRequest):  # colocated runs: prime_rl.inference.sleep
+                return await sleep.sleep(self, request, origin)
+            if isinstance(request, WakeUpRequest):
+                return await sleep.wake_up(self, request, origin)
             # Weight updates: the filesystem transport's load (weights.load), the push transports' requests
             # (weights.push); which transport sends which is the table in prime_rl.common.weight_transports.
             if isinstance(request, LoadWeightsRequest):
@@ -163,7 +172,8 @@ class Controller:
 
     async def _resume(self) -> ControlReply:
         async with self._lock:  # never resume in the middle of an update
-            await self.engine.resume_generation()
+            if not self.sleep_state.sleeping:  # asleep: the wake-up resumes once everything is awake
+                await self.engine.resume_generation()
             self._client_paused = False
             self.paused_by = ""
         return self._reply(True)
@@ -177,6 +187,7 @@ class Controller:
                 ok=False, weight_version=self.weight_version, model=self.model_name, run_id=self.run_id,
                 boot_id=self.boot_id, error=f"the engine does not answer ({type(e).__name__}: {e})",
             )  # fmt: skip
+        sleeping = await sleep.is_sleeping(self)
         return HealthReply(
             ok=not errored and not self.failure,
             weight_version=self.weight_version,
@@ -185,6 +196,8 @@ class Controller:
             run_id=self.run_id,
             boot_id=self.boot_id,
             error="the engine has errored" if errored else self.failure,
+            sleeping=sleeping,
+            awake=self.sleep_state.awake_list(),
         )
 
 
@@ -234,6 +247,8 @@ def _describe(request: Message) -> str:
         return f"LoadWeightsRequest(version={request.version}, path={request.path})"
     if isinstance(request, PauseRequest):
         return f"PauseRequest(mode={request.mode}" + (f", by={request.by})" if request.by else ")")
+    if isinstance(request, SleepRequest | WakeUpRequest):
+        return repr(request)
     version = getattr(request, "version", None)
     return type(request).__name__ + (f"(version={version})" if version is not None else "")
 

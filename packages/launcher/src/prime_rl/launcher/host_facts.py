@@ -43,6 +43,10 @@ class HostFacts:
     components resolve their own."""
     resume_step: int | None = None
     """The step both trainer and orchestrator resume from (None: a fresh start), when `resume_resolved`."""
+    gpu_bytes: int | None = None
+    """Memory of one of the run's GPUs (colocated runs size vLLM's share with it); None without GPUs."""
+    num_params: int | None = None
+    """Parameters of the model's checkpoint (colocated runs); None when not read."""
 
 
 def read_served_dtype(cfg: RLConfig) -> str | None:

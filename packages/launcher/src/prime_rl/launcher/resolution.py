@@ -24,6 +24,7 @@ from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.config.rebuild import updated
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.config.rl_trainer import RLTrainerConfig
+from prime_rl.launcher.colocate import colocated_changes
 from prime_rl.launcher.host_facts import HostFacts
 
 
@@ -97,7 +98,11 @@ def resolve(cfg: RLConfig, host: HostFacts) -> ResolvedRun:
 
     Raises ConfigError for what only the placement refuses (multi-node `dp_replicate`)."""
     _check_multi_node(cfg)
-    changes = {**_port_changes(cfg, host), **_dtype_changes(cfg, host)}
+    changes = {
+        **_port_changes(cfg, host),
+        **_dtype_changes(cfg, host),
+        **colocated_changes(cfg, host.gpu_bytes, host.num_params),
+    }
     resume_step = cfg.trainer.ckpt.resume_step
     if host.resume_resolved:  # one step for both: written into both configs
         resume_step = host.resume_step

@@ -3,7 +3,8 @@ inference, orchestrator and a torchrun trainer on this node as one supervised jo
 SLURM when the config has a `[slurm]` table.
 
 Placement: GPUs come from CUDA_VISIBLE_DEVICES (or every GPU nvidia-smi lists) in order: the first
-`num_infer_gpus` to inference, the next `num_train_gpus` to the trainer. Without GPUs every process
+`num_infer_gpus` to inference, the next `num_train_gpus` to the trainer; a colocated deployment gives both
+the first `num_gpus` (`prime_rl.launcher.colocate`). Without GPUs every process
 runs on the CPU and the trainer runs `num_train_gpus` gloo processes.
 
 Ports: the ports users set (`inference.server.port`, its control port) are kept; the internal ones
@@ -22,6 +23,7 @@ from another run on the same port is never mistaken for ours.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING
 from prime_rl.common import commands
 from prime_rl.common.auth import SECRET_FILE_NAME, RunSecret
 from prime_rl.common.config import ConfigError, ConfigWarning, parse_config, write_toml
-from prime_rl.common.config.deployment import SingleNodeDeployment, unknown_kv_connector
+from prime_rl.common.config.deployment import ColocatedDeployment, SingleNodeDeployment, unknown_kv_connector
 from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.env import (
@@ -48,10 +50,11 @@ from prime_rl.common.env import (
     TRAINER_LOG_DIR_ENV,
 )
 from prime_rl.common.rundir import RunDir
-from prime_rl.common.vllm_compat import installed_vllm_version, unsupported_reason
+from prime_rl.common.vllm_compat import installed_vllm_version, sleep_mode_available, unsupported_reason
 from prime_rl.common.weight_checksum import safetensors_layout
+from prime_rl.launcher.colocate import fit_error, sleep_error
 from prime_rl.launcher.dashboard.status import settle_dead_status, write_status
-from prime_rl.launcher.host_facts import gather_local
+from prime_rl.launcher.host_facts import HostFacts, gather_local
 from prime_rl.launcher.resolution import ResolvedRun, resolve
 
 if TYPE_CHECKING:
@@ -75,11 +78,20 @@ def visible_gpus() -> list[str]:
     return out.stdout.split() if out.returncode == 0 else []
 
 
-def place(deployment: SingleNodeDeployment, gpus: list[str]) -> tuple[list[str], list[str]]:
+def place(deployment: SingleNodeDeployment | ColocatedDeployment, gpus: list[str]) -> tuple[list[str], list[str]]:
     """(inference GPUs, trainer GPUs); both empty on a machine without GPUs. With ``num_infer_gpus = 0`` on a
-    GPU machine, inference starts on the trainer's GPUs and shares them (see ``shared_gpu_warning``)."""
+    GPU machine, inference starts on the trainer's GPUs and shares them (see ``shared_gpu_warning``); a
+    colocated deployment gives both sides the same ``num_gpus`` GPUs."""
     if not gpus:
         return [], []
+    if isinstance(deployment, ColocatedDeployment):
+        if deployment.num_gpus > len(gpus):
+            raise PlacementError(
+                f"deployment.num_gpus={deployment.num_gpus} but {len(gpus)} GPUs are visible ({','.join(gpus)}); "
+                "lower deployment.num_gpus or set CUDA_VISIBLE_DEVICES"
+            )
+        shared = gpus[: deployment.num_gpus]
+        return shared, list(shared)
     need = deployment.num_infer_gpus + deployment.num_train_gpus
     if need > len(gpus):
         raise PlacementError(
@@ -127,6 +139,26 @@ def check_shared_gpus(cfg: RLConfig, gpus: list[str]) -> None:
         raise ConfigError(error, keys=["inference.vllm.gpu_memory_utilization"])
 
 
+def check_colocated(cfg: RLConfig, gpus: list[str], facts: HostFacts) -> HostFacts:
+    """A colocated run on this machine: refuse a vLLM that cannot sleep and a model that cannot fit (ConfigError,
+    one line); returns ``facts`` with the GPU's memory and the model's size, which size vLLM's share."""
+    assert isinstance(cfg.deployment, ColocatedDeployment)
+    error = sleep_error(sleep_mode_available(), bool(gpus), installed_vllm_version())
+    if error is not None:
+        raise ConfigError(error, keys=["deployment.type"])
+    gpu_bytes = gpu_memory_bytes(gpus[0]) if gpus else None
+    num_params = checkpoint_params(Path(cfg.trainer.model.name))
+    if gpu_bytes is not None and num_params is not None:
+        tp = cfg.inference.vllm.tensor_parallel_size
+        if (error := fit_error(gpu_bytes, num_params, cfg.deployment.num_gpus, tp)) is not None:
+            raise ConfigError(error, keys=["deployment.num_gpus"])
+    log.info(
+        "colocated: inference and trainer take turns on %s",
+        f"GPU {','.join(gpus)}" if gpus else "the CPU (nothing to free)",
+    )
+    return dataclasses.replace(facts, gpu_bytes=gpu_bytes, num_params=num_params)
+
+
 def gpu_memory_bytes(gpu: str) -> int | None:
     """Total memory of GPU ``gpu`` from nvidia-smi; None when it cannot be read."""
     if shutil.which("nvidia-smi") is None:
@@ -152,6 +184,8 @@ def checkpoint_params(model_dir: Path) -> int | None:
 
 def num_train_ranks(cfg: RLConfig) -> tuple[int, str]:
     """Trainer ranks of this run and the key that sets them."""
+    if isinstance(cfg.deployment, ColocatedDeployment):
+        return cfg.deployment.num_gpus, "deployment.num_gpus"
     if isinstance(cfg.deployment, SingleNodeDeployment):
         return cfg.deployment.num_train_gpus, "deployment.num_train_gpus"
     return cfg.deployment.num_train_nodes * cfg.deployment.gpus_per_node, "deployment.num_train_nodes"
@@ -324,16 +358,19 @@ def main(argv: list[str] | None = None) -> None:
         for name in ("trainer", "orchestrator", "inference"):
             configs[name] = write_toml(getattr(cfg, name), run_dir.config_path(name))
         sys.exit(submit_slurm(run_dir, configs, cfg.dry_run))
-    if not isinstance(cfg.deployment, SingleNodeDeployment):
+    if not isinstance(cfg.deployment, SingleNodeDeployment | ColocatedDeployment):
         sys.stderr.write(
             "rl: error: deployment.type='multi_node' needs a [slurm] table (multi-node runs go through SLURM)\n"
         )
         sys.exit(2)
     try:
         infer_gpus, train_gpus = place(cfg.deployment, visible_gpus())
-        if infer_gpus and infer_gpus == train_gpus:
+        facts = gather_local(cfg, run_dir)
+        if isinstance(cfg.deployment, ColocatedDeployment):
+            facts = check_colocated(cfg, infer_gpus, facts)
+        elif infer_gpus and infer_gpus == train_gpus:
             check_shared_gpus(cfg, infer_gpus)
-        run = resolve(cfg, gather_local(cfg, run_dir))
+        run = resolve(cfg, facts)
     except ConfigError as e:
         sys.stderr.write(f"rl: error: {e}\n")
         sys.exit(2)

@@ -35,6 +35,7 @@ from prime_rl.common.monitor import FileMonitor, Monitor
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.wire import TrainingBatch, build_training_batch
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
+from prime_rl.orchestrator.colocate import HandOver
 from prime_rl.orchestrator.curriculum import Curriculum
 from prime_rl.orchestrator.envs.base import Environment
 from prime_rl.orchestrator.envs.handle import EnvHandle
@@ -163,9 +164,13 @@ class Orchestrator:
             )
             logger.info("resumed from step %d (%d tasks drawn so far)", self.start_step, tasks_drawn)
         self.policy = PolicyState(version=0)
+        # colocated runs: inference sleeps after each step's rollouts and wakes around the next load (colocate.py)
+        self.handover = (
+            HandOver(control, self.policy, config.inference.sleep_level) if config.inference.sleep_level else None
+        )
         self.updater = WeightUpdater(
             VersionListener(f"tcp://{config.trainer.address}:{config.trainer.weights_port}"),
-            control,
+            self.handover or control,
             self.policy,
             pause_mode=config.inference.pause_mode,
             poll_interval=config.weights_poll_interval,
@@ -336,6 +341,9 @@ class Orchestrator:
         metrics["policy/batch_version"] = float(policy_version)
         metrics["weights/updates"] = float(self.updater.num_updates)
 
+        if self.handover is not None:  # the GPUs go to the trainer: the batch's arrival tells it they are free
+            await self.handover.sleep()
+            metrics.update(self.handover.pop_metrics())
         batches = [
             build_training_batch(step, policy_version, [mb.fields() for mb in mbs], cfg.sampling.temperature, metrics)
             for mbs in per_rank

@@ -49,6 +49,8 @@ from prime_rl.common.wire import (
     Message,
     PauseRequest,
     ResumeRequest,
+    SleepRequest,
+    WakeUpRequest,
     WeightsPublished,
 )
 from prime_rl.orchestrator.policy import PolicyState
@@ -212,6 +214,13 @@ class ZmqInferenceControl:
     async def resume(self) -> None:
         skip = self._gone | self.excluded
         await self._broadcast(ResumeRequest(), [c for c in self._clients if c.endpoint not in skip])
+
+    # colocated runs (prime_rl.orchestrator.colocate.HandOver): free the GPUs for the trainer, and take them back
+    async def sleep(self, level: int) -> None:
+        await self._broadcast(SleepRequest(level=level, by="orchestrator"))
+
+    async def wake_up(self, tags: list[str]) -> None:
+        await self._broadcast(WakeUpRequest(tags=tags, by="orchestrator"))
 
     async def restore(self, endpoint: str, path: Path | None, version: int, mode: str) -> None:
         [client] = [c for c in self._clients if c.endpoint == endpoint]

@@ -40,6 +40,7 @@ from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.monitor import build_monitor
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.ckpt import CheckpointManager
+from prime_rl.trainer.colocate import StepOffload
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.optim.setup import Optimization
 from prime_rl.trainer.parallel import ParallelDims
@@ -157,6 +158,7 @@ def train_loop(
     ckpt_interval: int | None,
     resume_step: int | str | None = None,
     publisher: Publisher | None = None,
+    step_offload: StepOffload | None = None,
 ) -> int:
     """Train steps ``start..max_steps-1``; returns the number of steps done (``max_steps``)."""
     model, world, optim, logger = trainer.model, trainer.world, trainer.optim, trainer.logger
@@ -175,6 +177,8 @@ def train_loop(
             profiler.before(step + 1)
             heartbeat.beat("step", step + 1)  # waiting for data, computing, publishing, checkpointing
             micro_batches = source.get(step)
+            if step_offload is not None:  # colocated: the batch means inference sleeps; the GPU is ours
+                step_offload.at_batch()
             data_wait = time.perf_counter() - last_end
             t0 = time.perf_counter()
             optim.begin_step()  # the last step's optimizer-state offload must be done: its memory is needed
@@ -211,6 +215,8 @@ def train_loop(
             if ckpt_interval and (done % ckpt_interval == 0 or done == max_steps):
                 path = optim.save_checkpoint(ckpt, done, model)
                 logger.info(f"saved checkpoint {path}")
+            if step_offload is not None:  # colocated: hand the GPU back before inference wakes
+                metrics.update(step_offload.release())
             now = time.perf_counter()
             metrics["time/wall"] = now - last_end
             last_end = now

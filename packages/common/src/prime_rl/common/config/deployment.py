@@ -35,7 +35,35 @@ class MultiNodeDeployment(BaseConfig):
     """GPUs on each node"""
 
 
-Deployment = Annotated[SingleNodeDeployment | MultiNodeDeployment, Field(discriminator="type")]
+COLOCATED_TRANSPORTS = ("filesystem",)
+"""Weight transports a colocated run can use. nccl cannot put two ranks on one GPU and nixl reads between
+processes that both hold their memory; the files on disk need neither side awake while the other writes."""
+
+
+class ColocatedDeployment(BaseConfig):
+    """Inference and trainer on the same GPUs of this machine, in turns: vLLM sleeps while the trainer steps."""
+
+    # Each step: rollouts, then vLLM sleeps (sleep mode frees its KV cache and, at level 1, moves its weights to
+    # host memory), the trainer steps and publishes, then vLLM wakes its weights, loads the new ones and wakes its
+    # KV cache. Inference runs tensor x data parallel over the GPUs, the trainer FSDP over them (docs/DESIGN.md).
+
+    type: Literal["colocated"] = "colocated"
+    num_gpus: int = Field(1, ge=1)
+    """GPUs both inference and trainer use (CPU processes for the trainer on a machine without GPUs)"""
+    sleep_level: int = Field(1, ge=1, le=2)
+    """vLLM sleep level while the trainer runs: 1 keeps the weights in host memory (woken by a copy back), 2
+    discards them (the next load brings them; less host memory, the weights are reloaded from disk)"""
+
+    @property
+    def num_train_gpus(self) -> int:
+        return self.num_gpus
+
+    @property
+    def num_infer_gpus(self) -> int:
+        return self.num_gpus
+
+
+Deployment = Annotated[SingleNodeDeployment | MultiNodeDeployment | ColocatedDeployment, Field(discriminator="type")]
 
 
 NIXL_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")

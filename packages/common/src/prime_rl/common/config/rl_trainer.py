@@ -198,6 +198,9 @@ class RLTrainerConfig(TrainerRunConfig):
     """How new weights reach inference."""
     run_name: str = "rl"
     """Run directory name: <output_dir>/<run_name>."""
+    offload_between_steps: bool = False
+    """Colocated runs (`rl` sets it): between steps hand the GPU back to inference (optimizer state to host,
+    the caching allocator's free blocks to the driver) and log the memory of each phase (`memory/*`)."""
     env_vars: dict[str, str] = {}
     """Environment variables every trainer rank sets at start-up (e.g. CUDA_HOME); ${VAR} expands."""
 

