@@ -32,6 +32,7 @@ class Samples:
     devices: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)  # t, used, util
     memory_total: dict[int, float] = field(default_factory=dict)
     processes: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # role -> t, used
+    t0: float = 0.0  # the first sample's wall-clock time (time.time()), to place other events on this axis
 
 
 class GpuTimeline:
@@ -88,7 +89,8 @@ def read_samples(csv_path: Path, roles: dict[int, str] | None = None) -> Samples
         if len(row) != 5 or not row[2].strip().isdigit():
             continue  # header, "[N/A]" or a line cut by terminate()
         t = _seconds(row[0])
-        t0 = t if t0 is None else t0
+        if t0 is None:
+            t0 = samples.t0 = t
         index = int(row[1])
         samples.memory_total[index] = float(row[3])
         samples.devices.setdefault(index, []).append((t - t0, float(row[2]), float(row[4])))
@@ -105,9 +107,15 @@ def read_samples(csv_path: Path, roles: dict[int, str] | None = None) -> Samples
     return samples
 
 
-def busy_fraction(samples: Samples) -> dict[int, float]:
-    """Per device: the share of samples in which the GPU ran a kernel (nvidia-smi's utilization > 0)."""
-    return {i: sum(util > 0 for _, _, util in rows) / len(rows) for i, rows in samples.devices.items() if rows}
+def busy_fraction(samples: Samples, start: float = 0.0, end: float = float("inf")) -> dict[int, float]:
+    """Per device: the share of samples in [start, end] (seconds on the samples' axis) in which the GPU ran a
+    kernel (nvidia-smi's utilization > 0)."""
+    out = {}
+    for index, rows in samples.devices.items():
+        window = [util for t, _, util in rows if start <= t <= end]
+        if window:
+            out[index] = sum(util > 0 for util in window) / len(window)
+    return out
 
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")

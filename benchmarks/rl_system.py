@@ -16,7 +16,11 @@ vLLM's own generation rate on the same GPU share, prompts and sampling settings,
    rollout = the orchestrator collecting the step's groups, train = the trainer's step (forward, backward,
    optimizer), publish = the loop blocked publishing (+ the background write), load = inference paused
    loading (+ verifying while serving), wall = step end to step end; gpu_busy = (rollout + train + load) /
-   wall, an upper bound when rollouts overlap training (`--off-policy 1`), an exact share when synchronous.
+   wall, an upper bound when rollouts overlap training (`--off-policy 1`), an exact share when synchronous;
+   beyond_rollout_train = wall - rollout - train (what the hand-over, publish and load add to a synchronous
+   step). On a machine with `nvidia-smi`, `gpu_timeline.py` samples the GPU while `rl` runs: `<name>.svg` in
+   the workdir (memory per device and process, utilization, a mark as each trainer step ends) and
+   `gpu_busy_sampled`, the share of samples with a kernel running per device over the timed steps.
 
 4. `--colocated yes` runs `[deployment] type = "colocated"` instead (inference sleeps while the trainer steps,
    vLLM's share sized by the launcher unless `--gpu-memory-utilization` is given); `--colocated both` runs the
@@ -43,6 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_timeline import GpuTimeline, busy_fraction, read_samples, render_svg  # noqa: E402
 from trainer import make_model_dir  # noqa: E402 - benchmarks/trainer.py: random bf16 weights of a shape
 
 from prime_rl.common.vllm_compat import engine_env_defaults  # noqa: E402
@@ -187,8 +192,11 @@ def run_rl(args: argparse.Namespace, model_dir: Path, colocated: bool = False) -
     config = rl_config(args, model_dir, colocated, name)
     cmd = [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(config), *args.extra]
     start = time.perf_counter()
-    with open(args.workdir / f"{name}.log", "w") as log:  # the launcher echoes orchestrator and trainer lines
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    timeline_csv = args.workdir / f"{name}.gpu.csv"
+    with open(args.workdir / f"{name}.log", "w") as log, GpuTimeline(timeline_csv):
+        # the launcher echoes orchestrator and trainer lines
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        arrivals = watch_metrics(proc, run_dir / "monitors/file/metrics.jsonl")
     total = time.perf_counter() - start
     if proc.returncode != 0:
         return [], dict(error=f"rl exited {proc.returncode}", run_dir=str(run_dir))
@@ -212,6 +220,7 @@ def run_rl(args: argparse.Namespace, model_dir: Path, colocated: bool = False) -
             data_wait_s=r.get("time/data_wait"), publish_s=r.get("time/publish_weights"),
             publish_write_s=r.get("time/publish_write"), verify_s=verify, load_s=load, wall_s=wall,
             gpu_busy=(rollout + train + load) / wall if wall else None,
+            beyond_rollout_train_s=wall - rollout - train if wall else None,
             rollout_tokens=r.get("batch/loss_tokens"), train_tokens_per_s=r.get("perf/throughput"),
             mfu=r.get("perf/mfu"), peak_memory_gib=r.get("perf/peak_memory"), mismatch_kl=r.get("mismatch_kl"),
             reward=r.get("reward/mean"),
@@ -219,7 +228,43 @@ def run_rl(args: argparse.Namespace, model_dir: Path, colocated: bool = False) -
         if colocated:
             steps[-1].update({field: r.get(key) for field, key in COLOCATE_KEYS.items()})
             steps[-1]["memory_gib"] = {k.removeprefix("memory/"): v for k, v in r.items() if k.startswith("memory/")}
-    return steps, dict(total_s=total, run_dir=str(run_dir), mode="colocated" if colocated else "split")
+    run = dict(total_s=total, run_dir=str(run_dir), mode="colocated" if colocated else "split")
+    run.update(draw_timeline(args, name, timeline_csv, arrivals))
+    return steps, run
+
+
+def watch_metrics(proc: subprocess.Popen, metrics: Path) -> list[tuple[float, int, str]]:
+    """Waits for `proc`, noting when each metrics row appears: (time.time(), step, "train" | "rollouts")."""
+    arrivals, seen = [], 0
+    while True:
+        done = proc.poll() is not None
+        if metrics.exists():
+            lines = metrics.read_text().splitlines()
+            for line in lines[seen:]:
+                row = json.loads(line)
+                arrivals.append((time.time(), row["step"], "train" if "time/step" in row else "rollouts"))
+            seen = len(lines)
+        if done:
+            return arrivals
+        time.sleep(0.2)
+
+
+def draw_timeline(args: argparse.Namespace, name: str, csv_path: Path, arrivals: list) -> dict:
+    """{name}.svg in the workdir (GPU memory per device and process, utilization, step marks) and the GPU-busy
+    share per device over the timed steps (from the warm-up's last trainer row to the last row)."""
+    if not csv_path.exists():
+        return {}  # no nvidia-smi here
+    samples = read_samples(csv_path)
+    if not samples.devices:
+        return {}
+    marks = [(t - samples.t0, f"{kind} {step}") for t, step, kind in arrivals if kind == "train"]
+    title = f"{name}: GPU memory (lines) and utilization (grey); dashed: trainer step n done"
+    (args.workdir / f"{name}.svg").write_text(render_svg(samples, marks, title=title))
+    warm = [t for t, step, kind in arrivals if kind == "train" and step == args.warmup]
+    start = warm[0] - samples.t0 if warm else 0.0
+    end = arrivals[-1][0] - samples.t0 if arrivals else float("inf")
+    peaks = {role: max(m for _, m in pts) / 1024 for role, pts in samples.processes.items()}
+    return dict(gpu_busy_sampled=busy_fraction(samples, start, end), process_peak_gib=peaks)
 
 
 def summarize(steps: list[dict], warmup: int, baseline: dict) -> dict:
@@ -232,7 +277,7 @@ def summarize(steps: list[dict], warmup: int, baseline: dict) -> dict:
     out = dict(
         bench="rl_system", steps_timed=len(timed), wall_s=med("wall_s"), rollout_s=med("rollout_s"),
         train_s=med("train_s"), publish_s=med("publish_s"), load_s=med("load_s"), verify_s=med("verify_s"),
-        gpu_busy=med("gpu_busy"), rollout_tokens_per_s=rollout_rate, train_tokens_per_s=med("train_tokens_per_s"),
+        gpu_busy=med("gpu_busy"), beyond_rollout_train_s=med("beyond_rollout_train_s"), rollout_tokens_per_s=rollout_rate, train_tokens_per_s=med("train_tokens_per_s"),
         mfu=med("mfu"), peak_memory_gib=med("peak_memory_gib"), mismatch_kl=med("mismatch_kl"),
         vllm_alone_tokens_per_s=baseline.get("tokens_per_s"),
     )  # fmt: skip

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -37,11 +39,15 @@ def test_samples_are_read_in_seconds_skipping_unreadable_rows(csv_path):
     samples = gpu_timeline.read_samples(csv_path, roles={4242: "inference", 4243: "trainer"})
     assert samples.devices[0] == [(0.0, 1000.0, 0.0), (0.25, 52000.0, 97.0), (0.75, 9000.0, 100.0)]
     assert samples.memory_total == {0: 143771.0}
+    assert samples.t0 == datetime(2026, 12, 3, 23, 0, 0).timestamp()  # where other events meet this axis
     assert samples.processes == {"inference": [(0.25, 50000.0)], "trainer": [(0.75, 8000.0)]}
 
 
 def test_busy_fraction_is_the_share_of_samples_with_a_kernel_running(csv_path):
-    assert gpu_timeline.busy_fraction(gpu_timeline.read_samples(csv_path)) == {0: pytest.approx(2 / 3)}
+    samples = gpu_timeline.read_samples(csv_path)
+    assert gpu_timeline.busy_fraction(samples) == {0: pytest.approx(2 / 3)}
+    assert gpu_timeline.busy_fraction(samples, start=0.2) == {0: 1.0}  # the idle first sample left out
+    assert gpu_timeline.busy_fraction(samples, start=5.0) == {}
 
 
 def test_svg_is_well_formed_and_names_every_line_and_mark(csv_path):
@@ -61,3 +67,18 @@ def test_an_unsampled_run_says_why_there_is_no_picture(tmp_path):
 def test_a_process_this_machine_cannot_see_keeps_its_pid():
     assert gpu_timeline.role_of(os.getpid()) == f"pid {os.getpid()}"
     assert gpu_timeline.role_of(2**22 + 12345) == f"pid {2**22 + 12345}"
+
+
+def test_rl_system_notes_when_each_metrics_row_appears(tmp_path):
+    rl_system = pytest.importorskip("rl_system")
+    metrics = tmp_path / "metrics.jsonl"
+    writer = (
+        "import json, time, sys\n"
+        "with open(sys.argv[1], 'a') as f:\n"
+        "    f.write(json.dumps({'step': 1, 'time/collect_rollouts': 1.0}) + '\\n'); f.flush(); time.sleep(0.5)\n"
+        "    f.write(json.dumps({'step': 1, 'time/step': 2.0}) + '\\n')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", writer, str(metrics)])
+    arrivals = rl_system.watch_metrics(proc, metrics)
+    assert [(step, kind) for _, step, kind in arrivals] == [(1, "rollouts"), (1, "train")]
+    assert arrivals[1][0] - arrivals[0][0] >= 0.3  # seen as they came, not at the end
