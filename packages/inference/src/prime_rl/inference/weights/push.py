@@ -26,6 +26,7 @@ from prime_rl.common.wire import (
     InitNixlRequest,
     IpcWeightsRequest,
     NixlWeightsRequest,
+    encode,
 )
 from prime_rl.inference.weights.apply import RestoreFailed, apply_update
 from prime_rl.inference.weights.manifest import STILL_SERVED, WeightUpdateError
@@ -201,7 +202,8 @@ async def init_ipc(controller: Controller, request: InitIpcRequest) -> ControlRe
     if request.memory not in ("host", "device"):
         return controller._reply(False, f"IPC memory {request.memory!r} is not one of 'host', 'device'")
     async with controller._lock:
-        results = await controller.engine.collective_rpc("prime_init_ipc", args=(request,))
+        # encoded: vLLM's own serializer of RPC arguments flattens array-like structs into lists
+        results = await controller.engine.collective_rpc("prime_init_ipc", args=(encode(request),))
     logger.info("opened IPC session %s (%s memory): %s", request.session, request.memory, results)
     return controller._reply(True)
 

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from prime_rl.common.weight_sync.broadcast import BucketLayout, Spec, WeightGroup, build_weight_group
-from prime_rl.common.wire import InitIpcRequest
+from prime_rl.common.wire import InitIpcRequest, decode
 
 
 def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -192,11 +192,15 @@ class PrimeWorkerExtension:
 
     # -- ipc -----------------------------------------------------------------------------------
 
-    def prime_init_ipc(self, request: InitIpcRequest) -> dict:
-        """Open the trainer's shared bucket slots (see ``prime_rl.inference.worker.ipc``)."""
+    def prime_init_ipc(self, request: bytes) -> dict:
+        """Open the trainer's shared bucket slots (``request``: an encoded ``InitIpcRequest``; see
+        ``prime_rl.inference.worker.ipc``)."""
         from prime_rl.inference.worker.ipc import init_receiver
 
-        return init_receiver(self, request)
+        message = decode(request)
+        if not isinstance(message, InitIpcRequest):
+            raise TypeError(f"prime_init_ipc takes an encoded InitIpcRequest, not {type(message).__name__}")
+        return init_receiver(self, message)
 
     def prime_close_ipc(self) -> None:
         from prime_rl.inference.worker.ipc import close_receiver
