@@ -163,6 +163,7 @@ def test_update_without_a_copy_restores_the_weights_on_disk(server, sender, tmp_
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_device_memory_update_matches_transformers(server):
     """``memory = "device"``: the slots live on this process's GPU and vLLM's worker (on the same GPU) opens
     them through CUDA IPC handles."""

@@ -102,3 +102,50 @@ def test_a_bucket_larger_than_the_slots_is_refused_by_the_reader():
     with pytest.raises(ValueError, match="does not fit the session's 40000-byte slots"):
         next(receivers[0].batches(layout, version=3))
     sender.close()
+
+
+def _device_reader(init: bytes, layout, out) -> None:
+    from prime_rl.common.wire import decode
+
+    receiver = IpcReceiver(decode(init))
+    got = {}
+    for batch in receiver.batches(layout, version=1):
+        got.update({n: t.to("cpu", copy=True) for n, t in batch})
+    out.put(got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_slots_are_read_by_another_process_through_cuda_ipc():
+    """``memory = "device"``: the slots are CUDA memory of this process, opened by a reader process from their
+    IPC handles (a process cannot open its own handles, hence the spawn)."""
+    import multiprocessing as mp
+
+    from prime_rl.common.wire import encode
+
+    sender = IpcWeightSender(
+        [], host="127.0.0.1", port=free_port(), memory="device", device=torch.device("cuda", 0),
+        bucket_bytes=16 << 10, timeout_s=120,
+    )  # fmt: skip
+    sender._open_session(40_000)
+    assert sender.buffers[0].is_cuda and sender.slots[0].device_uuid and sender.slots[0].handle
+    init = InitIpcRequest(
+        host="127.0.0.1", port=sender.port, session=sender.channel.session, memory="device", slots=sender.slots,
+        timeout_s=120,
+    )  # fmt: skip
+    sd = {n: t.cuda() for n, t in _state_dict(2).items()}
+    layout = sender.plan(Spec.of(n, t) for n, t in sd.items())
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_device_reader, args=(encode(init), layout, out))
+    p.start()
+    deadline = time.monotonic() + 120
+    while sender.channel.num_workers() < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sender.num_workers = 1
+    sender.send(1, layout, list(sd.values()))
+    got = out.get(timeout=120)
+    p.join(timeout=60)
+    assert p.exitcode == 0
+    assert set(got) == set(sd) and all(torch.equal(got[n], sd[n].cpu()) for n in sd)
+    sender.close()

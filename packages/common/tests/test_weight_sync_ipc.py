@@ -113,3 +113,29 @@ def test_ipc_requests_round_trip_on_the_wire():
         version=4, specs=[TensorSpec("w", "bfloat16", [2, 3])], buckets=[0], offsets=[0], bucket_sizes=[12]
     )
     assert decode(encode(update)) == update
+
+
+def _non_loopback_address() -> str | None:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outgoing interface
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_the_trainers_channel_listens_on_its_host_alone():
+    import socket
+
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to probe")
+    port = free_port()
+    channel = IpcChannel.connect("127.0.0.1", port, "s", True, timeout_s=5)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((address, port), timeout=2)
+    socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    assert channel.num_workers() == 0

@@ -31,6 +31,7 @@ reusing slots across sessions (a new session sends new handles).
 from __future__ import annotations
 
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -173,9 +174,20 @@ class IpcChannel:
 
     @classmethod
     def connect(cls, host: str, port: int, session: str, is_master: bool, timeout_s: float) -> IpcChannel:
+        """The trainer hosts the store (``is_master``), listening on ``host`` alone: a TCPStore told a host
+        still listens on every interface unless handed its socket (docs/DESIGN.md, torchrun's loopback store)."""
+        timeout = timedelta(seconds=timeout_s)
+        if not is_master:
+            return cls(dist.TCPStore(host, port, is_master=False, timeout=timeout), session)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
         store = dist.TCPStore(
-            host, port, is_master=is_master, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+            host, port, None, True, timeout, wait_for_workers=False,
+            use_libuv=False,  # master_listen_fd needs the legacy backend
+            master_listen_fd=listener.detach(),  # the store owns the socket from here on
+        )  # fmt: skip
         return cls(store, session)
 
     def _key(self, *parts: object) -> str:

@@ -19,6 +19,7 @@ from prime_rl.common.weight_transports import TRANSPORTS
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
 from prime_rl.trainer.rl.publish_base import Publisher
+from prime_rl.trainer.weights.ipc_sender import IpcWeightError, IpcWeightSender
 from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
 
@@ -29,8 +30,6 @@ class IpcPublisher(Publisher):
         self.run_dir = run_dir
         self.sender = None
         if world.is_main:
-            from prime_rl.trainer.weights.ipc_sender import IpcWeightSender
-
             # The trainer drives the servers' loading (the lifecycle table), so it must know every server.
             if TRANSPORTS[cfg.type].loads == "trainer" and not cfg.inference_addresses:
                 raise ValueError(
@@ -62,11 +61,15 @@ class IpcPublisher(Publisher):
         hf = model_state_dict_to_hf(dict(tensors), self.model.config)
         named = [(name, t.contiguous()) for name, t in hf.items()]
         layout = sender.plan(Spec.of(name, t) for name, t in named)
+        num_buckets = len(layout.bucket_sizes)
         sender.begin(version, layout)
-        sender.send(version, layout, [t for _, t in named])
+        try:
+            sender.send(version, layout, [t for _, t in named])
+        except IpcWeightError:  # a worker gave up: the servers' answers say why (and what serves now)
+            sender.finish(version, num_buckets)
+            raise
         del named, hf
         blocked = time.perf_counter() - start
-        num_buckets = len(layout.bucket_sizes)
         self.job.start(lambda: self._serve_then_announce(version, blocked, lambda v: sender.finish(v, num_buckets)))
         return blocked
 
