@@ -29,6 +29,7 @@ from packages.inference.tests.test_server import (  # noqa: E402
 )
 from prime_rl.common.net import reserve_ports  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
+from prime_rl.common.vllm_compat import installed_vllm_version, launcher_layouts  # noqa: E402
 from prime_rl.common.weight_sync.broadcast import Spec  # noqa: E402
 from prime_rl.common.wire import AwaitWeightsRequest, LoadWeightsRequest  # noqa: E402
 from prime_rl.inference.testing import start_server, stop_server  # noqa: E402
@@ -78,7 +79,8 @@ def test_ipc_update_matches_transformers_and_advances_the_version(server, sender
     state = health(server)
     assert state.ok and state.weight_version == 3
     assert max_diff(server_logprobs(server), hf_logprobs(server.model_dir, perturbed(server.model_dir, 3))) < TOL
-    assert _generated_versions(server) == [{"version": "3", "start": 0, "end": 4}]
+    if launcher_layouts(installed_vllm_version())[0].weight_version_label:  # vLLM labels tokens (0.32, not 0.26)
+        assert _generated_versions(server) == [{"version": "3", "start": 0, "end": 4}]
 
 
 @pytest.mark.chaos
