@@ -142,7 +142,7 @@ async def await_update(controller: Controller, request: AwaitWeightsRequest) -> 
         )
         return controller._reply(False, controller.failure)
     controller.failure = ""
-    logger.info("received weights version %d by broadcast: %s", request.version, results)
+    logger.info("received weights version %d pushed by the trainer: %s", request.version, results)
     return controller._reply(True)
 
 
