@@ -1,7 +1,8 @@
-"""A trainer process for test_weight_push.py: the real RL trainer model and the nccl publisher (gloo on CPU).
+"""A trainer process for test_weight_push.py: the real RL trainer model and a push publisher.
 
-push_worker.py <model_dir> <out> <control> <announce> : publish versions 1 and 2 into the server, then
-    save the trainer's own final weights (fp32, HF names) to <out>/final for the test to compare.
+push_worker.py <model_dir> <out> <control> <announce> [nccl|ipc] : publish versions 1 and 2 into the server
+    (nccl: gloo on CPU, the default; ipc: shared-memory slots), then save the trainer's own final weights
+    (fp32, HF names) to <out>/final for the test to compare.
 """
 
 import sys
@@ -11,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from prime_rl.common.config import load_config
-from prime_rl.common.config.rl_trainer import NCCLBroadcastConfig, RLTrainerConfig
+from prime_rl.common.config.rl_trainer import IpcBroadcastConfig, NCCLBroadcastConfig, RLTrainerConfig
 from prime_rl.common.net import free_port
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.memory_plan import resolve_memory
@@ -22,15 +23,24 @@ from prime_rl.trainer.rl.publish import build_publisher
 from prime_rl.trainer.world import close_world, exit_rank, init_world
 
 
-def main(model_dir: str, out: str, control: str, announce: str) -> None:
+def main(model_dir: str, out: str, control: str, announce: str, transport: str = "nccl") -> None:
     cfg = load_config(RLTrainerConfig, ["--model.name", model_dir, "--data.fake", "--output-dir", out])
-    wb = NCCLBroadcastConfig(dtype="float32", port=free_port(), inference_addresses=[control], announce=announce)
+    common = dict(dtype="float32", port=free_port(), inference_addresses=[control], announce=announce)
+    if transport == "ipc":
+        wb = IpcBroadcastConfig(memory="host", bucket_bytes=1 << 20, **common)
+    else:
+        wb = NCCLBroadcastConfig(**common)
     world = init_world()
     dims = ParallelDims.from_world(world.world_size, 1)
     model_cfg = resolve_memory(cfg.model, cfg.data.seq_len, world.device)  # "auto" as the RL trainer resolves it
     model = build_training_model(model_cfg, dims, dims.build_mesh("cpu"), world.device)
-    publisher = build_publisher(wb, RunDir(Path(out), "run"), model, world)
-    g = torch.Generator().manual_seed(0)
+    if transport == "ipc":
+        from prime_rl.trainer.rl.publish_ipc import build_ipc_publisher
+
+        publisher = build_ipc_publisher(wb, RunDir(Path(out), "run"), model, world)
+    else:
+        publisher = build_publisher(wb, RunDir(Path(out), "run"), model, world)
+    g = torch.Generator().manual_seed(0 if transport == "nccl" else 1)  # each run moves the served weights
     for version in (1, 2):
         with torch.no_grad():
             for p in model.parameters():
@@ -47,5 +57,5 @@ def main(model_dir: str, out: str, control: str, announce: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])
     exit_rank(0)  # a finished rank skips interpreter finalization (see exit_rank)

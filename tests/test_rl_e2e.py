@@ -72,6 +72,16 @@ ONE_GPU = ["--deployment.num-infer-gpus", "0", "--inference.vllm.gpu-memory-util
     [
         pytest.param([], id="cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="the CPU run; -m gpu runs the GPU one")),
         pytest.param(ONE_GPU, id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no GPU")]),
+        pytest.param(  # weights through /dev/shm instead of the disk
+            ["--weight-broadcast.type", "ipc", "--weight-broadcast.memory", "host"],
+            id="cpu_ipc",
+            marks=pytest.mark.skipif(HAS_CUDA, reason="the CPU run; -m gpu runs the GPU one"),
+        ),
+        pytest.param(  # one GPU: the trainer's buckets opened by vLLM through CUDA IPC (no NCCL on one GPU)
+            [*ONE_GPU, "--weight-broadcast.type", "ipc", "--weight-broadcast.memory", "device"],
+            id="gpu_ipc",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no GPU")],
+        ),
         pytest.param(
             ["--deployment.num-infer-gpus", "1", "--weight-broadcast.type", "nccl"],
             id="gpu_nccl",

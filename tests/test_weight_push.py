@@ -1,4 +1,4 @@
-"""The nccl publisher (gloo on CPU) against a real vLLM (CPU) server: the trainer pushes, the server serves
+"""The push publishers (nccl with gloo on CPU; ipc through /dev/shm) against a real vLLM (CPU) server: the trainer pushes, the server serves
 the trainer's exact weights, and each version is announced to the orchestrator's socket only once served.
 
 Cross-package (trainer pushes, inference serves, orchestrator listens), so it lives in the root tests/."""
@@ -35,11 +35,20 @@ def _logprobs(server) -> list[float]:
     return server_logprobs(server, PROMPT)
 
 
-def test_pushed_versions_are_served_then_announced(server, tmp_path):
+@pytest.mark.parametrize("transport", ["nccl", "ipc"])
+def test_pushed_versions_are_served_then_announced(server, tmp_path, transport):
     listener = VersionListener(f"tcp://127.0.0.1:{free_port()}")
     listener.open()
     before = _logprobs(server)
-    cmd = [sys.executable, str(WORKER), str(server.model_dir), str(tmp_path), server.control, listener.endpoint]
+    cmd = [
+        sys.executable,
+        str(WORKER),
+        str(server.model_dir),
+        str(tmp_path),
+        server.control,
+        listener.endpoint,
+        transport,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:] + server.log_tail()
     with server.client() as c:

@@ -14,7 +14,7 @@ def _config_types() -> set[str]:
 
 
 def test_one_row_per_configurable_transport():
-    assert set(TRANSPORTS) == _config_types() == {"filesystem", "nccl", "nixl"}
+    assert set(TRANSPORTS) == _config_types() == {"filesystem", "nccl", "nixl", "ipc"}
     assert all(name == t.name for name, t in TRANSPORTS.items())
 
 

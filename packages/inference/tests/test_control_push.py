@@ -1,4 +1,4 @@
-"""The controller's side of the push transports (nccl, nixl) with a recording fake engine (no vLLM, no torch):
+"""The controller's side of the push transports (nccl, nixl, ipc) with a recording fake engine (no vLLM, no torch):
 each transport's control requests from the lifecycle table (``prime_rl.common.weight_transports``) run in the
 workers in order and tag the version, and each transport's version rule is the one the table states."""
 
@@ -17,7 +17,10 @@ from prime_rl.common.wire import (
     AwaitWeightsRequest,
     BroadcastWeightsRequest,
     InitBroadcastRequest,
+    InitIpcRequest,
     InitNixlRequest,
+    IpcSlot,
+    IpcWeightsRequest,
     Message,
     NixlWeightsRequest,
     TensorSpec,
@@ -45,6 +48,10 @@ def _requests(transport: str, version: int, port: int) -> dict[type[Message], Me
     if transport == "nccl":
         setup = InitBroadcastRequest(host="127.0.0.1", port=port, world_size=2, rank_offset=1, backend="gloo")
         begin = BroadcastWeightsRequest(version=version, specs=[SPEC], buckets=[0], offsets=[0], bucket_sizes=[64])
+    elif transport == "ipc":
+        slots = [IpcSlot(size=64, path="/dev/shm/x")]
+        setup = InitIpcRequest(host="127.0.0.1", port=port, session="s", memory="host", slots=slots)
+        begin = IpcWeightsRequest(version=version, specs=[SPEC], buckets=[0], offsets=[0], bucket_sizes=[64])
     else:
         setup = InitNixlRequest(host="127.0.0.1", port=port, session="s", timeout_s=5)
         begin = NixlWeightsRequest(version=version)
@@ -59,7 +66,7 @@ def _run(controller: Controller, requests: list[Message]) -> list:
 
 
 def test_the_table_names_a_push_transport_for_every_request_the_trainer_sends():
-    assert sorted(PUSHED) == ["nccl", "nixl"]
+    assert sorted(PUSHED) == ["ipc", "nccl", "nixl"]
     assert all(TRANSPORTS[t].update[-1] is AwaitWeightsRequest for t in PUSHED)  # the trainer learns it is served
 
 
@@ -73,9 +80,10 @@ def test_a_push_transport_runs_its_requests_in_the_workers_and_tags_the_version(
     assert all(r.ok for r in replies), [r.error for r in replies]
     assert replies[-1].weight_version == 3
     methods = [call[0] for call in engine.calls]
-    setup_rpc, receive_rpc = {"nccl": ("prime_init_broadcast", "prime_receive_broadcast")}.get(
-        transport, ("prime_init_nixl", "prime_receive_nixl")
-    )
+    setup_rpc, receive_rpc = {
+        "nccl": ("prime_init_broadcast", "prime_receive_broadcast"),
+        "ipc": ("prime_init_ipc", "prime_receive_ipc"),
+    }.get(transport, ("prime_init_nixl", "prime_receive_nixl"))
     # Set-up runs in the workers without pausing; the update pauses, loads, drops stale KV, tags, resumes.
     assert methods == [setup_rpc, "pause", receive_rpc, "reset_prefix_cache", "version", "resume"], methods
     assert engine.calls[-2] == ("version", "3")

@@ -1,6 +1,6 @@
 """The lifecycle of one policy version under each weight transport, as one table (``TRANSPORTS``).
 
-Three transports move the trainer's weights into the inference workers (``[weight_broadcast] type``). They
+Four transports move the trainer's weights into the inference workers (``[weight_broadcast] type``). They
 differ in who holds the bytes inference reads, which trainer ranks take part, who makes inference load, what
 the announcement carries and which control requests do it. That used to be prose spread over the publishers,
 the controller and the orchestrator; here it is data, read by code:
@@ -32,7 +32,9 @@ from prime_rl.common.wire import (
     AwaitWeightsRequest,
     BroadcastWeightsRequest,
     InitBroadcastRequest,
+    InitIpcRequest,
     InitNixlRequest,
+    IpcWeightsRequest,
     LoadWeightsRequest,
     Message,
     NixlWeightsRequest,
@@ -46,7 +48,7 @@ ANNOUNCER = "trainer global rank 0"
 class Transport:
     """Who does what for one policy version under one transport."""
 
-    name: Literal["filesystem", "nccl", "nixl"]
+    name: Literal["filesystem", "nccl", "nixl", "ipc"]
     """``[weight_broadcast] type``."""
     serves: str
     """Who holds the bytes inference reads, and where."""
@@ -102,6 +104,17 @@ TRANSPORTS: dict[str, Transport] = {
             setup=(InitNixlRequest,),
             update=(NixlWeightsRequest, AwaitWeightsRequest),
             versions_increase=True,
+        ),
+        Transport(
+            name="ipc",
+            serves="trainer rank 0: a ring of shared buckets on its GPU (CUDA IPC) or in /dev/shm, refilled as read",
+            sending_ranks="rank 0",
+            announced_when="every inference server answered AwaitWeightsRequest: it serves version n",
+            announces_path=False,
+            loads="trainer",
+            setup=(InitIpcRequest,),
+            update=(IpcWeightsRequest, AwaitWeightsRequest),
+            versions_increase=False,
         ),
     )
 }

@@ -487,6 +487,72 @@ class NixlWeightsRequest(Message):
 
 
 # ---------------------------------------------------------------------------------------------
+# IPC weight transport (``[weight_broadcast] type = "ipc"``): shared buffers on one host
+# ---------------------------------------------------------------------------------------------
+
+
+class IpcSlot(_Struct):
+    """One shared bucket buffer of the trainer that inference workers open (``prime_rl.common.weight_sync.ipc``).
+
+    Host memory: ``path`` names a file in /dev/shm both sides map. Device memory: the CUDA IPC handle of the
+    trainer's buffer (the fields of ``torch.multiprocessing.reductions.reduce_tensor``), and the GPU's UUID so a
+    worker whose ``CUDA_VISIBLE_DEVICES`` numbers the GPUs differently finds the same one."""
+
+    size: int
+    """Bytes of the buffer (at least the largest bucket of the session)."""
+    path: str = ""
+    """Host memory: the shared-memory file."""
+    device_uuid: str = ""
+    """Device memory: UUID of the GPU holding the buffer."""
+    handle: bytes = b""
+    """Device memory: CUDA IPC memory handle of the buffer's allocation."""
+    storage_size_bytes: int = 0
+    storage_offset_bytes: int = 0
+    tensor_offset: int = 0
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+
+
+class InitIpcRequest(Message):
+    """Open the trainer's shared bucket buffers in every worker and join its bucket channel (once per session)."""
+
+    host: str
+    """Host of the trainer's bucket channel (a TCP store on trainer rank 0: buckets ready, buckets consumed)."""
+    port: int
+    """Port of the bucket channel."""
+    session: str
+    """Key prefix of this session in the channel."""
+    memory: str
+    """"host" (shared-memory files) or "device" (CUDA IPC handles)."""
+    slots: list[IpcSlot]
+    """The ring of buffers; bucket b is written into slot b % len(slots)."""
+    keep_rollback_copy: bool = True
+    """Each worker keeps a host copy of the last complete update, to roll back a failed or non-finite one."""
+    timeout_s: float = 600.0
+    """Seconds a worker waits for the next bucket before giving up (and rolling back)."""
+
+
+class IpcWeightsRequest(Message):
+    """Load weight version ``version`` from the shared buffers; the layout is ``BroadcastWeightsRequest``'s.
+
+    Answered once validated and the workers wait for buckets; AwaitWeightsRequest(version) then waits for the
+    result."""
+
+    version: int
+    """Policy version of the weights."""
+    specs: list[TensorSpec]
+    """Every tensor, in bucket order, with its HF parameter name, dtype and shape."""
+    buckets: list[int] = []
+    """Bucket index of each tensor (parallel to ``specs``)."""
+    offsets: list[int] = []
+    """Byte offset of each tensor inside its bucket (a multiple of 256)."""
+    bucket_sizes: list[int] = []
+    """Size in bytes of each bucket (each at most the slots' size)."""
+
+
+# ---------------------------------------------------------------------------------------------
 # Trainer -> orchestrator
 # ---------------------------------------------------------------------------------------------
 
@@ -580,6 +646,8 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     WeightsPublished,
     EnvRequest,
     EnvReply,
+    InitIpcRequest,
+    IpcWeightsRequest,
     *COLOCATED_MESSAGE_TYPES,
 )
 

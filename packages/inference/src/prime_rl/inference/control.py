@@ -16,7 +16,7 @@ are answered here, weight updates in ``prime_rl.inference.weights``. Every weigh
 6. resumes generation if step 2 paused it.
 
 Steps 2-6 are ``weights.apply.apply_update``; step 1 and the rest of a transport's requests are
-``weights.load`` (filesystem: ``LoadWeightsRequest``) and ``weights.push`` (nccl, nixl), per the table of
+``weights.load`` (filesystem: ``LoadWeightsRequest``) and ``weights.push`` (nccl, nixl, ipc), per the table of
 ``prime_rl.common.weight_transports``.
 
 Before step 2 a filesystem update is read in full in a thread (``weights.verify``: sizes, the trainer's
@@ -48,7 +48,9 @@ from prime_rl.common.wire import (
     HealthReply,
     HealthRequest,
     InitBroadcastRequest,
+    InitIpcRequest,
     InitNixlRequest,
+    IpcWeightsRequest,
     LoadWeightsRequest,
     Message,
     NixlWeightsRequest,
@@ -148,6 +150,11 @@ class Controller:
                 return await push.init_nixl(self, request)
             if isinstance(request, NixlWeightsRequest):
                 return await push.begin_nixl(self, request)
+            # ipc (shared buffers on one host)
+            if isinstance(request, InitIpcRequest):
+                return await push.init_ipc(self, request)
+            if isinstance(request, IpcWeightsRequest):
+                return await push.begin_ipc(self, request)
         except WeightUpdateError as e:  # refused before any worker saw it: the served weights are untouched
             error = f"{e}; the update is refused and version {self.weight_version} serves on"
             logger.error("%s", error)

@@ -100,7 +100,7 @@ def gather_local(cfg: RLConfig, run_dir: RunDir) -> HostFacts:
     batch_port = broadcast_port = weights_port = None
     if "port" not in endpoint.model_fields_set:
         batch_port = _reserve(cfg.deployment.num_train_gpus, key)  # one socket per rank
-    if wb.type in ("nccl", "nixl") and "port" not in wb.model_fields_set:
+    if wb.type in ("nccl", "nixl", "ipc") and "port" not in wb.model_fields_set:
         broadcast_port = _reserve(1, key)
     if "weights_port" not in endpoint.model_fields_set:  # the trainer's version announcements
         weights_port = _reserve(1, key)

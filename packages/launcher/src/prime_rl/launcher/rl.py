@@ -159,6 +159,18 @@ def check_colocated(cfg: RLConfig, gpus: list[str], facts: HostFacts) -> HostFac
     return dataclasses.replace(facts, gpu_bytes=gpu_bytes, num_params=num_params)
 
 
+def check_ipc_placement(cfg: RLConfig, train_gpus: list[str]) -> None:
+    """`weight_broadcast.memory = "device"` shares CUDA buffers: it needs a trainer on GPUs (the config checked
+    that inference shares them)."""
+    wb = cfg.trainer.weight_broadcast
+    if wb.type == "ipc" and wb.memory == "device" and not train_gpus:
+        raise ConfigError(
+            "weight_broadcast.memory='device' shares CUDA buffers, but no GPU is visible (the trainer and inference "
+            "run on the CPU); set weight_broadcast.memory='host'",
+            keys=["trainer.weight_broadcast.memory"],
+        )
+
+
 def gpu_memory_bytes(gpu: str) -> int | None:
     """Total memory of GPU ``gpu`` from nvidia-smi; None when it cannot be read."""
     if shutil.which("nvidia-smi") is None:
@@ -370,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
             facts = check_colocated(cfg, infer_gpus, facts)
         elif infer_gpus and infer_gpus == train_gpus:
             check_shared_gpus(cfg, infer_gpus)
+        check_ipc_placement(cfg, train_gpus)
         run = resolve(cfg, facts)
     except ConfigError as e:
         sys.stderr.write(f"rl: error: {e}\n")

@@ -214,6 +214,7 @@ class RLConfig(BaseConfig):
             )
         self._served_tool_call_parser()
         self._check_restarts(self.trainer.weight_broadcast.type)
+        self._check_ipc()
         lora, served = self.trainer.model.lora, self.inference.lora
         if lora is not None and (served is None or lora.rank > served.max_rank):
             raise ValueError(
@@ -357,7 +358,7 @@ class RLConfig(BaseConfig):
         if self.inference.max_restarts != 0 and "outage_timeout" not in orch.inference.model_fields_set:
             # the orchestrator waits out a restart: its start-up deadline plus a minute
             changes["orchestrator.inference.outage_timeout"] = self.inference.router.startup_timeout + 60.0
-        if wb.type in ("nccl", "nixl") and not wb.inference_addresses:
+        if wb.type in ("nccl", "nixl", "ipc") and not wb.inference_addresses:
             changes["trainer.weight_broadcast.inference_addresses"] = list(controls)
         if wb.announce is None:  # trainer rank 0 runs beside the orchestrator (SLURM: on TRAIN_HEAD)
             changes["trainer.weight_broadcast.announce"] = f"tcp://127.0.0.1:{orch.trainer.weights_port}"
@@ -387,6 +388,24 @@ class RLConfig(BaseConfig):
         if "max_model_len" not in self.orchestrator.model_fields_set:  # multi-turn rollouts stop there
             changes["orchestrator.max_model_len"] = max_model_len
         return changes
+
+    def _check_ipc(self) -> None:
+        """`weight_broadcast.type = "ipc"` shares buffers on one host: the trainer's GPU (memory = "device") or
+        /dev/shm (memory = "host"). Placement without GPUs (CPU runs) is checked by the launcher."""
+        wb = self.trainer.weight_broadcast
+        if wb.type != "ipc":
+            return
+        if not isinstance(self.deployment, SingleNodeDeployment) or self.slurm is not None:
+            raise ValueError(
+                "weight_broadcast.type='ipc' shares memory on one host, but a SLURM job puts the trainer and "
+                "inference on different nodes; use weight_broadcast.type='nccl' or 'nixl'"
+            )
+        if wb.memory == "device" and self.deployment.num_infer_gpus > 0:
+            raise ValueError(
+                f"weight_broadcast.memory='device' reads the trainer's GPU, but deployment.num_infer_gpus="
+                f"{self.deployment.num_infer_gpus} gives inference GPUs of its own; set weight_broadcast.memory='host' "
+                "(or num_infer_gpus=0 to share the trainer's GPUs)"
+            )
 
     def _check_restarts(self, transport: str) -> None:
         """`inference.max_restarts`: the orchestrator waits out a restart and reloads the current policy from

@@ -180,8 +180,23 @@ class NixlBroadcastConfig(_PushConfig):
     """Two arenas on each side: load one group into the engine while the next is received."""
 
 
+class IpcBroadcastConfig(_PushConfig):
+    """Trainer rank 0 fills a ring of shared buckets that inference on the same host reads in place: no disk,
+    no NCCL (one GPU shared by trainer and inference cannot hold two NCCL ranks)."""
+
+    type: Literal["ipc"] = "ipc"
+    port: int = Field(29720, ge=1, le=65535)
+    """Port of the bucket channel (a TCP store on trainer rank 0: buckets ready, buckets read)."""
+    memory: Literal["device", "host"] = "device"
+    """Where the buckets live: "device", the trainer's GPU, opened by the workers through CUDA IPC (inference
+    on the trainer's GPUs); "host", files in /dev/shm (CPU inference, or inference on other GPUs of the host)."""
+    bucket_bytes: int = Field(1 << 30, ge=1 << 20)
+    """Bytes per bucket; two buckets (plus one larger tensor, if any) is the transport's extra memory."""
+
+
 WeightBroadcastConfig = Annotated[
-    FilesystemBroadcastConfig | NCCLBroadcastConfig | NixlBroadcastConfig, Field(discriminator="type")
+    FilesystemBroadcastConfig | NCCLBroadcastConfig | NixlBroadcastConfig | IpcBroadcastConfig,
+    Field(discriminator="type"),
 ]
 
 

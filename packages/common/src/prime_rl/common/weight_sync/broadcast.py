@@ -142,11 +142,19 @@ def pack_bucket(
 ) -> torch.Tensor:
     """One flat uint8 bucket holding its tensors (``tensors`` is indexed like ``layout.specs``)."""
     buffer = torch.empty(layout.bucket_sizes[bucket], dtype=torch.uint8, device=device)
+    return pack_into(layout, bucket, tensors, buffer)
+
+
+def pack_into(layout: BucketLayout, bucket: int, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
+    """Write bucket ``bucket``'s tensors into the first bytes of ``buffer`` (flat uint8, big enough): the
+    IPC transport's shared slots are reused across buckets. Returns the bucket's bytes."""
+    if buffer.numel() < layout.bucket_sizes[bucket]:
+        raise ValueError(f"bucket {bucket} needs {layout.bucket_sizes[bucket]} bytes; the buffer has {buffer.numel()}")
     for i in layout.tensors_of(bucket):
         t = tensors[i]
         off = layout.offsets[i]
         buffer[off : off + layout.specs[i].num_bytes].view(t.dtype).copy_(t.reshape(-1), non_blocking=True)
-    return buffer
+    return buffer[: layout.bucket_sizes[bucket]]
 
 
 def unpack_bucket(layout: BucketLayout, bucket: int, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -1,10 +1,11 @@
-"""The push transports (nccl, nixl) in the API process: the control requests the trainer sends, per
+"""The push transports (nccl, nixl, ipc) in the API process: the control requests the trainer sends, per
 ``prime_rl.common.weight_transports.TRANSPORTS`` (set-up once, then begin + await per version).
 
-Set-up (``InitBroadcastRequest`` / ``InitNixlRequest``) runs in every worker under the update lock. A
-version's first request is validated here (the manifest, the version rule of the table), then answered
-at once while a task receives it in the workers (``apply_update`` with ``prime_receive_broadcast`` /
-``prime_receive_nixl``, which call ``prime_rl.inference.weights.broadcast_receiver`` / ``nixl_receiver``),
+Set-up (``InitBroadcastRequest`` / ``InitNixlRequest`` / ``InitIpcRequest``) runs in every worker under the
+update lock. A version's first request is validated here (the manifest, the version rule of the table), then
+answered at once while a task receives it in the workers (``apply_update`` with ``prime_receive_broadcast`` /
+``prime_receive_nixl`` / ``prime_receive_ipc``, which call ``prime_rl.inference.weights.broadcast_receiver`` /
+``nixl_receiver`` / ``ipc_receiver``; nccl and ipc share ``begin_streamed``),
 so the trainer may start sending; ``AwaitWeightsRequest`` answers when that task ends. The lock is held
 from the first request until the task ends: updates never interleave.
 """
@@ -21,8 +22,11 @@ from prime_rl.common.wire import (
     BroadcastWeightsRequest,
     ControlReply,
     InitBroadcastRequest,
+    InitIpcRequest,
     InitNixlRequest,
+    IpcWeightsRequest,
     NixlWeightsRequest,
+    encode,
 )
 from prime_rl.inference.weights.apply import RestoreFailed, apply_update
 from prime_rl.inference.weights.manifest import STILL_SERVED, WeightUpdateError
@@ -61,16 +65,25 @@ async def init_broadcast(controller: Controller, request: InitBroadcastRequest) 
 
 async def begin_broadcast(controller: Controller, request: BroadcastWeightsRequest) -> ControlReply:
     """Validate the layout, then receive it in a task; answered before any data moves."""
+    return await begin_streamed(controller, request, "nccl", "prime_receive_broadcast", "broadcast")
+
+
+async def begin_streamed(
+    controller: Controller, request: BroadcastWeightsRequest | IpcWeightsRequest, transport: str, method: str, what: str
+) -> ControlReply:
+    """The first request of a version streamed bucket by bucket into the workers (nccl, ipc): validate the
+    layout against the manifest and the table's version rule, then run ``method`` in the workers in a task
+    (holding the update lock until it ends); answered before any data moves."""
     if request.version in controller._broadcasts:
-        return controller._reply(False, f"a broadcast of version {request.version} is already in progress")
-    if (refusal := refuse_version("nccl", request.version, controller.weight_version)) is not None:
+        return controller._reply(False, f"a {what} of version {request.version} is already in progress")
+    if (refusal := refuse_version(transport, request.version, controller.weight_version)) is not None:
         return controller._reply(False, refusal)
-    source = f"broadcast of version {request.version}"
+    source = f"{what} of version {request.version}"
     names = controller.manifest.check_transfer(
         request.specs, request.buckets, request.offsets, request.bucket_sizes, source
     )
     await controller._lock.acquire()  # released when the receive task ends
-    # A worker without a copy of the previous broadcast (the first one, or keep_rollback_copy = false)
+    # A worker without a copy of the previous streamed update (the first one, or keep_rollback_copy = false)
     # leaves a failed update partial; the weights on disk that serve now (if any) are then reloaded.
     restore, served = controller._restore_path, controller.weight_version
 
@@ -79,7 +92,7 @@ async def begin_broadcast(controller: Controller, request: BroadcastWeightsReque
             results = await apply_update(
                 controller,
                 request.version,
-                "prime_receive_broadcast",
+                method,
                 names,
                 [s.dtype for s in request.specs],
                 [list(s.shape) for s in request.specs],
@@ -91,15 +104,15 @@ async def begin_broadcast(controller: Controller, request: BroadcastWeightsReque
                 restore_path=restore,
             )
         except RestoreFailed as e:
-            raise WeightUpdateError(f"broadcast of version {request.version} failed ({e.__cause__}); {e}") from e
+            raise WeightUpdateError(f"{source} failed ({e.__cause__}); {e}") from e
         except Exception as e:
-            what = f"broadcast of version {request.version} failed: {e}"
+            error = f"{source} failed: {e}"
             if restore is not None and STILL_SERVED not in str(e):
-                what += f"; version {served} from {restore} {STILL_SERVED}"
-            raise WeightUpdateError(what) from e
+                error += f"; version {served} from {restore} {STILL_SERVED}"
+            raise WeightUpdateError(error) from e
         finally:
             controller._lock.release()
-        controller._restore_path = None  # broadcast weights exist nowhere on disk (the workers keep a copy)
+        controller._restore_path = None  # streamed weights exist nowhere on disk (the workers keep a copy)
         return results
 
     controller._broadcasts[request.version] = asyncio.create_task(receive())
@@ -129,7 +142,7 @@ async def await_update(controller: Controller, request: AwaitWeightsRequest) -> 
         )
         return controller._reply(False, controller.failure)
     controller.failure = ""
-    logger.info("received weights version %d by broadcast: %s", request.version, results)
+    logger.info("received weights version %d pushed by the trainer: %s", request.version, results)
     return controller._reply(True)
 
 
@@ -179,3 +192,22 @@ async def begin_nixl(controller: Controller, request: NixlWeightsRequest) -> Con
     controller._broadcasts[request.version] = asyncio.create_task(receive())
     await asyncio.sleep(0)
     return controller._reply(True)
+
+
+# -- ipc -------------------------------------------------------------------------------------
+
+
+async def init_ipc(controller: Controller, request: InitIpcRequest) -> ControlReply:
+    """Every worker opens the trainer's shared slots and registers on its bucket channel."""
+    if request.memory not in ("host", "device"):
+        return controller._reply(False, f"IPC memory {request.memory!r} is not one of 'host', 'device'")
+    async with controller._lock:
+        # encoded: vLLM's own serializer of RPC arguments flattens array-like structs into lists
+        results = await controller.engine.collective_rpc("prime_init_ipc", args=(encode(request),))
+    logger.info("opened IPC session %s (%s memory): %s", request.session, request.memory, results)
+    return controller._reply(True)
+
+
+async def begin_ipc(controller: Controller, request: IpcWeightsRequest) -> ControlReply:
+    """Validate the layout, then load it from the slots in a task; answered before the trainer fills them."""
+    return await begin_streamed(controller, request, "ipc", "prime_receive_ipc", "IPC update")

@@ -15,6 +15,7 @@ controller keeps health ok for those (nothing is broken) and fails it for the ot
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,25 +47,47 @@ def _nonfinite(batch: list[tuple[str, torch.Tensor]]) -> list[str]:
     return [name for name, t in batch if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
+BucketSource = Callable[[Callable[[int, torch.Tensor], None]], Iterator[list[tuple[str, torch.Tensor]]]]
+"""``source(on_bucket)`` yields each bucket's tensors, calling ``on_bucket(b, buffer)`` on its raw bytes first."""
+
+
 def receive(
     worker: Any, group: WeightGroup, layout: BucketLayout, version: int, served: int, keep_rollback_copy: bool
 ) -> dict:
-    """Receive ``version`` bucket by bucket into the model; on failure restore ``worker._prime_bcast_copy``.
+    """Receive ``version`` bucket by bucket over the broadcast group into the model (see ``load_buckets``)."""
+    return load_buckets(
+        worker, lambda on_bucket: receive_batches(group, layout, on_bucket=on_bucket), layout, version, served,
+        keep_rollback_copy, copy=False,
+    )  # fmt: skip
 
-    ``served``: the version serving before this update (named in messages). Returns the load statistics;
-    raises ``BroadcastUpdateError`` saying what serves now.
+
+def load_buckets(
+    worker: Any,
+    source: BucketSource,
+    layout: BucketLayout,
+    version: int,
+    served: int,
+    keep_rollback_copy: bool,
+    copy: bool,
+) -> dict:
+    """Load ``version`` bucket by bucket from ``source`` into the model; on failure restore
+    ``worker._prime_bcast_copy``. Every streaming transport (broadcast, IPC) ends here.
+
+    ``served``: the version serving before this update (named in messages). ``copy``: the buckets are reused
+    by the source once the next one is asked for (IPC slots), so the reload keeps copies. Returns the load
+    statistics; raises ``BroadcastUpdateError`` saying what serves now.
     """
     previous: RollbackCopy | None = worker._prime_bcast_copy
     kept: list[torch.Tensor] = []
     nonfinite: list[str] = []
-    reload = LayerwiseReload(worker, copy=False)
+    reload = LayerwiseReload(worker, copy=copy)
 
     def keep(bucket: int, buffer: torch.Tensor) -> None:
         if keep_rollback_copy:
             kept.append(buffer.to("cpu", copy=True))
 
     try:
-        for batch in receive_batches(group, layout, on_bucket=keep):
+        for batch in source(keep):
             nonfinite += _nonfinite(batch)
             reload.load(batch)  # every bucket is received and loaded: the sender broadcasts them all
         error = None

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from prime_rl.common.weight_sync.broadcast import BucketLayout, Spec, WeightGroup, build_weight_group
+from prime_rl.common.wire import InitIpcRequest, decode
 
 
 def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -45,6 +46,7 @@ class PrimeWorkerExtension:
     _prime_bcast_keep = True  # keep a host copy of the last complete broadcast (set by prime_init_broadcast)
     _prime_bcast_copy = None  # prime_rl.inference.worker.broadcast.RollbackCopy of the served broadcast
     _prime_nixl = None  # prime_rl.inference.weights.nixl_receiver.NixlReceiver, built by prime_init_nixl
+    _prime_ipc = None  # prime_rl.inference.weights.ipc_receiver.IpcReceiver, built by prime_init_ipc
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -187,3 +189,37 @@ class PrimeWorkerExtension:
             raise RuntimeError("no NIXL receiver: send InitNixlRequest before NixlWeightsRequest")
         self._prime_bcast_copy = None  # whatever happens next, a broadcast copy no longer holds what serves
         return receive(self, self._prime_nixl, version)
+
+    # -- ipc -----------------------------------------------------------------------------------
+
+    def prime_init_ipc(self, request: bytes) -> dict:
+        """Open the trainer's shared bucket slots (``request``: an encoded ``InitIpcRequest``; see
+        ``prime_rl.inference.worker.ipc``)."""
+        from prime_rl.inference.worker.ipc import init_receiver
+
+        message = decode(request)
+        if not isinstance(message, InitIpcRequest):
+            raise TypeError(f"prime_init_ipc takes an encoded InitIpcRequest, not {type(message).__name__}")
+        return init_receiver(self, message)
+
+    def prime_close_ipc(self) -> None:
+        from prime_rl.inference.worker.ipc import close_receiver
+
+        close_receiver(self)
+
+    def prime_receive_ipc(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        buckets: list[int],
+        offsets: list[int],
+        bucket_sizes: list[int],
+        version: int = 0,
+        served: int = 0,
+    ) -> dict:
+        """Load ``version`` from the slots, bucket by bucket, as ``prime_receive_broadcast`` does from the group."""
+        from prime_rl.inference.worker.ipc import receive
+
+        self._prime_nixl_invalidate()
+        return receive(self, names, dtypes, shapes, buckets, offsets, bucket_sizes, version, served)

@@ -256,7 +256,12 @@ def train(cfg: RLTrainerConfig) -> None:
     cfg, mesh, model, trainer = build_trainer(
         cfg, dims, world, run_dir, logger, tokens, cfg.data.seq_len, extra_bytes_per_param=4.0 if reference else 0.0
     )
-    publisher = build_publisher(cfg.weight_broadcast, run_dir, model, world)
+    if cfg.weight_broadcast.type == "ipc":  # shared buffers on one host (its own module: publish_ipc)
+        from prime_rl.trainer.rl.publish_ipc import build_ipc_publisher
+
+        publisher = build_ipc_publisher(cfg.weight_broadcast, run_dir, model, world)
+    else:
+        publisher = build_publisher(cfg.weight_broadcast, run_dir, model, world)
     objective = build_objective(cfg.loss, cfg.model, dims, mesh, world, logger, policy=model)
     logger.info(f"RL trainer: world {world.world_size} ({dims}), device {world.device}, {cfg.max_steps} steps")
     try:

@@ -1,0 +1,91 @@
+"""The RL trainer's IPC publisher: rank 0 fills shared buckets that inference on the same host reads in place.
+
+Every rank takes part in the all-gathers (FSDP shards -> full tensors in the publish dtype); rank 0 alone packs
+them into the ring of slots (``prime_rl.trainer.weights.ipc_sender``), refilling a slot as soon as every worker
+has read it, so the training loop is blocked for gather + pack + the workers' reads. Waiting for every server to
+finish its reload and announcing the version run in the background, as for nccl.
+
+Its own module (not a branch of ``publish.build_publisher``) so the filesystem publisher's module stays as it
+is; ``build_ipc_publisher`` is picked by the training entrypoint for ``type = "ipc"``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prime_rl.common.config.rl_trainer import IpcBroadcastConfig
+from prime_rl.common.rundir import RunDir
+from prime_rl.common.weight_transports import TRANSPORTS
+from prime_rl.trainer.model import CausalLM
+from prime_rl.trainer.models import model_state_dict_to_hf
+from prime_rl.trainer.rl.publish_base import Publisher
+from prime_rl.trainer.weights.ipc_sender import IpcWeightError, IpcWeightSender
+from prime_rl.trainer.weights.staging import gather_full_tensors
+from prime_rl.trainer.world import World
+
+
+class IpcPublisher(Publisher):
+    def __init__(self, cfg: IpcBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
+        super().__init__(cfg, model, world, "ipc weight update")
+        self.run_dir = run_dir
+        self.sender = None
+        if world.is_main:
+            # The trainer drives the servers' loading (the lifecycle table), so it must know every server.
+            if TRANSPORTS[cfg.type].loads == "trainer" and not cfg.inference_addresses:
+                raise ValueError(
+                    "weight_broadcast.type='ipc' needs weight_broadcast.inference_addresses (the inference "
+                    "servers' control endpoints, tcp://host:port)"
+                )
+            self.sender = IpcWeightSender(
+                cfg.inference_addresses,
+                host=cfg.host,
+                port=cfg.port,
+                memory=cfg.memory,
+                device=world.device,
+                bucket_bytes=cfg.bucket_bytes,
+                timeout_s=cfg.timeout,
+                keep_rollback_copy=cfg.keep_rollback_copy,
+            )
+
+    def publish(self, version: int) -> float:
+        start = time.perf_counter()
+        self.flush()  # the previous version is served (and announced) before its slots are refilled
+        tensors = gather_full_tensors(self.state, self.dtype, keep=self.sender is not None)
+        sender = self.sender
+        if sender is None:
+            for _ in tensors:  # join the all-gathers
+                pass
+            return time.perf_counter() - start
+        from prime_rl.common.weight_sync.broadcast import Spec
+
+        hf = model_state_dict_to_hf(dict(tensors), self.model.config)
+        named = [(name, t.contiguous()) for name, t in hf.items()]
+        layout = sender.plan(Spec.of(name, t) for name, t in named)
+        num_buckets = len(layout.bucket_sizes)
+        sender.begin(version, layout)
+        try:
+            sender.send(version, layout, [t for _, t in named])
+        except IpcWeightError:  # a worker gave up: the servers' answers say why (and what serves now)
+            sender.finish(version, num_buckets)
+            raise
+        del named, hf
+        blocked = time.perf_counter() - start
+        self.job.start(lambda: self._serve_then_announce(version, blocked, lambda v: sender.finish(v, num_buckets)))
+        return blocked
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.sender is not None:
+                self.sender.close()
+
+
+def build_ipc_publisher(cfg: IpcBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World) -> IpcPublisher:
+    """The publisher for ``[weight_broadcast] type = "ipc"``."""
+    if getattr(model.model, "lora_config", None) is not None:
+        raise ValueError(
+            "weight_broadcast.type='ipc' sends full weights; LoRA publishes the adapter alone, through "
+            "weight_broadcast.type='filesystem'"
+        )
+    return IpcPublisher(cfg, run_dir, model, world)

@@ -1,0 +1,148 @@
+"""The sending end of the IPC weight transport: trainer rank 0 packs the full state dict into a ring of shared
+buffers that the inference workers on the same host read (protocol: ``prime_rl.common.weight_sync.ipc``; the
+receiving end: ``prime_rl.inference.weights.ipc_receiver``).
+
+Like ``WeightBroadcaster`` it exposes the three phases ``begin`` / ``send`` / ``finish`` so the publisher can
+leave the last (waiting for the engines' reload) to a background thread. The session (slots, channel) is set
+up on the first ``begin``, once the largest bucket is known; a later update with a bucket that no longer fits
+(another model) opens a new session. Memory: ``num_slots`` buckets, on the GPU (``memory = "device"``) or in
+/dev/shm (``"host"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from prime_rl.common.weight_sync.broadcast import BucketLayout, Spec, pack_into, plan_buckets
+from prime_rl.common.weight_sync.ipc import (
+    DEFAULT_BUCKET_BYTES,
+    NUM_SLOTS,
+    IpcAborted,
+    IpcChannel,
+    allocate_slots,
+    new_session,
+    remove_slots,
+)
+from prime_rl.common.wire import AwaitWeightsRequest, InitIpcRequest, IpcSlot, IpcWeightsRequest, TensorSpec
+from prime_rl.trainer.weights.servers import InferenceServers
+
+
+class IpcWeightError(RuntimeError):
+    """An inference server refused or failed an IPC update."""
+
+
+class IpcWeightSender:
+    """Rank 0 of the trainer: shares bucket slots with every inference server on this host and fills them."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        host: str,
+        port: int,
+        memory: str,
+        device: torch.device,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        num_slots: int = NUM_SLOTS,
+        timeout_s: float = 600.0,
+        keep_rollback_copy: bool = True,
+    ) -> None:
+        self.host, self.port, self.memory, self.device = host, port, memory, device
+        self.bucket_bytes, self.num_slots, self.timeout_s = bucket_bytes, num_slots, timeout_s
+        self.keep_rollback_copy = keep_rollback_copy
+        self.servers = InferenceServers(list(addresses), timeout_s, IpcWeightError)
+        self.channel: IpcChannel | None = None
+        self.buffers: list[torch.Tensor] = []
+        self.slots: list[IpcSlot] = []
+        self.num_workers = 0
+
+    def plan(self, named_specs: Iterable[Spec]) -> BucketLayout:
+        """The bucket layout of an update with these tensor specs (in send order)."""
+        return plan_buckets(list(named_specs), self.bucket_bytes)
+
+    def _open_session(self, slot_bytes: int) -> None:
+        self._close_session()
+        session = new_session()
+        if self.channel is None:  # the store outlives sessions: its port stays bound
+            self.channel = IpcChannel.connect(self.host, self.port, session, True, self.timeout_s)
+        self.channel.session = session
+        self.buffers, self.slots = allocate_slots(self.memory, self.num_slots, slot_bytes, self.device, session)
+        request = InitIpcRequest(
+            host=self.host,
+            port=self.port,
+            session=session,
+            memory=self.memory,
+            slots=self.slots,
+            keep_rollback_copy=self.keep_rollback_copy,
+            timeout_s=self.timeout_s,
+        )
+        self.servers.request(lambda i: request, "InitIpcRequest")
+        self.num_workers = self.channel.num_workers()  # every worker registered before its server answered
+
+    def begin(self, version: int, layout: BucketLayout) -> None:
+        """Phase 1: (set up the session, then) every server validates the layout and its workers wait."""
+        largest = max(layout.bucket_sizes, default=0)
+        if not self.slots or self.slots[0].size < largest:
+            self._open_session(max(largest, 1))
+        request = IpcWeightsRequest(
+            version=version,
+            specs=[TensorSpec(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in layout.specs],
+            buckets=layout.buckets,
+            offsets=layout.offsets,
+            bucket_sizes=layout.bucket_sizes,
+        )
+        self.servers.request(lambda i: request, "IpcWeightsRequest")
+
+    def send(self, version: int, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
+        """Phase 2: fill the slots bucket by bucket (``tensors`` indexed like ``layout.specs``); a slot is
+        reused only once every worker has read the bucket in it."""
+        channel = self.channel
+        assert channel is not None, "begin() first"
+        try:
+            for b in range(len(layout.bucket_sizes)):
+                if b >= self.num_slots:
+                    channel.wait_acks(version, b - self.num_slots, self.num_workers, self.timeout_s)
+                pack_into(layout, b, tensors, self.buffers[b % self.num_slots])
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # the bytes are there before "ready"
+                channel.set_ready(version, b)
+        except IpcAborted as e:  # a worker gave up: its server's AwaitWeightsRequest says why
+            raise IpcWeightError(f"inference gave up IPC update to version {version}: {e}") from e
+        except BaseException as e:
+            channel.abort(version, f"the trainer failed sending: {type(e).__name__}: {e}")
+            raise
+
+    def finish(self, version: int, num_buckets: int) -> None:
+        """Phase 3: wait until every server serves ``version``; raises if any failed."""
+        try:
+            self.servers.request(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
+        finally:
+            if self.channel is not None:
+                self.channel.clear(version, num_buckets, self.num_workers)
+
+    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketLayout:
+        """One full update; returns when every server serves ``version``. Raises if any refuses or fails."""
+        specs, tensors = [], []
+        for name, t in named_tensors:
+            t = t.detach().contiguous()
+            specs.append(Spec.of(name, t))
+            tensors.append(t)
+        layout = self.plan(specs)
+        self.begin(version, layout)
+        try:
+            self.send(version, layout, tensors)
+        except IpcWeightError:
+            pass  # the servers' answers to AwaitWeightsRequest below carry the reason
+        self.finish(version, len(layout.bucket_sizes))
+        return layout
+
+    def _close_session(self) -> None:
+        remove_slots(self.slots)
+        self.buffers, self.slots = [], []
+
+    def close(self) -> None:
+        self._close_session()
+        self.servers.close()
+        self.channel = None
