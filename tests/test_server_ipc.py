@@ -35,6 +35,9 @@ from prime_rl.common.wire import AwaitWeightsRequest, LoadWeightsRequest  # noqa
 from prime_rl.inference.testing import start_server, stop_server  # noqa: E402
 from prime_rl.trainer.weights.ipc_sender import IpcWeightError, IpcWeightSender  # noqa: E402
 
+GPU_TOL = 1e-2
+"""Logprobs of vLLM on the GPU against transformers on the CPU, both fp32."""
+
 pytestmark = pytest.mark.xdist_group("vllm_server")
 
 BUCKET_BYTES = 64 * 1024  # the tiny model spans several buckets: the two slots are reused within one update
@@ -179,7 +182,12 @@ def test_device_memory_update_matches_transformers(server):
         layout = sender.push(30, ((n, t.cuda()) for n, t in sd.items()))
         assert len(layout.bucket_sizes) > sender.num_slots and sender.buffers[0].is_cuda
         assert health(server).weight_version == 30
-        assert max_diff(server_logprobs(server), hf_logprobs(server.model_dir, sd)) < TOL
+        # GPU kernels against transformers on the CPU, both fp32: 1.4e-3 measured on the H200 (TOL is for two CPU
+        # runs); other weights are 10x further away, so what the server serves is this update
+        served = server_logprobs(server)
+        new = max_diff(served, hf_logprobs(server.model_dir, sd))
+        assert new < GPU_TOL
+        assert max_diff(served, hf_logprobs(server.model_dir, perturbed(server.model_dir, seed=31))) > 10 * new
     finally:
         sender.close()
         lease.release()

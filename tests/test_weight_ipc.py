@@ -7,6 +7,7 @@ Cross-package (trainer sender, inference receiver), so it lives in the root test
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from pathlib import Path
@@ -111,7 +112,10 @@ def _device_reader(init: bytes, layout, out) -> None:
     got = {}
     for batch in receiver.batches(layout, version=1):
         got.update({n: t.to("cpu", copy=True) for n, t in batch})
-    out.put(got)
+    # plain bytes: a queued tensor is shared through a file descriptor that dies with this process
+    buf = io.BytesIO()
+    torch.save(got, buf)
+    out.put(buf.getvalue())
 
 
 @pytest.mark.gpu
@@ -144,7 +148,7 @@ def test_device_slots_are_read_by_another_process_through_cuda_ipc():
         time.sleep(0.05)
     sender.num_workers = 1
     sender.send(1, layout, list(sd.values()))
-    got = out.get(timeout=120)
+    got = torch.load(io.BytesIO(out.get(timeout=120)))
     p.join(timeout=60)
     assert p.exitcode == 0
     assert set(got) == set(sd) and all(torch.equal(got[n], sd[n].cpu()) for n in sd)
