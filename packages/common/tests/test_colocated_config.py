@@ -83,6 +83,7 @@ def test_colocated_runs_push_through_ipc_unless_told_otherwise(model, monkeypatc
 def test_the_filesystem_transport_still_serves_colocated_runs(model, monkeypatch):
     monkeypatch.setattr(rl_config, "installed_vllm_is_cpu", lambda: False)
     cfg = load_config(
-        RLConfig, ["--model.name", str(model), "--deployment.type", "colocated", "--weight-broadcast.type", "filesystem"]
+        RLConfig,
+        ["--model.name", str(model), "--deployment.type", "colocated", "--weight-broadcast.type", "filesystem"],
     )
     assert cfg.trainer.weight_broadcast.type == "filesystem" and cfg.orchestrator.inference.addresses

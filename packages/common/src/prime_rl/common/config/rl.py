@@ -360,7 +360,8 @@ class RLConfig(BaseConfig):
         # every replica or P/D instance takes weight updates
         controls = [f"tcp://127.0.0.1:{port}" for port in self.inference.instance_control_ports]
         # the orchestrator loads filesystem versions, and in colocated runs puts inference to sleep and wakes it
-        if not orch.inference.addresses and (wb.type == "filesystem" or isinstance(self.deployment, ColocatedDeployment)):
+        colocated = isinstance(self.deployment, ColocatedDeployment)
+        if not orch.inference.addresses and (wb.type == "filesystem" or colocated):
             changes["orchestrator.inference.addresses"] = controls
         if self.inference.max_restarts != 0 and "outage_timeout" not in orch.inference.model_fields_set:
             # the orchestrator waits out a restart: its start-up deadline plus a minute
