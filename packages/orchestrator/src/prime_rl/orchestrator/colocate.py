@@ -19,8 +19,8 @@ One step, synchronous (`max_off_policy_steps = 0`):
 Waking the weights before the load gives the workers buffers to write into; the KV cache, the larger part,
 is woken only once the new weights are in. A push the servers refuse is never announced: the trainer raises
 the servers' reason and exits, and the launcher stops the run (inference, which serves the rolled-back
-version with its KV cache asleep, goes with it: never asleep and waited on forever). Each move is timed and lands in the step's metrics
-(`colocate/*`): the seconds each request took and how long inference slept.
+version with its KV cache asleep, goes with it: never asleep and waited on forever). Each move is timed and
+lands in the step's metrics (`colocate/*`): the seconds each request took and how long inference slept.
 
 Left out: overlap (rollouts for n + 1 during training n cannot run on a sleeping engine), and restarts of a
 colocated inference server (`inference.max_restarts`, whose watch holds the same gate).
