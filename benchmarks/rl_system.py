@@ -27,7 +27,9 @@ vLLM's own generation rate on the same GPU share, prompts and sampling settings,
    split mode then the colocated one, same shape, in the same call. Per step it adds what the hand-over moved:
    sleep, wake of the weights, load, wake of the KV cache, how long inference slept (`colocate/*`), the
    trainer's `time/release`, and its allocated / reserved GiB at each phase (`memory/*`: at the batch, the
-   step's peak, before and after the release) for a memory timeline.
+   step's peak, before and after the release) for a memory timeline. A colocated run pushes through ipc (rl's
+   default there: no wake of the weights or load on the orchestrator's side, `publish_s` holds the wake and
+   the push); `--transport filesystem ipc` runs each mode once per transport, to compare them.
 
 Prints one JSON line per step and a summary line per mode last (rollout tok/s against vLLM's, trainer tok/s, MFU).
 """
@@ -140,8 +142,10 @@ SPLIT_SHARE = 0.35
 """vLLM's share in split mode on one GPU (both sides keep their memory), unless --gpu-memory-utilization."""
 
 
-def rl_config(args: argparse.Namespace, model_dir: Path, colocated: bool, name: str) -> Path:
+def rl_config(args: argparse.Namespace, model_dir: Path, colocated: bool, name: str, transport: str | None) -> Path:
     path = args.workdir / f"{name}.toml"
+    # None: rl's default for the mode (split: filesystem, colocated: ipc)
+    weight_broadcast = f'[weight_broadcast]\ntype = "{transport}"' if transport else ""
     if colocated:
         deployment = 'type = "colocated"\nnum_gpus = 1'
         share = args.gpu_memory_utilization  # None: the launcher sizes it beside the resting trainer
@@ -159,6 +163,7 @@ name = "{name}"
 name = "{model_dir}"
 [deployment]
 {deployment}
+{weight_broadcast}
 [orchestrator]
 batch_size = {args.rollouts}
 group_size = {args.group_size}
@@ -185,11 +190,13 @@ COLOCATE_KEYS = {
 """Per-step fields of a colocated run -> its metrics keys (orchestrator's hand-over, trainer's release)."""
 
 
-def run_rl(args: argparse.Namespace, model_dir: Path, colocated: bool = False) -> tuple[list[dict], dict]:
-    name = f"{args.name}_{'colocated' if colocated else 'split'}"
+def run_rl(
+    args: argparse.Namespace, model_dir: Path, colocated: bool = False, transport: str | None = None
+) -> tuple[list[dict], dict]:
+    name = f"{args.name}_{'colocated' if colocated else 'split'}" + (f"_{transport}" if transport else "")
     run_dir = args.workdir / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    config = rl_config(args, model_dir, colocated, name)
+    config = rl_config(args, model_dir, colocated, name, transport)
     cmd = [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(config), *args.extra]
     start = time.perf_counter()
     timeline_csv = args.workdir / f"{name}.gpu.csv"
@@ -228,7 +235,10 @@ def run_rl(args: argparse.Namespace, model_dir: Path, colocated: bool = False) -
         if colocated:
             steps[-1].update({field: r.get(key) for field, key in COLOCATE_KEYS.items()})
             steps[-1]["memory_gib"] = {k.removeprefix("memory/"): v for k, v in r.items() if k.startswith("memory/")}
-    run = dict(total_s=total, run_dir=str(run_dir), mode="colocated" if colocated else "split")
+    mode = "colocated" if colocated else "split"
+    run = dict(
+        total_s=total, run_dir=str(run_dir), mode=mode, transport=transport or ("ipc" if colocated else "filesystem")
+    )
     run.update(draw_timeline(args, name, timeline_csv, arrivals))
     return steps, run
 
@@ -312,6 +322,13 @@ def main() -> None:
         default="no",
         help="split GPUs (no), colocated with sleep mode (yes), or split then colocated (both)",
     )
+    p.add_argument(
+        "--transport",
+        nargs="+",
+        choices=["filesystem", "ipc", "nccl"],
+        help="weight transports to run each mode with, one run each (default: rl's own per mode, split filesystem, "
+        "colocated ipc)",
+    )
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="vLLM alone first")
     p.add_argument("--baseline-timeout", type=float, default=300.0)
     p.add_argument("--name", default="rl_system")
@@ -322,11 +339,15 @@ def main() -> None:
     note(f"building the {args.shape} model")
     model_dir = build_model(args.shape, args.workdir)
     runs = []
-    for colocated in {"no": [False], "yes": [True], "both": [False, True]}[args.colocated]:
-        note(f"rl ({'colocated' if colocated else 'split'}) for {args.steps} steps (logs in {args.workdir})")
-        steps, run = run_rl(args, model_dir, colocated)
+    modes = {"no": [False], "yes": [True], "both": [False, True]}[args.colocated]
+    for colocated, transport in [(c, t) for c in modes for t in args.transport or [None]]:
+        mode = f"{'colocated' if colocated else 'split'}" + (f", {transport}" if transport else "")
+        note(f"rl ({mode}) for {args.steps} steps (logs in {args.workdir})")
+        steps, run = run_rl(args, model_dir, colocated, transport)
         for s in steps:
-            print(json.dumps(dict(bench="rl_system_step", mode=run["mode"], **s)), flush=True)
+            print(
+                json.dumps(dict(bench="rl_system_step", mode=run["mode"], transport=run["transport"], **s)), flush=True
+            )
         runs.append((steps, run))
     note("vLLM alone, same GPU share and prompts" if args.baseline else "no vLLM-alone baseline")
     if args.baseline and args.gpu_memory_utilization is None:

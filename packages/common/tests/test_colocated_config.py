@@ -65,5 +65,25 @@ def test_bad_input_is_one_line_naming_the_fix(model, monkeypatch, flags, message
     assert message in str(e.value) and "\n" not in str(e.value).strip()
 
 
-def test_the_transport_seam_is_filesystem_today():
-    assert "filesystem" in COLOCATED_TRANSPORTS
+@pytest.mark.parametrize("cpu, memory", [(False, "device"), (True, "host")])
+def test_colocated_runs_push_through_ipc_unless_told_otherwise(model, monkeypatch, cpu, memory):
+    monkeypatch.setattr(rl_config, "installed_vllm_is_cpu", lambda: cpu)
+    cfg = load_config(RLConfig, ["--model.name", str(model), "--deployment.type", "colocated"])
+    assert COLOCATED_TRANSPORTS[0] == "ipc"
+    wb = cfg.trainer.weight_broadcast
+    assert (wb.type, wb.memory) == ("ipc", memory)  # the trainer's GPU on GPUs, /dev/shm on CPU
+    controls = [f"tcp://127.0.0.1:{p}" for p in cfg.inference.instance_control_ports]
+    assert wb.inference_addresses == controls  # the trainer pushes and wakes the weights
+    assert cfg.orchestrator.inference.addresses == controls  # the orchestrator sleeps and wakes the KV cache
+    explicit = load_config(RLConfig, ["--model.name", str(model), "--deployment.type", "colocated",
+                                      "--weight-broadcast.type", "ipc", "--weight-broadcast.memory", "device"])  # fmt: skip
+    assert explicit.trainer.weight_broadcast.memory == "device"  # a value the user set is kept
+
+
+def test_the_filesystem_transport_still_serves_colocated_runs(model, monkeypatch):
+    monkeypatch.setattr(rl_config, "installed_vllm_is_cpu", lambda: False)
+    cfg = load_config(
+        RLConfig,
+        ["--model.name", str(model), "--deployment.type", "colocated", "--weight-broadcast.type", "filesystem"],
+    )
+    assert cfg.trainer.weight_broadcast.type == "filesystem" and cfg.orchestrator.inference.addresses

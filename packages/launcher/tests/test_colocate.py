@@ -47,7 +47,10 @@ def test_vllm_share_is_what_the_resting_trainer_leaves():
 
 def test_resolve_sizes_vllm_unless_the_user_did(model_dir, monkeypatch):
     host = HostFacts(gpu_bytes=H200, num_params=8_000_000_000)
-    assert resolve(_cfg(model_dir, monkeypatch), host).inference.vllm.gpu_memory_utilization == 0.77
+    filesystem = _cfg(model_dir, monkeypatch, "--weight-broadcast.type", "filesystem")
+    assert resolve(filesystem, host).inference.vllm.gpu_memory_utilization == 0.77
+    # ipc (the default) keeps two 1 GiB bucket slots on the trainer's GPU: 2 GiB less for vLLM
+    assert resolve(_cfg(model_dir, monkeypatch), host).inference.vllm.gpu_memory_utilization == 0.75
     mine = _cfg(model_dir, monkeypatch, "--inference.vllm.gpu-memory-utilization", "0.5")
     assert resolve(mine, host).inference.vllm.gpu_memory_utilization == 0.5
     split = load_config(RLConfig, ["--model.name", str(model_dir)])

@@ -71,3 +71,31 @@ def test_inference_sleeps_between_rollouts_and_wakes_around_each_load(tmp_path, 
     for m in metrics[1:]:
         assert {"colocate/wake_weights_s", "colocate/load_s", "colocate/wake_kv_s", "colocate/asleep_s"} <= m.keys()
         assert m["colocate/asleep_s"] >= m["colocate/load_s"]
+
+
+def test_with_a_push_transport_the_announcement_wakes_the_kv_cache_after_the_trainer_pushed(
+    tmp_path, make_server, ports
+):
+    """ipc: the trainer wakes the weights and pushes (recorded here as "trainer_push"); the orchestrator neither
+    pauses nor loads, and wakes the KV cache only once the pushed version is announced, before any request."""
+    server = make_server()
+    port = ports.free_range(2)
+    config = make_config(tmp_path, server.base_url, port, max_off_policy_steps=0, inference={"sleep_level": 1})
+    run_dir = RunDir(tmp_path, "run")
+    control = SleepingControl(server)
+    trainer = FakeTrainer(run_dir, port, num_ranks=2, num_steps=3, weights_port=config.trainer.weights_port,
+                          push=lambda version: control._record("trainer_push", version))  # fmt: skip
+    run_orchestrator(config, ReverseTextEnv(min_len=3, max_len=6), control)
+    trainer.join()
+
+    names = [c[0] if c[0] != "wake_up" else f"wake_{c[1][0]}" for c in control.calls]
+    assert names == ["sleep", "trainer_push", "wake_kv_cache", "sleep", "trainer_push", "wake_kv_cache", "sleep"]
+    assert not run_dir.broadcasts_dir.exists() or not any(run_dir.broadcasts_dir.iterdir())  # no disk
+    sleeps = [c for c in control.calls if c[0] == "sleep"]
+    woken = [c for c in control.calls if c[0] == "wake_up"]
+    for asleep, awake in zip(sleeps, woken):
+        assert asleep[-1] == awake[-1], "a request was sent to a sleeping server"
+    metrics = read_metrics(run_dir.metrics_path)
+    assert [m["policy/version"] for m in metrics] == [0, 1, 2]  # each step samples the version just pushed
+    for m in metrics[1:]:
+        assert {"colocate/wake_kv_s", "colocate/asleep_s"} <= m.keys() and "colocate/load_s" not in m

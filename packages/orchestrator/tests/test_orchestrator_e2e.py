@@ -6,6 +6,7 @@ inference control plane."""
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -61,8 +62,11 @@ class FakeTrainer:
         num_steps: int,
         weights_port: int,
         publish_delay: float = 0.0,
+        push: Callable[[int], None] | None = None,
     ):
         self.run_dir, self.publish_delay, self.weights_port = run_dir, publish_delay, weights_port
+        self.push = push
+        """A push transport (ipc): called with each version instead of writing it, which is announced without a path."""
         self.received: list[list[tuple[TrainingBatch, dict]]] = [[] for _ in range(num_ranks)]
         self.arrival_times: list[list[float]] = [[] for _ in range(num_ranks)]  # time.monotonic() of each batch
         self.errors: list[BaseException] = []
@@ -82,11 +86,16 @@ class FakeTrainer:
                     self.received[rank].append((message, {k: np.array(v) for k, v in arrays.items()}))
                     if rank == 0:
                         time.sleep(self.publish_delay)
+                        # the last version is one no step samples from: the orchestrator may have exited,
+                        # and a send to nobody would block until its timeout
+                        if self.push is not None:
+                            if i < num_steps - 1:
+                                self.push(message.step + 1)
+                                announcer.send(WeightsPublished(version=message.step + 1, path=None))
+                            continue
                         d = self.run_dir.broadcast_dir(message.step + 1)
                         d.mkdir(parents=True)
                         (d / BROADCAST_MARKER).touch()
-                        # the last version is one no step samples from: the orchestrator may have exited,
-                        # and a send to nobody would block until its timeout
                         if i < num_steps - 1:
                             announcer.send(WeightsPublished(version=message.step + 1, path=str(d)))
             if announcer is not None:

@@ -2,7 +2,8 @@
 
 While inference generates, the trainer keeps only what it cannot move cheaply: its fp32 master weights
 (4 bytes a parameter, sharded over the GPUs by FSDP; optimizer state is on the host, `model.offload =
-"optimizer"`, gradients are freed by `zero_grad`) and its CUDA context. vLLM's share
+"optimizer"`, gradients are freed by `zero_grad`), its CUDA context and, with the ipc transport on the device,
+the ring of bucket slots on rank 0's GPU (`ipc_slot_bytes`). vLLM's share
 (`gpu_memory_utilization`, weights + KV cache) is what is left, unless the user set it. While the trainer
 steps, vLLM sleeps (its weights on the host or dropped, its KV cache freed): the trainer has the GPU but for
 vLLM's CUDA context.
@@ -32,9 +33,17 @@ def trainer_resident_bytes(num_params: int, num_gpus: int) -> int:
     return 4 * num_params // num_gpus + CONTEXT_BYTES
 
 
-def vllm_share(gpu_bytes: int, num_params: int, num_gpus: int) -> float:
-    """vLLM's `gpu_memory_utilization` beside a trainer at rest, floored to 0.01 and capped at `MAX_SHARE`."""
-    left = 1.0 - trainer_resident_bytes(num_params, num_gpus) / gpu_bytes
+def ipc_slot_bytes(cfg: RLConfig) -> int:
+    """The ipc transport's buckets on trainer rank 0's GPU (`memory = "device"`), kept for the whole run: two
+    slots of `bucket_bytes` (`prime_rl.common.weight_sync.ipc.NUM_SLOTS`, not imported: it imports torch)."""
+    wb = cfg.trainer.weight_broadcast
+    return 2 * wb.bucket_bytes if wb.type == "ipc" and wb.memory == "device" else 0
+
+
+def vllm_share(gpu_bytes: int, num_params: int, num_gpus: int, extra_bytes: int = 0) -> float:
+    """vLLM's `gpu_memory_utilization` beside a trainer at rest (and ``extra_bytes`` more it keeps on the GPU),
+    floored to 0.01 and capped at `MAX_SHARE`."""
+    left = 1.0 - (trainer_resident_bytes(num_params, num_gpus) + extra_bytes) / gpu_bytes
     return max(0.01, min(MAX_SHARE, math.floor(left * 100) / 100))
 
 
@@ -76,4 +85,5 @@ def colocated_changes(cfg: RLConfig, gpu_bytes: int | None, num_params: int | No
         return {}
     if "gpu_memory_utilization" in cfg.inference.vllm.model_fields_set:
         return {}
-    return {"inference.vllm.gpu_memory_utilization": vllm_share(gpu_bytes, num_params, cfg.deployment.num_gpus)}
+    share = vllm_share(gpu_bytes, num_params, cfg.deployment.num_gpus, ipc_slot_bytes(cfg))
+    return {"inference.vllm.gpu_memory_utilization": share}

@@ -8,12 +8,19 @@ One step, synchronous (`max_off_policy_steps = 0`):
    (``SleepRequest``: vLLM frees its KV cache, and its weights at level 2 or moves them to the host at 1);
 3. the batch goes to the trainer. Its arrival is the trainer's signal that the GPUs are free (no other
    channel: the trainer waits for batches anyway); it trains, publishes version n + 1 and frees its own memory;
-4. the trainer's announcement reaches the ``WeightUpdater``, which loads through this hand-over:
-   pause -> wake "weights" -> load the files -> wake "kv_cache" -> resume, then the gate reopens at n + 1.
+4. filesystem: the trainer's announcement reaches the ``WeightUpdater``, which loads through this hand-over:
+   pause -> wake "weights" -> load the files -> wake "kv_cache" -> resume, then the gate reopens at n + 1;
+   ipc (a push transport): the trainer, its step done and its free memory returned, wakes "weights" itself
+   (``WakeUpRequest`` from its publisher, through the control client it pushes with), pushes n + 1 and
+   announces it once every server serves it (verified, or rolled back and refused); that announcement, the
+   signal every push transport already gives, makes the updater call ``after_push``: wake "kv_cache", then
+   the gate reopens at n + 1.
 
 Waking the weights before the load gives the workers buffers to write into; the KV cache, the larger part,
-is woken only once the new weights are in. Each move is timed and lands in the step's metrics
-(`colocate/*`): the seconds each request took and how long inference slept.
+is woken only once the new weights are in. A push the servers refuse is never announced: the trainer raises
+the servers' reason and exits, and the launcher stops the run (inference, which serves the rolled-back
+version with its KV cache asleep, goes with it: never asleep and waited on forever). Each move is timed and
+lands in the step's metrics (`colocate/*`): the seconds each request took and how long inference slept.
 
 Left out: overlap (rollouts for n + 1 during training n cannot run on a sleeping engine), and restarts of a
 colocated inference server (`inference.max_restarts`, whose watch holds the same gate).
@@ -82,6 +89,19 @@ class HandOver:
             "inference awake with version %d: weights woken %.2fs, loaded %.2fs, KV cache woken %.2fs",
             version, t1 - t0, t2 - t1, t3 - t2,
         )  # fmt: skip
+
+    async def after_push(self, version: int) -> None:
+        """A push transport: the trainer woke the weights and every server serves ``version`` (its announcement
+        says so); wake the KV cache, and rollouts may start again (the updater reopens the gate at ``version``)."""
+        start = time.perf_counter()
+        await self.control.wake_up(["kv_cache"])  # generation resumes in each server once all of it is awake
+        now = time.perf_counter()
+        self._add("colocate/wake_kv_s", now - start)
+        if self.asleep_since is not None:
+            self._add("colocate/asleep_s", now - self.asleep_since)
+            self.asleep_since = None
+        await self.policy.release()
+        logger.info("inference awake with version %d pushed by the trainer: KV cache woken %.2fs", version, now - start)
 
     async def resume(self) -> None:
         await self.control.resume()

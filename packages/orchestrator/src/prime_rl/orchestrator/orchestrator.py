@@ -175,6 +175,8 @@ class Orchestrator:
             pause_mode=config.inference.pause_mode,
             poll_interval=config.weights_poll_interval,
         )
+        if self.handover is not None:  # a pushed version (ipc) is in: the hand-over wakes the rest of inference
+            self.updater.after_push = self.handover.after_push
         self.watch: InferenceWatch | None = None
         if config.inference.outage_timeout > 0:  # `rl` may restart inference under us (heal.py)
             self.watch = InferenceWatch(

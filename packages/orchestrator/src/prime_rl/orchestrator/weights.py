@@ -322,6 +322,9 @@ class WeightUpdater:
         """Asked when a server answers an update with an error: True when inference is going away (vLLM's engine
         died under the load: the reply is its death, not a refusal of the weights), so the update is lost, not
         failed. None: every error reply stops the run."""
+        self.after_push: Callable[[int], Awaitable[None]] | None = None
+        """Awaited with the version once a pushed one (no path) is announced, before the gate reopens at it
+        (colocated runs: ``HandOver.after_push`` wakes the KV cache); its error stops the run."""
         self.failure: BaseException | None = None
         """The poller's error: a failed update stops the run, and every later call re-raises it (re-opening
         the version socket the poller closed would fail with 'Address already in use' and hide it)."""
@@ -411,6 +414,8 @@ class WeightUpdater:
             except BaseException:
                 await self.policy.open()  # keep the old version; the error stops the run
                 raise
+        elif self.after_push is not None:
+            await self.after_push(version)
         await self.policy.open(version=version)
         self.num_updates += 1
         self.last_update_s = time.perf_counter() - start

@@ -19,6 +19,9 @@ Memory timeline: allocated and reserved GiB at each phase boundary go into the s
 (`memory/<phase>_allocated`, `memory/<phase>_reserved`): `at_batch` (what the trainer held while inference
 ran), `peak` (the step's peak), `before_release`, `released`. `time/release` is the seconds `release` took.
 
+With the ipc transport inference wakes its weights during the publish, before ``release``: the publisher
+calls ``make_room`` (the same frees) on every rank first (``prime_rl.trainer.rl.publish_ipc``).
+
 Left out: moving the master weights themselves between steps (`model.offload = "full"` keeps them on the host
 for the whole run instead), and the trainer's start-up, which runs while inference is awake.
 """
@@ -79,15 +82,20 @@ class StepOffload:
         """After the step's publish and checkpoint: free what can be freed; returns the step's memory metrics."""
         start = time.perf_counter()
         self._record("before_release", peak=True)
+        self.make_room()
+        self._record("released")
+        self._metrics["time/release"] = time.perf_counter() - start
+        metrics, self._metrics = self._metrics, {}
+        return metrics
+
+    def make_room(self) -> None:
+        """Free what the step left on the device: ``release`` at the step's end, and the ipc publisher before it
+        wakes inference's weights (those then share the GPU with the trainer's master weights and the push)."""
         if self.optimizer_offload is not None:
             self.optimizer_offload.wait()  # the moments' copy to the host is done: their device buffers are free
         gc.collect()  # tensors of the step held only by reference cycles
         if self.empty_cache is not None:
             self.empty_cache()
-        self._record("released")
-        self._metrics["time/release"] = time.perf_counter() - start
-        metrics, self._metrics = self._metrics, {}
-        return metrics
 
     def _record(self, phase: str, peak: bool = False) -> None:
         if self.memory is None:

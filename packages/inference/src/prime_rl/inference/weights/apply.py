@@ -29,7 +29,9 @@ async def apply_update(
     If ``method`` fails and ``restore_path`` is set, the weights there are reloaded before generation
     resumes (a half-loaded model never serves a request), then the original error is raised.
     """
-    paused_here = not controller._client_paused
+    # Asleep (colocated, a push into the woken weights): sleep already stopped generation, and the wake-up of
+    # the KV cache resumes it; resuming here would schedule requests on an engine without its KV cache.
+    paused_here = not controller._client_paused and not controller.sleep_state.sleeping
     if paused_here:
         await controller.engine.pause_generation(mode=controller.pause_mode)
     try:

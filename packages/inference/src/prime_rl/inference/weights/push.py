@@ -78,6 +78,8 @@ async def begin_streamed(
         return controller._reply(False, f"a {what} of version {request.version} is already in progress")
     if (refusal := refuse_version(transport, request.version, controller.weight_version)) is not None:
         return controller._reply(False, refusal)
+    if (refusal := asleep_weights(controller, request.version)) is not None:
+        return controller._reply(False, refusal)
     source = f"{what} of version {request.version}"
     names = controller.manifest.check_transfer(
         request.specs, request.buckets, request.offsets, request.bucket_sizes, source
@@ -120,6 +122,18 @@ async def begin_streamed(
     # not needed for correctness (the collective waits for both sides), it keeps the logs in order.
     await asyncio.sleep(0)
     return controller._reply(True)
+
+
+def asleep_weights(controller: Controller, version: int) -> str | None:
+    """Why a push of ``version`` cannot land now: the weights sleep (colocated runs), so the workers have no
+    buffers to write into (level 1 keeps them in host memory, level 2 dropped them); None when awake."""
+    state = controller.sleep_state
+    if "weights" in state.awake:
+        return None
+    return (
+        f"version {version} cannot be pushed while the weights sleep (level {state.level}, put to sleep by "
+        f"{state.by}); send WakeUpRequest(tags=['weights']) first; version {controller.weight_version} serves on"
+    )
 
 
 async def await_update(controller: Controller, request: AwaitWeightsRequest) -> ControlReply:
@@ -176,6 +190,8 @@ async def begin_nixl(controller: Controller, request: NixlWeightsRequest) -> Con
     if request.version in controller._broadcasts:
         return controller._reply(False, f"an update to version {request.version} is already in progress")
     if (refusal := refuse_version("nixl", request.version, controller.weight_version)) is not None:
+        return controller._reply(False, refusal)
+    if (refusal := asleep_weights(controller, request.version)) is not None:
         return controller._reply(False, refusal)
     await controller._lock.acquire()  # released when the receive task ends
     controller._restore_path = None  # NIXL keeps its own rollback copy; nothing on disk holds these weights

@@ -5,13 +5,23 @@ them into the ring of slots (``prime_rl.trainer.weights.ipc_sender``), refilling
 has read it, so the training loop is blocked for gather + pack + the workers' reads. Waiting for every server to
 finish its reload and announcing the version run in the background, as for nccl.
 
+Colocated runs (``[deployment] type = "colocated"``, ``make_room`` given): inference sleeps while the trainer
+steps, so the publish wakes it. Once the full tensors are gathered every rank frees what its step left
+(``StepOffload.make_room``), the ranks meet at a barrier (vLLM's weights wake on every GPU of the run), then rank
+0 sends ``WakeUpRequest(tags=["weights"])`` to every server and pushes into the woken weights. The KV cache stays
+asleep: the orchestrator wakes it once the version is announced (``prime_rl.orchestrator.colocate``).
+
 Its own module (not a branch of ``publish.build_publisher``) so the filesystem publisher's module stays as it
 is; ``build_ipc_publisher`` is picked by the training entrypoint for ``type = "ipc"``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
+
+import torch.distributed as dist
 
 from prime_rl.common.config.rl_trainer import IpcBroadcastConfig
 from prime_rl.common.rundir import RunDir
@@ -23,11 +33,22 @@ from prime_rl.trainer.weights.ipc_sender import IpcWeightError, IpcWeightSender
 from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
 
+logger = logging.getLogger(__name__)
+
 
 class IpcPublisher(Publisher):
-    def __init__(self, cfg: IpcBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
+    def __init__(
+        self,
+        cfg: IpcBroadcastConfig,
+        run_dir: RunDir,
+        model: CausalLM,
+        world: World,
+        make_room: Callable[[], None] | None = None,
+    ):
         super().__init__(cfg, model, world, "ipc weight update")
         self.run_dir = run_dir
+        self.make_room = make_room
+        """Colocated runs: frees this rank's step memory before inference's weights wake (None: they never sleep)."""
         self.sender = None
         if world.is_main:
             # The trainer drives the servers' loading (the lifecycle table), so it must know every server.
@@ -55,6 +76,7 @@ class IpcPublisher(Publisher):
         if sender is None:
             for _ in tensors:  # join the all-gathers
                 pass
+            self._wake_inference(None)
             return time.perf_counter() - start
         from prime_rl.common.weight_sync.broadcast import Spec
 
@@ -62,6 +84,7 @@ class IpcPublisher(Publisher):
         named = [(name, t.contiguous()) for name, t in hf.items()]
         layout = sender.plan(Spec.of(name, t) for name, t in named)
         num_buckets = len(layout.bucket_sizes)
+        self._wake_inference(sender)
         sender.begin(version, layout)
         try:
             sender.send(version, layout, [t for _, t in named])
@@ -73,6 +96,19 @@ class IpcPublisher(Publisher):
         self.job.start(lambda: self._serve_then_announce(version, blocked, lambda v: sender.finish(v, num_buckets)))
         return blocked
 
+    def _wake_inference(self, sender: IpcWeightSender | None) -> None:
+        """Colocated runs, on every rank: free the step's memory, meet, then rank 0 wakes every server's weights."""
+        if self.make_room is None:
+            return
+        self.make_room()
+        if dist.is_initialized() and self.world.world_size > 1:
+            dist.barrier()  # every GPU of the run has room before vLLM's weights wake on it
+        if sender is not None:
+            start = time.perf_counter()
+            sender.wake_weights()
+            logger.info("woke the weights of %d inference server(s) in %.2fs", len(sender.servers.clients),
+                        time.perf_counter() - start)  # fmt: skip
+
     def close(self) -> None:
         try:
             super().close()
@@ -81,11 +117,17 @@ class IpcPublisher(Publisher):
                 self.sender.close()
 
 
-def build_ipc_publisher(cfg: IpcBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World) -> IpcPublisher:
-    """The publisher for ``[weight_broadcast] type = "ipc"``."""
+def build_ipc_publisher(
+    cfg: IpcBroadcastConfig,
+    run_dir: RunDir,
+    model: CausalLM,
+    world: World,
+    make_room: Callable[[], None] | None = None,
+) -> IpcPublisher:
+    """The publisher for ``[weight_broadcast] type = "ipc"``; ``make_room`` for colocated runs (see above)."""
     if getattr(model.model, "lora_config", None) is not None:
         raise ValueError(
             "weight_broadcast.type='ipc' sends full weights; LoRA publishes the adapter alone, through "
             "weight_broadcast.type='filesystem'"
         )
-    return IpcPublisher(cfg, run_dir, model, world)
+    return IpcPublisher(cfg, run_dir, model, world, make_room)

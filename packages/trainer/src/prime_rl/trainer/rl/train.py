@@ -256,10 +256,13 @@ def train(cfg: RLTrainerConfig) -> None:
     cfg, mesh, model, trainer = build_trainer(
         cfg, dims, world, run_dir, logger, tokens, cfg.data.seq_len, extra_bytes_per_param=4.0 if reference else 0.0
     )
+    step_offload = StepOffload(world.device, trainer.optim.offload) if cfg.offload_between_steps else None
     if cfg.weight_broadcast.type == "ipc":  # shared buffers on one host (its own module: publish_ipc)
         from prime_rl.trainer.rl.publish_ipc import build_ipc_publisher
 
-        publisher = build_ipc_publisher(cfg.weight_broadcast, run_dir, model, world)
+        # colocated: the publish wakes inference's weights, after freeing the step's memory
+        make_room = step_offload.make_room if step_offload is not None else None
+        publisher = build_ipc_publisher(cfg.weight_broadcast, run_dir, model, world, make_room)
     else:
         publisher = build_publisher(cfg.weight_broadcast, run_dir, model, world)
     objective = build_objective(cfg.loss, cfg.model, dims, mesh, world, logger, policy=model)
@@ -274,7 +277,7 @@ def train(cfg: RLTrainerConfig) -> None:
             ckpt_interval=cfg.ckpt.interval,
             resume_step=cfg.ckpt.resume_step,
             publisher=publisher,
-            step_offload=StepOffload(world.device, trainer.optim.offload) if cfg.offload_between_steps else None,
+            step_offload=step_offload,
         )
     finally:
         source.close()

@@ -25,7 +25,14 @@ from prime_rl.common.weight_sync.ipc import (
     new_session,
     remove_slots,
 )
-from prime_rl.common.wire import AwaitWeightsRequest, InitIpcRequest, IpcSlot, IpcWeightsRequest, TensorSpec
+from prime_rl.common.wire import (
+    AwaitWeightsRequest,
+    InitIpcRequest,
+    IpcSlot,
+    IpcWeightsRequest,
+    TensorSpec,
+    WakeUpRequest,
+)
 from prime_rl.trainer.weights.servers import InferenceServers
 
 
@@ -80,6 +87,11 @@ class IpcWeightSender:
         )
         self.servers.request(lambda i: request, "InitIpcRequest")
         self.num_workers = self.channel.num_workers()  # every worker registered before its server answered
+
+    def wake_weights(self) -> None:
+        """Colocated runs: every server wakes its weights (they sleep while the trainer steps), the buffers the
+        push writes into; its KV cache stays asleep until the orchestrator learns the version is served."""
+        self.servers.request(lambda i: WakeUpRequest(tags=["weights"], by="trainer"), "WakeUpRequest")
 
     def begin(self, version: int, layout: BucketLayout) -> None:
         """Phase 1: (set up the session, then) every server validates the layout and its workers wait."""
