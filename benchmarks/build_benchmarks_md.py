@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = [
-    "rl_system", "weight_update", "trainer", "rl_trainer", "lora", "lm_head", "scaling", "grouped_gemm", "moe_models", "moe_mismatch",
+    "rl_system", "colocated", "weight_update", "trainer", "rl_trainer", "lora", "lm_head", "scaling", "grouped_gemm", "moe_models", "moe_mismatch",
     "weight_transfer", "nixl", "transport", "cli_startup",
 ]  # fmt: skip
 
@@ -24,6 +24,7 @@ CPU numbers come from the shared 2-core development machine and carry its load.
 | what | result | goal |
 |---|---|---|
 | Whole `rl` step on 1x H200, Qwen3-1.7B shape, 256 x 1,024-token rollouts, default settings (2026-12-03, 09:04 UTC) | **~24.5 s a step** (was ~35 s at 02:29, ~150 s on 12-02): trainer **33.2-36.1k tok/s, 39-43% MFU = 0.95-1.04x `sft`** (34.8k; compile now on by default; alone on the same batches 0.916x); rollouts 17.9k tok/s = **1.36x slower than vLLM alone** (24.3k; was 1.18x against 19.3k); weight update on the critical path **~2.5-3.2 s** (write 1.5-2.1 + verify 0.5 + load 0.5-0.6; was ~7.5 s) | trainer >= 0.9x sft (met); rollouts within 1.2x (not met this run); update <= 2 s (not met) |
+| Colocated `rl` (vLLM sleep mode + in-place ipc push), Qwen3-1.7B shape, 1x H200, vLLM 0.26 (2026-12-04, first run, cut short) | vLLM at share 0.9 (121.8 GiB KV) ready in 138 s; `sleep(level=1)` **4.78 s**, after which the trainer saw 136.6 GiB free; a whole step not reached in the call | colocated step <= rollout + train + 1.5 s (not measured; level-1 sleep alone is over 1.5 s) |
 | Filesystem weight update, Qwen3-1.7B shape (3.44 GB bf16), 1x H200, parts alone (2026-12-03, 23:45 UTC) | write + checksums 0.52 s, verify **0.41 s** (was 1.01), load into GPU 0.55 s: **1.51 s** (was 1.99 s with the tree before, same call) | publish + load <= 2 s (met on the parts; not re-measured inside an `rl` step) |
 | Long-sample RL trainer, Qwen3-1.7B shape, 1x H200, defaults (2026-12-03) | ~31.5k tokens/sample: 16,895 tok/s, 56% MFU, 92.0 GiB (no AC); ~64k: 7,944 tok/s, 44.5% MFU, 40.7 GiB (AC, after the memory plan's refit: it ran out of memory before); ~129k: 3,912 tok/s, 39.8% MFU, 48.0 GiB | 32k and 64k measured; levers side by side not run |
 | Seed MoE shapes, reduced depth, 1x H200, `sft` seq 4096, AC + compile (2026-12-03) | GLM-4.5-Air 1 dense + 1 MoE (3.83B): 26,021 tok/s, 65.5 GiB; Nemotron-3 Nano `MEMEM*` (3.44B): 27,761 tok/s, 57.2 GiB (after a compile fix); losses finite | train a few steps, finite |
