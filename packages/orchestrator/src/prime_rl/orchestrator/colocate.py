@@ -82,9 +82,7 @@ class HandOver:
         self._add("colocate/wake_weights_s", t1 - t0)
         self._add("colocate/load_s", t2 - t1)
         self._add("colocate/wake_kv_s", t3 - t2)
-        if self.asleep_since is not None:
-            self._add("colocate/asleep_s", t3 - self.asleep_since)
-            self.asleep_since = None
+        self._awake(t3)
         logger.info(
             "inference awake with version %d: weights woken %.2fs, loaded %.2fs, KV cache woken %.2fs",
             version, t1 - t0, t2 - t1, t3 - t2,
@@ -97,9 +95,7 @@ class HandOver:
         await self.control.wake_up(["kv_cache"])  # generation resumes in each server once all of it is awake
         now = time.perf_counter()
         self._add("colocate/wake_kv_s", now - start)
-        if self.asleep_since is not None:
-            self._add("colocate/asleep_s", now - self.asleep_since)
-            self.asleep_since = None
+        self._awake(now)
         await self.policy.release()
         logger.info("inference awake with version %d pushed by the trainer: KV cache woken %.2fs", version, now - start)
 
@@ -114,6 +110,12 @@ class HandOver:
 
     def _add(self, key: str, seconds: float) -> None:
         self._metrics[key] = self._metrics.get(key, 0.0) + seconds
+
+    def _awake(self, now: float) -> None:
+        """The KV cache is back: how long inference slept goes into the step's metrics."""
+        if self.asleep_since is not None:
+            self._add("colocate/asleep_s", now - self.asleep_since)
+            self.asleep_since = None
 
     # -- the rest of InferenceControl, passed through ---------------------------------------------
 
