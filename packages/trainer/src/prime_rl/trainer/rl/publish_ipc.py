@@ -29,7 +29,7 @@ from prime_rl.common.weight_transports import TRANSPORTS
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
 from prime_rl.trainer.rl.publish_base import Publisher
-from prime_rl.trainer.weights.ipc_sender import IpcWeightError, IpcWeightSender
+from prime_rl.trainer.weights.ipc_sender import IpcWeightSender
 from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
 
@@ -78,19 +78,10 @@ class IpcPublisher(Publisher):
                 pass
             self._wake_inference(None)
             return time.perf_counter() - start
-        from prime_rl.common.weight_sync.broadcast import Spec
-
         hf = model_state_dict_to_hf(dict(tensors), self.model.config)
         named = [(name, t.contiguous()) for name, t in hf.items()]
-        layout = sender.plan(Spec.of(name, t) for name, t in named)
-        num_buckets = len(layout.bucket_sizes)
         self._wake_inference(sender)
-        sender.begin(version, layout)
-        try:
-            sender.send(version, layout, [t for _, t in named])
-        except IpcWeightError:  # a worker gave up: the servers' answers say why (and what serves now)
-            sender.finish(version, num_buckets)
-            raise
+        num_buckets = len(sender.stage(version, named).bucket_sizes)
         del named, hf
         blocked = time.perf_counter() - start
         self.job.start(lambda: self._serve_then_announce(version, blocked, lambda v: sender.finish(v, num_buckets)))

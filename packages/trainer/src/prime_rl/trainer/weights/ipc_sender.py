@@ -134,19 +134,21 @@ class IpcWeightSender:
             if self.channel is not None:
                 self.channel.clear(version, num_buckets, self.num_workers)
 
-    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketLayout:
-        """One full update; returns when every server serves ``version``. Raises if any refuses or fails."""
-        specs, tensors = [], []
-        for name, t in named_tensors:
-            t = t.detach().contiguous()
-            specs.append(Spec.of(name, t))
-            tensors.append(t)
-        layout = self.plan(specs)
+    def stage(self, version: int, named: Sequence[tuple[str, torch.Tensor]]) -> BucketLayout:
+        """Phases 1 and 2 for contiguous ``named`` tensors (in send order); returns the layout ``finish`` needs.
+        If a worker gives up, waits for the servers' answers (they say why, and what serves now) and raises."""
+        layout = self.plan(Spec.of(name, t) for name, t in named)
         self.begin(version, layout)
         try:
-            self.send(version, layout, tensors)
+            self.send(version, layout, [t for _, t in named])
         except IpcWeightError:
-            pass  # the servers' answers to AwaitWeightsRequest below carry the reason
+            self.finish(version, len(layout.bucket_sizes))
+            raise
+        return layout
+
+    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketLayout:
+        """One full update; returns when every server serves ``version``. Raises if any refuses or fails."""
+        layout = self.stage(version, [(name, t.detach().contiguous()) for name, t in named_tensors])
         self.finish(version, len(layout.bucket_sizes))
         return layout
 
