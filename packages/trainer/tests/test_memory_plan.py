@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from prime_rl.common.config.trainer import ACConfig, TrainerModelConfig
-from prime_rl.trainer.memory_plan import Footprint, GiB, peak_bytes, plan_memory, require_resolved, resolve_memory
+from prime_rl.trainer.memory_plan import (
+    Footprint,
+    GiB,
+    peak_bytes,
+    plan_memory,
+    plannable_bytes,
+    require_resolved,
+    resolve_memory,
+)
 
 
 def _qwen3(layers: int, hidden: int, heads: int, kv: int, intermediate: int, vocab: int = 151936) -> Footprint:
@@ -52,6 +60,18 @@ def test_levers_engage_in_order_as_memory_gets_tight():
 def test_nothing_fits_takes_the_last_lever_and_says_so():
     plan = plan_memory(QWEN3_4B, 65536, 4 * GiB)
     assert _levers(plan) == ("full", True, True) and not plan.fits
+
+
+def test_colocated_trainer_plans_for_the_gpu_inference_leaves_asleep():
+    """H200, 2026-12-04: the colocated trainer started beside an awake vLLM at 0.9 and saw 10.3 GiB free; planning
+    on that turned full AC and AC offloading on (3.9k tok/s). It plans for the GPU of a sleeping vLLM instead."""
+    total, awake_free = 139.8 * GiB, 10.3 * GiB
+    assert plannable_bytes(awake_free, total, 0, shares_gpu=False) == awake_free  # split runs: what is free now
+    asleep = plannable_bytes(awake_free, total, 0, shares_gpu=True)
+    assert asleep == pytest.approx(135.8 * GiB)  # both contexts (2 GiB each) held back
+    assert plannable_bytes(awake_free, total, 1 * GiB, shares_gpu=True) == asleep - GiB  # already reserved
+    assert _levers(plan_memory(QWEN3_1_7B, 8192, awake_free, offload="optimizer"))[1]  # the old plan: AC on
+    assert _levers(plan_memory(QWEN3_1_7B, 8192, asleep, offload="optimizer")) == ("optimizer", False, False)
 
 
 def test_cpu_takes_the_fastest_plan():

@@ -18,12 +18,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from prime_rl.common.config.deployment import GPU_CONTEXT_BYTES as CONTEXT_BYTES
 from prime_rl.common.config.deployment import ColocatedDeployment
 from prime_rl.common.config.rl import RLConfig
 
 GiB = 2**30
-CONTEXT_BYTES = 2 * GiB
-"""Per GPU and side: CUDA context, NCCL buffers, allocator slack (the launcher's `TRAINER_FLOOR_BYTES` too)."""
 MAX_SHARE = 0.9
 """vLLM's own default share: never more, whatever the trainer leaves."""
 
@@ -42,8 +41,11 @@ def ipc_slot_bytes(cfg: RLConfig) -> int:
 
 def vllm_share(gpu_bytes: int, num_params: int, num_gpus: int, extra_bytes: int = 0) -> float:
     """vLLM's `gpu_memory_utilization` beside a trainer at rest (and ``extra_bytes`` more it keeps on the GPU),
-    floored to 0.01 and capped at `MAX_SHARE`."""
-    left = 1.0 - (trainer_resident_bytes(num_params, num_gpus) + extra_bytes) / gpu_bytes
+    less vLLM's own memory beyond its share (`CONTEXT_BYTES`), floored to 0.01 and capped at `MAX_SHARE`.
+
+    On the H200 at the 1.7B shape the cap decides (0.9): vLLM then takes 126.4 GiB once awake (its share and
+    0.5 GiB of CUDA graphs) beside a resting trainer of ~9 GiB (fp32 weights 6.4, ipc slots 2, context)."""
+    left = 1.0 - (trainer_resident_bytes(num_params, num_gpus) + extra_bytes + CONTEXT_BYTES) / gpu_bytes
     return max(0.01, min(MAX_SHARE, math.floor(left * 100) / 100))
 
 

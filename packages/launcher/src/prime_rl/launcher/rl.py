@@ -39,7 +39,12 @@ from typing import TYPE_CHECKING
 from prime_rl.common import commands
 from prime_rl.common.auth import SECRET_FILE_NAME, RunSecret
 from prime_rl.common.config import ConfigError, ConfigWarning, parse_config, write_toml
-from prime_rl.common.config.deployment import ColocatedDeployment, SingleNodeDeployment, unknown_kv_connector
+from prime_rl.common.config.deployment import (
+    GPU_CONTEXT_BYTES,
+    ColocatedDeployment,
+    SingleNodeDeployment,
+    unknown_kv_connector,
+)
 from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.env import (
@@ -103,7 +108,7 @@ def place(deployment: SingleNodeDeployment | ColocatedDeployment, gpus: list[str
     return (gpus[: deployment.num_infer_gpus] or train), train
 
 
-TRAINER_FLOOR_BYTES = 2 * 2**30
+TRAINER_FLOOR_BYTES = GPU_CONTEXT_BYTES
 """Memory a trainer needs beyond its bf16 weights and gradients (CUDA context, activations of one chunk)."""
 
 

@@ -42,6 +42,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from prime_rl.common.config.deployment import GPU_CONTEXT_BYTES
 from prime_rl.common.config.trainer import ACConfig, ACOffloadingConfig, TrainerModelConfig
 
 GiB = 2**30
@@ -206,11 +207,22 @@ def footprint(cfg: TrainerModelConfig) -> Footprint:
     )
 
 
-def free_device_bytes(device: torch.device) -> float | None:
-    """Free memory on ``device``, the minimum over all ranks (so every rank takes the same plan); None on CPU."""
+def plannable_bytes(free: float, total: float, reserved: float, shares_gpu: bool) -> float:
+    """The device memory a plan may count on: ``free`` now, or with ``shares_gpu`` (colocated runs) what this
+    rank will have while inference sleeps. The trainer starts beside an awake vLLM (at 0.9 of an H200 that left
+    10.3 GiB, and the plan then turned full AC and AC offloading on: 3.9k tok/s); a sleeping vLLM keeps its
+    context and CUDA graphs, this process its own context (`GPU_CONTEXT_BYTES` each) and what it reserved."""
+    return total - 2 * GPU_CONTEXT_BYTES - reserved if shares_gpu else free
+
+
+def free_device_bytes(device: torch.device, shares_gpu: bool = False) -> float | None:
+    """`plannable_bytes` on ``device``, the minimum over all ranks (so every rank takes the same plan); None on
+    CPU."""
     if device.type != "cuda":
         return None
-    free = torch.tensor([float(torch.cuda.mem_get_info(device)[0])], dtype=torch.float64, device=device)
+    free, total = torch.cuda.mem_get_info(device)
+    free = plannable_bytes(free, total, torch.cuda.memory_reserved(device), shares_gpu)
+    free = torch.tensor([float(free)], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(free, op=dist.ReduceOp.MIN)
     return float(free.item())
@@ -256,11 +268,13 @@ def resolve_memory(
     cp: int = 1,
     optimizer_bytes: int = 8,
     extra_bytes_per_param: float = 0.0,
+    shares_gpu: bool = False,
     logger: logging.Logger | None = None,
 ) -> TrainerModelConfig:
     """``cfg`` with "auto" offload / ac / ac_offloading replaced by the plan (unchanged if none is "auto").
     Every rank must call it (the free memory is reduced over ranks); ``extra_bytes_per_param``: other copies of
-    the weights per parameter before sharding (4 for the KL reference model's fp32 copy)."""
+    the weights per parameter before sharding (4 for the KL reference model's fp32 copy); ``shares_gpu``: plan
+    for the GPU as it is while colocated inference sleeps (`free_device_bytes`)."""
     if is_resolved(cfg):
         return cfg
     fp = footprint(cfg)
@@ -268,7 +282,7 @@ def resolve_memory(
     tokens = -(-tokens_per_forward // cp)  # each CP rank holds its slice's activations
     chunk = None if cfg.fused_lm_head_token_chunk_size == "disabled" else cfg.fused_lm_head_token_chunk_size
     plan = plan_memory(
-        fp, tokens, free_device_bytes(device),
+        fp, tokens, free_device_bytes(device, shares_gpu),
         offload=cfg.offload,
         ac="auto" if cfg.ac == "auto" else cfg.ac is not None,
         ac_offloading="auto" if cfg.ac_offloading == "auto" else cfg.ac_offloading is not None,

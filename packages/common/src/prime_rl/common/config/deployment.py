@@ -42,6 +42,12 @@ version is announced (no disk); filesystem files need neither side awake while t
 put two ranks on one GPU and nixl reads between processes that both hold their memory."""
 
 
+GPU_CONTEXT_BYTES = 2 * 2**30
+"""What a process on a shared GPU holds beyond what it plans for (CUDA context, NCCL buffers, allocator slack;
+vLLM: CUDA graphs and non-torch memory its `gpu_memory_utilization` does not bound, 0.5 GiB over the share at
+the Qwen3-1.7B shape on vLLM 0.26): the launcher sizes vLLM's share and the trainer plans its memory around it."""
+
+
 class ColocatedDeployment(BaseConfig):
     """Inference and trainer on the same GPUs of this machine, in turns: vLLM sleeps while the trainer steps."""
 

@@ -45,6 +45,7 @@ class PrimeWorkerExtension:
     _prime_group: WeightGroup | None = None
     _prime_bcast_keep = True  # keep a host copy of the last complete broadcast (set by prime_init_broadcast)
     _prime_bcast_copy = None  # prime_rl.inference.worker.broadcast.RollbackCopy of the served broadcast
+    _prime_bcast_spares: list = []  # host buffers the next rollback copy reuses (replaced, never mutated)
     _prime_nixl = None  # prime_rl.inference.weights.nixl_receiver.NixlReceiver, built by prime_init_nixl
     _prime_ipc = None  # prime_rl.inference.weights.ipc_receiver.IpcReceiver, built by prime_init_ipc
 

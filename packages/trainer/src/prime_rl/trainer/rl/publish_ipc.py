@@ -9,7 +9,8 @@ Colocated runs (``[deployment] type = "colocated"``, ``make_room`` given): infer
 steps, so the publish wakes it. Once the full tensors are gathered every rank frees what its step left
 (``StepOffload.make_room``), the ranks meet at a barrier (vLLM's weights wake on every GPU of the run), then rank
 0 sends ``WakeUpRequest(tags=["weights"])`` to every server and pushes into the woken weights. The KV cache stays
-asleep: the orchestrator wakes it once the version is announced (``prime_rl.orchestrator.colocate``).
+asleep: the orchestrator wakes it once the version is announced (``prime_rl.orchestrator.colocate``), so every
+rank frees the full copies of the push before the announcement can be made.
 
 Its own module (not a branch of ``publish.build_publisher``) so the filesystem publisher's module stays as it
 is; ``build_ipc_publisher`` is picked by the training entrypoint for ``type = "ipc"``.
@@ -83,6 +84,10 @@ class IpcPublisher(Publisher):
         self._wake_inference(sender)
         num_buckets = len(sender.stage(version, named).bucket_sizes)
         del named, hf
+        if self.make_room is not None:
+            # The announcement wakes the KV cache into the room this rank leaves: free the full copies first (on
+            # the H200 the cached 3.4 GiB of the 1.7B shape made vLLM's wake run out of memory)
+            self.make_room()
         blocked = time.perf_counter() - start
         self.job.start(lambda: self._serve_then_announce(version, blocked, lambda v: sender.finish(v, num_buckets)))
         return blocked

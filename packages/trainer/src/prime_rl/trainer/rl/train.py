@@ -254,8 +254,9 @@ def train(cfg: RLTrainerConfig) -> None:
     tokens = max(cfg.data.tokens_per_forward or 0, cfg.data.seq_len)
     reference = cfg.loss.kl is not None and cfg.model.lora is None  # a frozen fp32 copy of the weights
     cfg, mesh, model, trainer = build_trainer(
-        cfg, dims, world, run_dir, logger, tokens, cfg.data.seq_len, extra_bytes_per_param=4.0 if reference else 0.0
-    )
+        cfg, dims, world, run_dir, logger, tokens, cfg.data.seq_len,
+        extra_bytes_per_param=4.0 if reference else 0.0, shares_gpu=cfg.offload_between_steps,
+    )  # fmt: skip
     step_offload = StepOffload(world.device, trainer.optim.offload) if cfg.offload_between_steps else None
     if cfg.weight_broadcast.type == "ipc":  # shared buffers on one host (its own module: publish_ipc)
         from prime_rl.trainer.rl.publish_ipc import build_ipc_publisher

