@@ -38,19 +38,20 @@ def test_both_sides_get_the_first_num_gpus(model_dir, monkeypatch):
 
 
 def test_vllm_share_is_what_the_resting_trainer_leaves():
-    # Qwen3-1.7B on one H200: fp32 masters 6.8 GB + 2 GiB context each side -> vLLM may take 0.92, capped at 0.9
-    assert vllm_share(H200, 1_700_000_000, 1) == 0.9
-    # 8B: 32 GB of masters + both contexts on one GPU leave 0.75; on four GPUs FSDP shards them
-    assert vllm_share(H200, 8_000_000_000, 1) == 0.75
+    # Qwen3-1.7B on one H200: fp32 masters 6.8 GB + 2 GiB each for both contexts and the allocator's slack -> vLLM
+    # may take 0.90, capped at 0.85 (at 0.9 its KV cache woke out of memory on the H200)
+    assert vllm_share(H200, 1_700_000_000, 1) == 0.85
+    # 8B: 32 GB of masters + contexts and slack on one GPU leave 0.74; on four GPUs FSDP shards them
+    assert vllm_share(H200, 8_000_000_000, 1) == 0.74
     assert trainer_resident_bytes(8_000_000_000, 4) == 8_000_000_000 + 2 * GiB
 
 
 def test_resolve_sizes_vllm_unless_the_user_did(model_dir, monkeypatch):
     host = HostFacts(gpu_bytes=H200, num_params=8_000_000_000)
     filesystem = _cfg(model_dir, monkeypatch, "--weight-broadcast.type", "filesystem")
-    assert resolve(filesystem, host).inference.vllm.gpu_memory_utilization == 0.75
+    assert resolve(filesystem, host).inference.vllm.gpu_memory_utilization == 0.74
     # ipc (the default) keeps two 1 GiB bucket slots on the trainer's GPU: 2 GiB less for vLLM
-    assert resolve(_cfg(model_dir, monkeypatch), host).inference.vllm.gpu_memory_utilization == 0.74
+    assert resolve(_cfg(model_dir, monkeypatch), host).inference.vllm.gpu_memory_utilization == 0.72
     mine = _cfg(model_dir, monkeypatch, "--inference.vllm.gpu-memory-utilization", "0.5")
     assert resolve(mine, host).inference.vllm.gpu_memory_utilization == 0.5
     split = load_config(RLConfig, ["--model.name", str(model_dir)])

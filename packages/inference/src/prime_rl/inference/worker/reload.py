@@ -57,6 +57,10 @@ class LayerwiseReload:
         finally:
             self._context.__exit__(None, None, None)
             self._context = None
+            if torch.cuda.is_initialized():
+                # The reload's copies (``copy``) stay cached by this process's allocator, outside vLLM's share: on
+                # the H200 a colocated KV cache then woke out of memory. Return them to the driver.
+                torch.cuda.empty_cache()
 
 
 def apply_moe_repack_on_reload(model: torch.nn.Module) -> None:
