@@ -7,11 +7,13 @@ servers' tests (tests/test_server_{broadcast,ipc}.py) run the same path into vll
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from prime_rl.common.weight_sync.broadcast import Spec, pack_bucket, plan_buckets
-from prime_rl.inference.worker import broadcast
-from prime_rl.inference.worker.broadcast import BroadcastUpdateError, load_buckets
+# The worker side runs in vLLM's workers: torch comes with the cpu/gpu extra, absent from a bare install.
+torch = pytest.importorskip("torch", reason="prime_rl.inference.worker.broadcast needs prime-rl-inference[cpu]")
+
+from prime_rl.common.weight_sync.broadcast import Spec, pack_bucket, plan_buckets  # noqa: E402
+from prime_rl.inference.worker import broadcast  # noqa: E402
+from prime_rl.inference.worker.broadcast import BroadcastUpdateError, load_buckets  # noqa: E402
 
 
 class _Reload:
