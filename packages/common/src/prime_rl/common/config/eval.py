@@ -9,19 +9,15 @@ and reports the mean reward and pass@k (unbiased estimator, a rollout passes whe
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal
-
 from pydantic import Field, model_validator
 
 from prime_rl.common.config.orchestrator import ClientModelConfig, EvalSetConfig
+from prime_rl.common.config.run_section import RunSectionConfig
 
 
-class EvalConfig(EvalSetConfig):
+class EvalConfig(EvalSetConfig, RunSectionConfig):
     """`eval @ eval.toml`: evaluate the model an inference server serves (a base model or a checkpoint)."""
 
-    output_dir: Path = Path("outputs")
-    """Parent of the run directory."""
     run_name: str = "eval"
     """Results go to <output_dir>/<run_name>/: evals/step_<step>/<env>/samples.jsonl and metrics.jsonl."""
     model: ClientModelConfig = ClientModelConfig()
@@ -32,10 +28,6 @@ class EvalConfig(EvalSetConfig):
     """Most tokens of one rollout (prompt and every turn)."""
     max_concurrent: int = Field(default=32, ge=1)
     """Tasks in flight at once."""
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    """Console log level."""
-    dry_run: bool = False
-    """Write the resolved config to <run_dir>/configs/eval.toml and exit."""
 
     @model_validator(mode="after")
     def _needs_env(self) -> EvalConfig:

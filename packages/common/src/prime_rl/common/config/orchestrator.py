@@ -23,13 +23,13 @@ min_p, penalties) make its logprobs differ from the sampler's, so they are refus
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from prime_rl.common.config.base import BaseConfig
 from prime_rl.common.config.monitor import MonitorConfig
+from prime_rl.common.config.run_section import RunSectionConfig
 
 
 class ClientConfig(BaseConfig):
@@ -366,11 +366,9 @@ class OnlineEvalConfig(EvalSetConfig):
     """Also evaluate the initial policy (row 0), the start of the eval curve."""
 
 
-class OrchestratorConfig(BaseConfig):
+class OrchestratorConfig(RunSectionConfig):
     """The orchestrator: samples rollouts from inference, scores them and ships packed batches to the trainer."""
 
-    output_dir: Path = Path("outputs")
-    """Parent of the run directory."""
     run_name: str = "rl"
     """Run directory name: <output_dir>/<run_name> (broadcasts/, checkpoints/, monitors/ live there)."""
     model: ClientModelConfig = ClientModelConfig()
@@ -434,10 +432,6 @@ class OrchestratorConfig(BaseConfig):
     """Seconds to wait for the trainer to publish the weights a step needs before giving up."""
     monitor: MonitorConfig = MonitorConfig()
     """Metrics sinks besides metrics.jsonl: `[monitor.wandb]` logs to Weights & Biases."""
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    """Console and file log level."""
-    dry_run: bool = False
-    """Write the resolved config to <run_dir>/configs/orchestrator.toml and exit."""
 
     @model_validator(mode="before")
     @classmethod

@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from prime_rl.common.config.base import BaseConfig
 from prime_rl.common.config.monitor import MonitorConfig
+from prime_rl.common.config.run_section import RunSectionConfig
 
 
 class CompileConfig(BaseConfig):
@@ -370,7 +371,7 @@ class SingleNodeDeploymentConfig(BaseConfig):
     """Processes to launch (one per GPU; gloo processes on a CPU machine). None: $WORLD_SIZE or 1."""
 
 
-class TrainerRunConfig(BaseConfig):
+class TrainerRunConfig(RunSectionConfig):
     """What every trainer run has, SFT or RL: the model, its optimizer and schedule, checkpoints, how long it
     trains, where it writes and how it logs. `SFTConfig` and `RLTrainerConfig` add their data and the rest."""
 
@@ -389,27 +390,11 @@ class TrainerRunConfig(BaseConfig):
     max_steps: int = Field(100, ge=1)
     """Optimizer steps to train for."""
 
-    output_dir: Path = Path("outputs")
-    """Parent of the run directory."""
-
-    run_name: str
-    """Run directory name: everything goes to <output_dir>/<run_name>."""
-
     seed: int = 0
     """Seed for weight init of fresh parameters and for any randomness in training."""
 
     monitor: MonitorConfig = MonitorConfig()
     """Metrics sinks besides metrics.jsonl: `[monitor.wandb]` logs to Weights & Biases."""
-
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    """Console log level (rank 0)."""
-
-    dry_run: bool = False
-    """Write the resolved config to <run_dir>/configs/trainer.toml and exit."""
-
-    @property
-    def run_dir(self) -> Path:
-        return self.output_dir / self.run_name
 
 
 class SFTConfig(TrainerRunConfig):
