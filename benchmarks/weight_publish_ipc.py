@@ -70,7 +70,7 @@ def main(shape: str, memory: str, versions: int = 3, bucket_bytes: int = 1 << 30
             sender.begin(version, layout)
             sender.send(version, layout, tensors)
             sent = time.perf_counter()
-            sender.finish(version, len(layout.bucket_sizes))
+            sender.finish(version)
             done = time.perf_counter()
             pack_start = time.perf_counter()  # the slots are free now: the copy alone
             for b in range(len(layout.bucket_sizes)):

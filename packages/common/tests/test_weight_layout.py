@@ -1,8 +1,8 @@
 """The one packer of broadcast buckets and NIXL groups, and the alignment the receivers check."""
 
 from prime_rl.common.nixl_layout import plan_layout
-from prime_rl.common.weight_layout import ALIGNMENT, align_up, dtype_name, pack_aligned
-from prime_rl.common.wire import TensorSpec
+from prime_rl.common.weight_layout import ALIGNMENT, SAFETENSORS_DTYPES, align_up, dtype_name, pack_aligned
+from prime_rl.common.wire import DTYPE_ITEMSIZE, TensorSpec
 
 
 def test_pack_aligned_keeps_order_aligns_and_gives_a_big_tensor_its_own_bin():
@@ -29,3 +29,8 @@ def test_align_up_and_torch_dtype_names():
             return "torch.bfloat16"
 
     assert dtype_name(FakeDtype()) == "bfloat16"
+
+
+def test_every_safetensors_code_names_a_wire_dtype():
+    # the trainer writes these codes and inference reads them: one table, every name a wire dtype
+    assert sorted(SAFETENSORS_DTYPES.values()) == sorted(DTYPE_ITEMSIZE)

@@ -10,9 +10,11 @@ torch = pytest.importorskip("torch", reason="prime_rl.common.weight_sync needs p
 
 from prime_rl.common.weight_sync.broadcast import (  # noqa: E402
     BUCKET_ALIGNMENT,
+    BucketLayout,
     Spec,
     plan_buckets,
 )
+from prime_rl.common.wire import BroadcastWeightsRequest, decode, encode  # noqa: E402
 
 
 def _state_dict() -> dict[str, torch.Tensor]:
@@ -39,3 +41,13 @@ def test_layout_aligns_packs_in_order_and_isolates_big_tensors():
         assert max(ends) == size and (size <= 4096 or len(members) == 1)
         for i, j in zip(members, members[1:]):
             assert layout.offsets[j] >= layout.offsets[i] + specs[i].num_bytes  # no overlap
+
+
+def test_layout_fields_round_trip_through_the_request():
+    """The sender puts ``to_fields`` in the request; the API process passes the specs on as columns, from which
+    a worker rebuilds the same layout."""
+    layout = plan_buckets([Spec.of(n, t) for n, t in _state_dict().items()], bucket_bytes=4096)
+    request = decode(encode(BroadcastWeightsRequest(version=3, **layout.to_fields())))
+    columns = [s.name for s in request.specs], [s.dtype for s in request.specs], [s.shape for s in request.specs]
+    rebuilt = BucketLayout.from_fields(*columns, request.buckets, request.offsets, request.bucket_sizes)
+    assert rebuilt == layout

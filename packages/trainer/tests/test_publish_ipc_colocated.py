@@ -24,8 +24,8 @@ class _Sender:
         self.events.append(f"stage {version} ({len(named)} tensors)")
         return SimpleNamespace(bucket_sizes=[1, 1])
 
-    def finish(self, version: int, num_buckets: int) -> None:
-        self.events.append(f"served {version} ({num_buckets} buckets)")
+    def finish(self, version: int) -> None:
+        self.events.append(f"served {version}")
 
 
 def test_colocated_publish_frees_memory_before_the_weights_wake_and_before_the_announcement(monkeypatch):
@@ -50,6 +50,6 @@ def test_colocated_publish_frees_memory_before_the_weights_wake_and_before_the_a
         "wake weights",
         "stage 1 (2 tensors)",
         "make room",  # the push's full copies, before the announcement wakes the KV cache
-        "served 1 (2 buckets)",
+        "served 1",
         "announce 1",
     ]

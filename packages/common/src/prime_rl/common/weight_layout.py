@@ -1,4 +1,4 @@
-"""Byte layout shared by both weight transports: the alignment, the aligned packer and the dtype names.
+"""Byte layout shared by both weight transports: the alignment, the aligned packer and the dtype names and codes.
 
 A broadcast bucket (``weight_sync.broadcast``) and a NIXL transfer group (``nixl_layout``) are packed by
 the same rule, ``pack_aligned``: tensors in order, each starting at a multiple of ``ALIGNMENT`` bytes, a new
@@ -8,7 +8,8 @@ receivers' checks (``prime_rl.inference.weights.manifest``) enforce the same ali
 Pure Python, no torch: the torch-free modules (``nixl_layout``, inference's API process) use it, and they
 may not import the torch-level ``prime_rl.common.weight_sync`` package (tests/test_boundaries.py). The
 dtype table is ``wire.DTYPE_ITEMSIZE`` (torch names); ``dtype_name`` maps a torch dtype onto it, as
-``wire.dtype_name`` does for numpy (whose names agree wherever numpy has the dtype).
+``wire.dtype_name`` does for numpy (whose names agree wherever numpy has the dtype), and ``SAFETENSORS_DTYPES``
+maps the safetensors files' dtype codes onto it (the trainer writes them, inference reads them).
 """
 
 from __future__ import annotations
@@ -21,6 +22,23 @@ if TYPE_CHECKING:
 
 ALIGNMENT = 256
 """Every tensor (and every NIXL slice) starts at a multiple of this many bytes."""
+
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+"""safetensors dtype code -> dtype name (a key of ``wire.DTYPE_ITEMSIZE``): the codes the trainer writes
+(``prime_rl.trainer.weights.files``) and inference reads (``prime_rl.inference.weights.manifest``)."""
 
 
 def align_up(num_bytes: int) -> int:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from prime_rl.common.weight_layout import ALIGNMENT as BUCKET_ALIGNMENT
 from prime_rl.common.weight_layout import dtype_name, pack_aligned
+from prime_rl.common.wire import TensorSpec
 
 STORE_PREFIX = "prime_rl/weight_broadcast"
 """Keys in the TCP store are namespaced so the store could be shared with other rendezvous users."""
@@ -127,6 +128,31 @@ class BucketLayout:
 
     def tensors_of(self, bucket: int) -> list[int]:
         return [i for i, b in enumerate(self.buckets) if b == bucket]
+
+    def to_fields(self) -> dict[str, list]:
+        """The layout fields of ``BroadcastWeightsRequest`` / ``IpcWeightsRequest``:
+        ``BroadcastWeightsRequest(version=v, **layout.to_fields())``."""
+        return {
+            "specs": [TensorSpec(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in self.specs],
+            "buckets": self.buckets,
+            "offsets": self.offsets,
+            "bucket_sizes": self.bucket_sizes,
+        }
+
+    @classmethod
+    def from_fields(
+        cls,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        buckets: list[int],
+        offsets: list[int],
+        bucket_sizes: list[int],
+    ) -> BucketLayout:
+        """The layout ``to_fields`` sent, as a worker receives it: the API process validated the request and
+        passes its specs on as columns (``prime_rl.inference.weights.push.begin_streamed``)."""
+        specs = [Spec(n, d, tuple(shape)) for n, d, shape in zip(names, dtypes, shapes)]
+        return cls(specs, buckets, offsets, bucket_sizes)
 
 
 def plan_buckets(specs: Sequence[Spec], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> BucketLayout:

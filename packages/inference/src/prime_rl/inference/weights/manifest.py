@@ -16,23 +16,9 @@ from pathlib import Path
 
 from prime_rl.common.weight_checksum import safetensors_layout
 from prime_rl.common.weight_layout import ALIGNMENT as BUCKET_ALIGNMENT
+from prime_rl.common.weight_layout import SAFETENSORS_DTYPES  # codes -> wire.TensorSpec dtype names
 from prime_rl.common.wire import DTYPE_ITEMSIZE, TensorSpec
 
-# safetensors dtype codes -> torch dtype names (the names used in wire.TensorSpec.dtype).
-SAFETENSORS_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
 ITEMSIZE = DTYPE_ITEMSIZE  # one table for every transport, in prime_rl.common.wire
 FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16"}
 MAX_LISTED = 5

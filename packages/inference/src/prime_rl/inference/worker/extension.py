@@ -20,12 +20,12 @@ from __future__ import annotations
 import glob
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 
-from prime_rl.common.weight_sync.broadcast import BucketLayout, Spec, WeightGroup, build_weight_group
+from prime_rl.common.weight_sync.broadcast import BucketLayout, WeightGroup, build_weight_group
 from prime_rl.common.wire import InitIpcRequest, decode
 
 
@@ -37,6 +37,37 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def _takes_layout_fields(receive: Callable[..., dict]) -> Callable[..., dict]:
+    """The worker RPC entry point of a streamed transport (broadcast, ipc) from ``receive(self, layout, version,
+    served)``, timed. vLLM calls it by name with the positional arguments of this signature: the API process
+    validated the request and passes its layout on as columns (``prime_rl.inference.weights.push``).
+
+    Layout (chosen by the sender): tensor ``i`` occupies bytes ``[offsets[i], offsets[i] + numel * itemsize)``
+    of bucket ``buckets[i]``; buckets arrive in order 0, 1, ... as flat uint8 tensors; tensors are listed in
+    bucket order. A failed or non-finite update is rolled back (see ``prime_rl.inference.worker.broadcast``).
+    """
+
+    def entry(
+        self: PrimeWorkerExtension,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        buckets: list[int],
+        offsets: list[int],
+        bucket_sizes: list[int],
+        version: int = 0,
+        served: int = 0,
+    ) -> dict:
+        start = time.perf_counter()
+        layout = BucketLayout.from_fields(names, dtypes, shapes, buckets, offsets, bucket_sizes)
+        stats = receive(self, layout, version, served)
+        return {**stats, "seconds": time.perf_counter() - start}
+
+    entry.__name__, entry.__qualname__ = receive.__name__, receive.__qualname__
+    entry.__doc__ = receive.__doc__
+    return entry
 
 
 class PrimeWorkerExtension:
@@ -129,35 +160,16 @@ class PrimeWorkerExtension:
             self._prime_group.close()
             self._prime_group = None
 
-    def prime_receive_broadcast(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        buckets: list[int],
-        offsets: list[int],
-        bucket_sizes: list[int],
-        version: int = 0,
-        served: int = 0,
-    ) -> dict:
-        """Receive ``len(bucket_sizes)`` byte buckets from the trainer and load the tensors they hold.
-
-        Layout (chosen by the sender, validated by the API process): tensor ``i`` occupies bytes
-        ``[offsets[i], offsets[i] + numel * itemsize)`` of bucket ``buckets[i]``; buckets are broadcast
-        in order 0, 1, ... as flat uint8 tensors; tensors are listed in bucket order. A failed or non-finite
-        update is rolled back (see ``prime_rl.inference.worker.broadcast``).
-        """
+    @_takes_layout_fields
+    def prime_receive_broadcast(self, layout: BucketLayout, version: int, served: int) -> dict:
+        """Receive the layout's byte buckets from the trainer's group and load the tensors they hold."""
         from prime_rl.inference.worker.broadcast import receive
 
         group = self._prime_group
         if group is None:
             raise RuntimeError("no weight-broadcast group: send InitBroadcastRequest before BroadcastWeightsRequest")
-        start = time.perf_counter()
-        specs = [Spec(n, d, tuple(shape)) for n, d, shape in zip(names, dtypes, shapes)]
-        layout = BucketLayout(specs, buckets, offsets, bucket_sizes)
         self._prime_nixl_invalidate()
-        stats = receive(self, group, layout, version, served, self._prime_bcast_keep)
-        return {**stats, "seconds": time.perf_counter() - start}
+        return receive(self, group, layout, version, served, self._prime_bcast_keep)
 
     # -- nixl ----------------------------------------------------------------------------------
 
@@ -208,19 +220,10 @@ class PrimeWorkerExtension:
 
         close_receiver(self)
 
-    def prime_receive_ipc(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        buckets: list[int],
-        offsets: list[int],
-        bucket_sizes: list[int],
-        version: int = 0,
-        served: int = 0,
-    ) -> dict:
+    @_takes_layout_fields
+    def prime_receive_ipc(self, layout: BucketLayout, version: int, served: int) -> dict:
         """Load ``version`` from the slots, bucket by bucket, as ``prime_receive_broadcast`` does from the group."""
         from prime_rl.inference.worker.ipc import receive
 
         self._prime_nixl_invalidate()
-        return receive(self, names, dtypes, shapes, buckets, offsets, bucket_sizes, version, served)
+        return receive(self, layout, version, served)

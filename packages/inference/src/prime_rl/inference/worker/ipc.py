@@ -9,10 +9,9 @@ the reload must copy because the trainer reuses a slot once it is acknowledged.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from prime_rl.common.weight_sync.broadcast import BucketLayout, Spec
+from prime_rl.common.weight_sync.broadcast import BucketLayout
 from prime_rl.common.wire import InitIpcRequest
 from prime_rl.inference.weights.ipc_receiver import IpcReceiver
 from prime_rl.inference.worker.broadcast import load_buckets
@@ -34,25 +33,12 @@ def close_receiver(worker: Any) -> None:
         worker._prime_ipc = None
 
 
-def receive(
-    worker: Any,
-    names: list[str],
-    dtypes: list[str],
-    shapes: list[list[int]],
-    buckets: list[int],
-    offsets: list[int],
-    bucket_sizes: list[int],
-    version: int,
-    served: int,
-) -> dict:
+def receive(worker: Any, layout: BucketLayout, version: int, served: int) -> dict:
     """Load ``version`` from the slots; raises ``BroadcastUpdateError`` saying what serves after a failure."""
     receiver: IpcReceiver | None = worker._prime_ipc
     if receiver is None:
         raise RuntimeError("no IPC session: send InitIpcRequest before IpcWeightsRequest")
-    start = time.perf_counter()
-    specs = [Spec(n, d, tuple(shape)) for n, d, shape in zip(names, dtypes, shapes)]
-    layout = BucketLayout(specs, buckets, offsets, bucket_sizes)
-    stats = load_buckets(
+    return load_buckets(
         worker,
         lambda on_bucket: receiver.batches(layout, version, on_bucket),
         layout,
@@ -61,4 +47,3 @@ def receive(
         worker._prime_bcast_keep,
         copy=True,
     )
-    return {**stats, "seconds": time.perf_counter() - start}

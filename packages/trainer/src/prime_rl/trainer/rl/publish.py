@@ -56,11 +56,10 @@ from typing import TYPE_CHECKING
 
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig, NCCLBroadcastConfig, NixlBroadcastConfig
 from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
-from prime_rl.common.weight_transports import TRANSPORTS
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
 from prime_rl.trainer.models.config import load_arch_config
-from prime_rl.trainer.rl.publish_base import Publisher, prune_versions
+from prime_rl.trainer.rl.publish_base import Publisher, prune_versions, require_inference_addresses
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of, write_hf_dir
 from prime_rl.trainer.weights.staging import HostStaging, gather_full_tensors
 from prime_rl.trainer.world import World
@@ -202,12 +201,7 @@ class BroadcastPublisher(Publisher):
         if world.is_main:
             from prime_rl.trainer.weights.broadcast_sender import WeightBroadcaster
 
-            # The trainer drives the servers' loading (the lifecycle table), so it must know every server.
-            if TRANSPORTS[cfg.type].loads == "trainer" and not cfg.inference_addresses:
-                raise ValueError(
-                    "weight_broadcast.type='nccl' needs weight_broadcast.inference_addresses (the inference "
-                    "servers' control endpoints, tcp://host:port)"
-                )
+            require_inference_addresses(cfg)
             backend = "nccl" if world.device.type == "cuda" else "gloo"
             self.broadcaster = WeightBroadcaster(
                 cfg.inference_addresses,
@@ -229,13 +223,9 @@ class BroadcastPublisher(Publisher):
             for _ in tensors:
                 pass
             return time.perf_counter() - start
-        from prime_rl.common.weight_sync.broadcast import Spec
-
         hf = model_state_dict_to_hf(dict(tensors), self.model.config)
         named = [(name, t.contiguous()) for name, t in hf.items()]
-        layout = self.broadcaster.plan(Spec.of(name, t) for name, t in named)
-        self.broadcaster.begin(version, layout)
-        self.broadcaster.send(layout, [t for _, t in named])
+        broadcaster.stage(version, named)
         del named, hf
         blocked = time.perf_counter() - start
         self.job.start(lambda: self._serve_then_announce(version, blocked, broadcaster.finish))

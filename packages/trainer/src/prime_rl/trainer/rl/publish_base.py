@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from prime_rl.common.rundir import RunDir
+from prime_rl.common.weight_transports import TRANSPORTS
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.weights.announce import VersionAnnouncer
 from prime_rl.trainer.weights.staging import model_state
@@ -59,6 +60,15 @@ class BackgroundJob:
             error, self._error = self._error, None
             raise RuntimeError(f"{self.name} failed: {type(error).__name__}: {error}") from error
         return time.perf_counter() - start
+
+
+def require_inference_addresses(cfg) -> None:
+    """Rank 0 of a transport whose loading the trainer drives (``Transport.loads``) must know every server."""
+    if TRANSPORTS[cfg.type].loads == "trainer" and not cfg.inference_addresses:
+        raise ValueError(
+            f"weight_broadcast.type={cfg.type!r} needs weight_broadcast.inference_addresses (the inference "
+            "servers' control endpoints, tcp://host:port)"
+        )
 
 
 def publish_state(model: CausalLM) -> dict[str, torch.Tensor]:

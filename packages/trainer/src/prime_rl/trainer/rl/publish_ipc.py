@@ -26,10 +26,9 @@ import torch.distributed as dist
 
 from prime_rl.common.config.rl_trainer import IpcBroadcastConfig
 from prime_rl.common.rundir import RunDir
-from prime_rl.common.weight_transports import TRANSPORTS
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
-from prime_rl.trainer.rl.publish_base import Publisher
+from prime_rl.trainer.rl.publish_base import Publisher, require_inference_addresses
 from prime_rl.trainer.weights.ipc_sender import IpcWeightSender
 from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
@@ -52,12 +51,7 @@ class IpcPublisher(Publisher):
         """Colocated runs: frees this rank's step memory before inference's weights wake (None: they never sleep)."""
         self.sender = None
         if world.is_main:
-            # The trainer drives the servers' loading (the lifecycle table), so it must know every server.
-            if TRANSPORTS[cfg.type].loads == "trainer" and not cfg.inference_addresses:
-                raise ValueError(
-                    "weight_broadcast.type='ipc' needs weight_broadcast.inference_addresses (the inference "
-                    "servers' control endpoints, tcp://host:port)"
-                )
+            require_inference_addresses(cfg)
             self.sender = IpcWeightSender(
                 cfg.inference_addresses,
                 host=cfg.host,
@@ -82,14 +76,14 @@ class IpcPublisher(Publisher):
         hf = model_state_dict_to_hf(dict(tensors), self.model.config)
         named = [(name, t.contiguous()) for name, t in hf.items()]
         self._wake_inference(sender)
-        num_buckets = len(sender.stage(version, named).bucket_sizes)
+        sender.stage(version, named)
         del named, hf
         if self.make_room is not None:
             # The announcement wakes the KV cache into the room this rank leaves: free the full copies first (on
             # the H200 the cached 3.4 GiB of the 1.7B shape made vLLM's wake run out of memory)
             self.make_room()
         blocked = time.perf_counter() - start
-        self.job.start(lambda: self._serve_then_announce(version, blocked, lambda v: sender.finish(v, num_buckets)))
+        self.job.start(lambda: self._serve_then_announce(version, blocked, sender.finish))
         return blocked
 
     def _wake_inference(self, sender: IpcWeightSender | None) -> None:

@@ -3,15 +3,15 @@ inference workers (protocol, group and bucket layout: ``prime_rl.common.weight_s
 receiving end: ``prime_rl.inference.weights.broadcast_receiver``).
 
 ``WeightBroadcaster`` drives a round with every inference server and exposes its three phases (``begin`` /
-``send`` / ``finish``) so a publisher can leave the last one, which waits for the engines' reload, to a
-background thread. Packing bucket ``i + 1`` overlaps the broadcast of bucket ``i`` on GPU (NCCL runs on
+``send`` / ``finish``; the sequence, shared with the IPC sender, is ``streamed_sender.StreamedSender``) so a
+publisher can leave the last one, which waits for the engines' reload, to a background thread. Packing bucket ``i + 1`` overlaps the broadcast of bucket ``i`` on GPU (NCCL runs on
 its own stream); at most two buckets are in flight, so the extra memory is two buckets.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,14 +19,13 @@ import torch.distributed as dist
 from prime_rl.common.weight_sync.broadcast import (
     DEFAULT_BUCKET_BYTES,
     BucketLayout,
-    Spec,
     WeightGroup,
     build_weight_group,
     pack_bucket,
-    plan_buckets,
 )
-from prime_rl.common.wire import AwaitWeightsRequest, BroadcastWeightsRequest, InitBroadcastRequest, TensorSpec
+from prime_rl.common.wire import AwaitWeightsRequest, BroadcastWeightsRequest, InitBroadcastRequest
 from prime_rl.trainer.weights.servers import InferenceServers
+from prime_rl.trainer.weights.streamed_sender import StreamedSender
 
 
 class WeightBroadcastError(RuntimeError):
@@ -47,7 +46,7 @@ def send_buckets(
         pending.popleft().wait()
 
 
-class WeightBroadcaster:
+class WeightBroadcaster(StreamedSender):
     """Rank 0 of the trainer: joins the group with every inference server and pushes weights to them.
 
     ``addresses``: control endpoints (``tcp://host:port``) of the inference servers; ``workers_per_server``:
@@ -97,25 +96,15 @@ class WeightBroadcaster:
         self.group = build_weight_group(self.host, self.port, 0, world_size, self.backend, self.timeout_s)
         joined()
 
-    def plan(self, named_specs: Iterable[Spec]) -> BucketLayout:
-        """The bucket layout of an update with these tensor specs (in send order)."""
-        return plan_buckets(list(named_specs), self.bucket_bytes)
-
     def begin(self, version: int, layout: BucketLayout) -> None:
         """Phase 1: every server validates the layout and its workers wait for the buckets."""
         if self.group is None:
             raise WeightBroadcastError("call connect() before pushing weights")
-        request = BroadcastWeightsRequest(
-            version=version,
-            specs=[TensorSpec(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in layout.specs],
-            buckets=layout.buckets,
-            offsets=layout.offsets,
-            bucket_sizes=layout.bucket_sizes,
-        )
+        request = BroadcastWeightsRequest(version=version, **layout.to_fields())
         # Servers validate identically (same checkpoint), so either all accept or all refuse.
         self.servers.request(lambda i: request, "BroadcastWeightsRequest")
 
-    def send(self, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
+    def send(self, version: int, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
         """Phase 2: broadcast the buckets (``tensors`` indexed like ``layout.specs``)."""
         assert self.group is not None
         send_buckets(self.group, layout, tensors)
@@ -123,19 +112,6 @@ class WeightBroadcaster:
     def finish(self, version: int) -> None:
         """Phase 3: wait until every server has loaded ``version`` and serves it; raises if any failed."""
         self.servers.request(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
-
-    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketLayout:
-        """Send one full update; returns when every server serves ``version``. Raises if any refuses."""
-        specs, tensors = [], []
-        for name, t in named_tensors:
-            t = t.detach().contiguous()
-            specs.append(Spec.of(name, t))
-            tensors.append(t)
-        layout = self.plan(specs)
-        self.begin(version, layout)
-        self.send(layout, tensors)
-        self.finish(version)
-        return layout
 
     def close(self) -> None:
         if self.group is not None:

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from prime_rl.common.weight_checksum import combine_piece_crcs, write_checksums
+from prime_rl.common.weight_layout import SAFETENSORS_DTYPES
 from prime_rl.trainer.models.config import ArchConfig
 from prime_rl.trainer.models.weights import write_shards, write_side_files
 
@@ -48,18 +49,9 @@ _MIN_SHARD = 256 * 2**20
 TMP_SUFFIX = ".tmp"
 """A directory still being written: ``step_<n>.tmp`` (never matched by ``RunDir.broadcast_steps``)."""
 
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+_SAFETENSORS_CODES = {getattr(torch, name): code for code, name in SAFETENSORS_DTYPES.items()}
+"""torch dtype -> safetensors dtype code (``prime_rl.common.weight_layout.SAFETENSORS_DTYPES``, the codes inference
+reads)."""
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -88,11 +80,11 @@ def write_safetensors(
     offset = 0
     for name in order:
         t = tensors[name]
-        if t.dtype not in _SAFETENSORS_DTYPES:
+        if t.dtype not in _SAFETENSORS_CODES:
             raise ValueError(f"tensor {name} has dtype {t.dtype}, which safetensors cannot store")
         nbytes = t.numel() * t.element_size()
         header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "dtype": _SAFETENSORS_CODES[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + nbytes],
         }

@@ -2,8 +2,9 @@
 buffers that the inference workers on the same host read (protocol: ``prime_rl.common.weight_sync.ipc``; the
 receiving end: ``prime_rl.inference.weights.ipc_receiver``).
 
-Like ``WeightBroadcaster`` it exposes the three phases ``begin`` / ``send`` / ``finish`` so the publisher can
-leave the last (waiting for the engines' reload) to a background thread. The session (slots, channel) is set
+Like ``WeightBroadcaster`` it exposes the three phases ``begin`` / ``send`` / ``finish`` (the sequence, shared with
+it, is ``streamed_sender.StreamedSender``) so the publisher can leave the last (waiting for the engines' reload)
+to a background thread. The session (slots, channel) is set
 up on the first ``begin``, once the largest bucket is known; a later update with a bucket that no longer fits
 (another model) opens a new session. Memory: ``num_slots`` buckets, on the GPU (``memory = "device"``) or in
 /dev/shm (``"host"``).
@@ -11,11 +12,11 @@ up on the first ``begin``, once the largest bucket is known; a later update with
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from prime_rl.common.weight_sync.broadcast import BucketLayout, Spec, pack_into, plan_buckets
+from prime_rl.common.weight_sync.broadcast import BucketLayout, pack_into
 from prime_rl.common.weight_sync.ipc import (
     DEFAULT_BUCKET_BYTES,
     NUM_SLOTS,
@@ -30,18 +31,20 @@ from prime_rl.common.wire import (
     InitIpcRequest,
     IpcSlot,
     IpcWeightsRequest,
-    TensorSpec,
     WakeUpRequest,
 )
 from prime_rl.trainer.weights.servers import InferenceServers
+from prime_rl.trainer.weights.streamed_sender import StreamedSender
 
 
 class IpcWeightError(RuntimeError):
     """An inference server refused or failed an IPC update."""
 
 
-class IpcWeightSender:
+class IpcWeightSender(StreamedSender):
     """Rank 0 of the trainer: shares bucket slots with every inference server on this host and fills them."""
+
+    gave_up = (IpcWeightError,)  # a worker gave up: its server's AwaitWeightsRequest says why
 
     def __init__(
         self,
@@ -64,10 +67,8 @@ class IpcWeightSender:
         self.buffers: list[torch.Tensor] = []
         self.slots: list[IpcSlot] = []
         self.num_workers = 0
-
-    def plan(self, named_specs: Iterable[Spec]) -> BucketLayout:
-        """The bucket layout of an update with these tensor specs (in send order)."""
-        return plan_buckets(list(named_specs), self.bucket_bytes)
+        self.num_buckets: dict[int, int] = {}
+        """Buckets of each version begun and not finished: ``finish`` clears their keys from the channel."""
 
     def _open_session(self, slot_bytes: int) -> None:
         self._close_session()
@@ -98,14 +99,9 @@ class IpcWeightSender:
         largest = max(layout.bucket_sizes, default=0)
         if not self.slots or self.slots[0].size < largest:
             self._open_session(max(largest, 1))
-        request = IpcWeightsRequest(
-            version=version,
-            specs=[TensorSpec(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in layout.specs],
-            buckets=layout.buckets,
-            offsets=layout.offsets,
-            bucket_sizes=layout.bucket_sizes,
-        )
+        request = IpcWeightsRequest(version=version, **layout.to_fields())
         self.servers.request(lambda i: request, "IpcWeightsRequest")
+        self.num_buckets[version] = len(layout.bucket_sizes)
 
     def send(self, version: int, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
         """Phase 2: fill the slots bucket by bucket (``tensors`` indexed like ``layout.specs``); a slot is
@@ -126,31 +122,13 @@ class IpcWeightSender:
             channel.abort(version, f"the trainer failed sending: {type(e).__name__}: {e}")
             raise
 
-    def finish(self, version: int, num_buckets: int) -> None:
+    def finish(self, version: int) -> None:
         """Phase 3: wait until every server serves ``version``; raises if any failed."""
         try:
             self.servers.request(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
         finally:
             if self.channel is not None:
-                self.channel.clear(version, num_buckets, self.num_workers)
-
-    def stage(self, version: int, named: Sequence[tuple[str, torch.Tensor]]) -> BucketLayout:
-        """Phases 1 and 2 for contiguous ``named`` tensors (in send order); returns the layout ``finish`` needs.
-        If a worker gives up, waits for the servers' answers (they say why, and what serves now) and raises."""
-        layout = self.plan(Spec.of(name, t) for name, t in named)
-        self.begin(version, layout)
-        try:
-            self.send(version, layout, [t for _, t in named])
-        except IpcWeightError:
-            self.finish(version, len(layout.bucket_sizes))
-            raise
-        return layout
-
-    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketLayout:
-        """One full update; returns when every server serves ``version``. Raises if any refuses or fails."""
-        layout = self.stage(version, [(name, t.detach().contiguous()) for name, t in named_tensors])
-        self.finish(version, len(layout.bucket_sizes))
-        return layout
+                self.channel.clear(version, self.num_buckets.pop(version, 0), self.num_workers)
 
     def _close_session(self) -> None:
         remove_slots(self.slots)
