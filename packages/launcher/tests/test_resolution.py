@@ -107,3 +107,13 @@ def test_multi_node_dp_replicate_must_divide_the_trainer_ranks(model_dir, tmp_pa
     with pytest.raises(ConfigError, match="dp_replicate=3 must divide the trainer's 1 nodes x 8 GPUs"):
         resolve(job, HostFacts())
     assert isinstance(resolve(_cfg(model_dir), HostFacts()), ResolvedRun)
+
+
+def test_multi_node_orchestrator_sends_per_data_parallel_group(model_dir, tmp_path):
+    """The orchestrator's `num_train_ranks` is derived for a multi-node trainer as for a single-node one: its
+    ranks (2 nodes x 8 GPUs) over cp. The SLURM job passes this value on the orchestrator's command line too."""
+    path = _slurm_toml(model_dir, tmp_path)
+    job = load_config(job_class(RLConfig), ["@", str(path), "--deployment.num-train-nodes", "2"])
+    assert resolve(job, HostFacts()).orchestrator.num_train_ranks == 16
+    cp4 = load_config(job_class(RLConfig), ["@", str(path), "--deployment.num-train-nodes", "2", "--trainer.model.cp", "4"])  # fmt: skip
+    assert resolve(cp4, HostFacts()).orchestrator.num_train_ranks == 4

@@ -72,10 +72,15 @@ def shell_command(argv: list[str], indent: str = "    ", width: int = 110) -> st
 def component_commands(job: SlurmJob, python: str) -> dict[str, str]:
     """The bash command of every component the job's template starts, by name (``trainer``, ``inference``,
     ``router``, ``orchestrator``), from ``prime_rl.common.commands`` with the job's shell words."""
+    # the transport table imports the wire format (msgspec, numpy): only a SLURM render needs it
+    from prime_rl.common.weight_transports import TRANSPORTS
+
     configs = {name: str(job.run_dir.config_path(name).resolve()) for name in job.process_configs}
     control_addrs = [ShellWord('"${CONTROL_ADDRS[@]}"')]
     head = ShellWord('"$TRAIN_HEAD"')
     broadcast = job.extra.get("weight_broadcast")
+    # who makes inference load each version: the orchestrator (filesystem) or the trainer (nccl, nixl)
+    loads = TRANSPORTS[broadcast].loads if broadcast is not None else "orchestrator"
     out: dict[str, str] = {}
     if "inference" in configs:
         pd = job.extra.get("pd")
@@ -97,17 +102,16 @@ def component_commands(job: SlurmJob, python: str) -> dict[str, str]:
         )  # fmt: skip
         out["router"] = shell_command(argv)
     if "orchestrator" in configs:
-        cp = getattr(getattr(getattr(job.config, "trainer", None), "model", None), "cp", 1)
         argv = commands.orchestrator_node_command(
             python, configs["orchestrator"], ShellWord('"$ROUTER_URL"'), ShellWord('"$VLLM_API_KEY"'),
-            [ShellWord('"${METRICS_URLS[@]}"')], job.num_train_nodes * job.deployment.gpus_per_node // cp,
-            control_addrs if broadcast in (None, "filesystem") else None,
+            [ShellWord('"${METRICS_URLS[@]}"')], job.process_configs["orchestrator"].num_train_ranks,
+            control_addrs if loads == "orchestrator" else None,
         )  # fmt: skip
         out["orchestrator"] = shell_command(argv)
     if "trainer" in configs:
         if job.kind == "rl":
             module = commands.RL_TRAINER
-            args = commands.rl_trainer_node_args(head, control_addrs if broadcast in ("nccl", "nixl") else None)
+            args = commands.rl_trainer_node_args(head, control_addrs if loads == "trainer" else None)
         else:
             module, args = commands.SFT_TRAINER, []
         argv = commands.torchrun_static_command(
