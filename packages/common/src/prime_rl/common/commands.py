@@ -5,8 +5,8 @@ the vllm-router in front of several inference servers, and the hand-over of a ``
 Pure functions: an interpreter, config paths and numbers in, ``list[str]`` out; nothing is started or read.
 Callers: the local launcher (``launcher/rl.py``), the SLURM renderer (``launcher/slurm/render.py``, which
 writes these lists into the sbatch templates), multi-GPU ``sft`` (``trainer/sft/entrypoint.py``), the local
-replica supervisor (``inference/router.py``) and the ``[slurm]`` route of every entrypoint
-(``config/slurm_route.py``).
+replica supervisor (``inference/router.py``), the tests' inference server (``inference/testing.py``) and the
+``[slurm]`` route of every entrypoint (``config/slurm_route.py``).
 
 Design decisions:
 - It lives in common, not the launcher: ``sft`` (trainer package) and the replica supervisor (inference) build
