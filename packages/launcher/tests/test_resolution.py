@@ -10,6 +10,7 @@ from prime_rl.common.config.base import ConfigError
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.testing import make_tiny_model
+from prime_rl.common.testing_rl import rl_config, write_rl_config
 from prime_rl.launcher.host_facts import HostFacts, gather_slurm, read_served_dtype
 from prime_rl.launcher.resolution import ResolvedRun, resolve
 from prime_rl.launcher.rl import write_configs
@@ -78,13 +79,11 @@ def test_served_dtype_comes_from_vllm_or_the_checkpoint(model_dir, tmp_path):
 
 
 def _slurm_toml(model_dir: Path, tmp_path: Path) -> Path:
-    path = tmp_path / "rl.toml"
-    path.write_text(
-        f'output_dir = "{tmp_path / "out"}"\n[run]\nname = "r"\n[model]\nname = "{model_dir}"\n'
-        '[orchestrator]\nmax_tokens = 8\n[deployment]\ntype = "multi_node"\nnum_train_nodes = 1\n'
-        'num_infer_nodes = 1\n[slurm]\njob_name = "t"\n'
-    )
-    return path
+    config = rl_config(
+        model_dir, tmp_path / "out", "r", orchestrator={"max_tokens": 8},
+        deployment={"type": "multi_node", "num_train_nodes": 1, "num_infer_nodes": 1}, slurm={"job_name": "t"},
+    )  # fmt: skip
+    return write_rl_config(tmp_path / "rl.toml", config)
 
 
 def test_local_launcher_and_slurm_job_write_the_same_configs(model_dir, tmp_path):
