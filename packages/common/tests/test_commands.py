@@ -74,6 +74,29 @@ def test_orchestrator_commands() -> None:
     assert with_loads[-2:] == ["--inference.addresses", "tcp://a:1"]
 
 
+def test_router_commands() -> None:
+    """The replica supervisor's router (every flag it passes) and a SLURM job's (shell words, key, P/D)."""
+    assert commands.router_command("/venv/bin/vllm-router", ["http://127.0.0.1:8001", "http://127.0.0.1:8002"],
+                                   "0.0.0.0", 8000, "127.0.0.1", 8102, policy="consistent_hash") == [
+        "/venv/bin/vllm-router", "--worker-urls", "http://127.0.0.1:8001", "http://127.0.0.1:8002",
+        "--host", "0.0.0.0", "--port", "8000",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", "8102", "--policy", "consistent_hash",
+    ]  # fmt: skip
+    workers = commands.router_pd_workers(["prefill", "decode"], ["http://a:1", "http://b:2"])
+    assert workers == ["--prefill", "http://a:1", "--decode", "http://b:2"]
+    assert commands.router_command("vllm-router", workers, "h", 1, "127.0.0.1", 2, disaggregated=True)[:6] == [
+        "vllm-router", "--vllm-pd-disaggregation", "--prefill", "http://a:1", "--decode", "http://b:2"
+    ]  # fmt: skip
+    arrays = [ShellWord('"${PREFILL_URLS[@]}"'), ShellWord('"${DECODE_URLS[@]}"')]
+    key = ShellWord('"$VLLM_API_KEY"')
+    assert commands.router_command("vllm-router", arrays, "0.0.0.0", 9000, "127.0.0.1", 9001, disaggregated=True,
+                                   kv_connector="nixl", api_key=key) == [
+        "vllm-router", "--vllm-pd-disaggregation", '"${PREFILL_URLS[@]}"', '"${DECODE_URLS[@]}"',
+        "--kv-connector", "nixl", "--host", "0.0.0.0", "--port", "9000", "--api-key", '"$VLLM_API_KEY"',
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", "9001",
+    ]  # fmt: skip
+
+
 def test_slurm_command() -> None:
     assert commands.slurm_command(PY, "rl", ["@", CFG / "rl.toml", "--dry-run"]) == [
         PY, "-m", "prime_rl.launcher.slurm", "rl", "@", "/run/configs/rl.toml", "--dry-run"

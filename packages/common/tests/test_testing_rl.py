@@ -3,7 +3,7 @@
 import tomllib
 
 from prime_rl.common.config.rl import RLConfig
-from prime_rl.common.testing_rl import merged, write_cpu_rl_config
+from prime_rl.common.testing_rl import merged, rl_config, write_cpu_rl_config, write_rl_config
 
 
 def test_overrides_merge_tables_and_replace_the_rest(tmp_path):
@@ -31,3 +31,12 @@ def test_the_base_run_is_a_valid_rl_config_apart_from_the_model(tmp_path):
     model = make_tiny_model(tmp_path / "tiny")
     path = write_cpu_rl_config(tmp_path / "rl.toml", model, tmp_path / "out", "probe", 8123)
     RLConfig.model_validate(tomllib.loads(path.read_text()))
+
+
+def test_rl_config_is_the_keys_every_run_names_with_the_overrides(tmp_path):
+    """What a test that only loads, resolves or renders a run starts from (no CPU settings)."""
+    cfg = rl_config("/m", tmp_path, "probe", orchestrator={"max_tokens": 8})
+    assert cfg == {
+        "output_dir": str(tmp_path), "run": {"name": "probe"}, "model": {"name": "/m"}, "orchestrator": {"max_tokens": 8}
+    }  # fmt: skip
+    assert tomllib.loads(write_rl_config(tmp_path / "rl.toml", cfg).read_text()) == cfg

@@ -48,8 +48,8 @@ def test_disaggregated_config_places_prefill_then_decode():
     assert [e.url for e in replica_endpoints(cfg)] == [f"http://127.0.0.1:{p}" for p in (9001, 9002, 9003)]
     assert [e.control for e in replica_endpoints(cfg)] == [f"tcp://127.0.0.1:{p}" for p in (9500, 9501, 9502)]
     cmd = _router_command(cfg, [e.url for e in replica_endpoints(cfg)], "vllm-router")
-    tail = cmd[cmd.index("--vllm-pd-disaggregation") :]
-    assert tail == ["--vllm-pd-disaggregation", "--prefill", "http://127.0.0.1:9001", "--prefill",
+    start = cmd.index("--vllm-pd-disaggregation")
+    assert cmd[start : start + 7] == ["--vllm-pd-disaggregation", "--prefill", "http://127.0.0.1:9001", "--prefill",
                     "http://127.0.0.1:9002", "--decode", "http://127.0.0.1:9003"]  # fmt: skip
     # NIXL: both roles kv_both (vLLM's NIXL examples); other connectors: producer / consumer
     assert cfg.deployment.kv_transfer_config("prefill") == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}

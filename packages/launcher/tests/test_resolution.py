@@ -10,6 +10,7 @@ from prime_rl.common.config.base import ConfigError
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.testing import make_tiny_model
+from prime_rl.common.testing_rl import rl_config, write_rl_config
 from prime_rl.launcher.host_facts import HostFacts, gather_slurm, read_served_dtype
 from prime_rl.launcher.resolution import ResolvedRun, resolve
 from prime_rl.launcher.rl import write_configs
@@ -78,13 +79,11 @@ def test_served_dtype_comes_from_vllm_or_the_checkpoint(model_dir, tmp_path):
 
 
 def _slurm_toml(model_dir: Path, tmp_path: Path) -> Path:
-    path = tmp_path / "rl.toml"
-    path.write_text(
-        f'output_dir = "{tmp_path / "out"}"\n[run]\nname = "r"\n[model]\nname = "{model_dir}"\n'
-        '[orchestrator]\nmax_tokens = 8\n[deployment]\ntype = "multi_node"\nnum_train_nodes = 1\n'
-        'num_infer_nodes = 1\n[slurm]\njob_name = "t"\n'
-    )
-    return path
+    config = rl_config(
+        model_dir, tmp_path / "out", "r", orchestrator={"max_tokens": 8},
+        deployment={"type": "multi_node", "num_train_nodes": 1, "num_infer_nodes": 1}, slurm={"job_name": "t"},
+    )  # fmt: skip
+    return write_rl_config(tmp_path / "rl.toml", config)
 
 
 def test_local_launcher_and_slurm_job_write_the_same_configs(model_dir, tmp_path):
@@ -107,3 +106,13 @@ def test_multi_node_dp_replicate_must_divide_the_trainer_ranks(model_dir, tmp_pa
     with pytest.raises(ConfigError, match="dp_replicate=3 must divide the trainer's 1 nodes x 8 GPUs"):
         resolve(job, HostFacts())
     assert isinstance(resolve(_cfg(model_dir), HostFacts()), ResolvedRun)
+
+
+def test_multi_node_orchestrator_sends_per_data_parallel_group(model_dir, tmp_path):
+    """The orchestrator's `num_train_ranks` is derived for a multi-node trainer as for a single-node one: its
+    ranks (2 nodes x 8 GPUs) over cp. The SLURM job passes this value on the orchestrator's command line too."""
+    path = _slurm_toml(model_dir, tmp_path)
+    job = load_config(job_class(RLConfig), ["@", str(path), "--deployment.num-train-nodes", "2"])
+    assert resolve(job, HostFacts()).orchestrator.num_train_ranks == 16
+    cp4 = load_config(job_class(RLConfig), ["@", str(path), "--deployment.num-train-nodes", "2", "--trainer.model.cp", "4"])  # fmt: skip
+    assert resolve(cp4, HostFacts()).orchestrator.num_train_ranks == 4

@@ -14,6 +14,7 @@ from prime_rl.common.config.deployment import SingleNodeDeployment
 from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.testing import make_tiny_model
+from prime_rl.common.testing_rl import rl_config, write_rl_config
 from prime_rl.launcher.host_facts import gather_local
 from prime_rl.launcher.resolution import resolve
 from prime_rl.launcher.rl import PlacementError, place, shared_gpu_check
@@ -64,8 +65,8 @@ def test_dry_run_writes_every_resolved_config_without_torch(model_dir, tmp_path)
 
 
 def test_bad_config_is_one_line_exit_2(model_dir, tmp_path):
-    bad = tmp_path / "bad.toml"
-    bad.write_text("[orchestrator]\nbatch_size = 10\ngroup_size = 3\n")
+    config = rl_config(model_dir, tmp_path, "bad", orchestrator={"batch_size": 10, "group_size": 3})
+    bad = write_rl_config(tmp_path / "bad.toml", config)
     out = _rl("@", str(bad), "--model.name", str(model_dir), "--dry-run")
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "batch_size=10 must be a multiple of group_size=3" in out.stderr

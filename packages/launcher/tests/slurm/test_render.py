@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +20,7 @@ from prime_rl.common.config.rl import RLConfig
 from prime_rl.common.config.trainer import SFTConfig
 from prime_rl.common.env import SECRET_FILE_ENV, STALL_TIMEOUT_ENV, TRAINER_LOG_DIR_ENV
 from prime_rl.common.net import free_port, free_port_range
+from prime_rl.common.testing_rl import merged, rl_config, write_rl_config
 from prime_rl.launcher.slurm import load_job, render_job
 from prime_rl.launcher.slurm.__main__ import main
 
@@ -61,10 +64,10 @@ echo "$*" >>"$FAKE_LOG.scancel"
 
 
 def write_config(tmp_path: Path, kind: str = "sft", extra: str = "", deployment: str = "") -> Path:
+    """An ``sft`` or ``inference`` SLURM job (``extra``: more ``[slurm]`` keys); ``rl`` jobs: ``write_rl_job``."""
     body = {
         "sft": 'run_name = "r"\n[model]\nname = "/models/tiny"\n[data]\ntype = "fake"\nseq_len = 64\nbatch_size = 48\n',
         "inference": 'run_name = "r"\n[model]\nname = "/models/tiny"\n',
-        "rl": '[run]\nname = "r"\n[model]\nname = "/models/tiny"\n[orchestrator]\nmax_tokens = 8\n',
     }[kind]
     path = tmp_path / f"{kind}.toml"
     path.write_text(
@@ -72,6 +75,16 @@ def write_config(tmp_path: Path, kind: str = "sft", extra: str = "", deployment:
         f'[deployment]\ntype = "multi_node"\n{deployment}\n[slurm]\njob_name = "t"\n{extra}'
     )
     return path
+
+
+def write_rl_job(tmp_path: Path, deployment: dict[str, int], **overrides: Any) -> Path:
+    """An ``rl`` SLURM job on ``deployment``'s nodes (a model path that is not there: nothing loads it), with
+    ``overrides`` (tables of the run's config) merged in."""
+    config = rl_config(
+        "/models/tiny", tmp_path / "out", "r", orchestrator={"max_tokens": 8},
+        deployment={"type": "multi_node", **deployment}, slurm={"job_name": "t"},
+    )  # fmt: skip
+    return write_rl_config(tmp_path / "rl.toml", merged(config, overrides))
 
 
 def run_script(script: Path, tmp_path: Path, nodes: list[str], **fake: str) -> tuple[subprocess.CompletedProcess, list]:
@@ -230,7 +243,7 @@ def test_watchdog_ends_the_job_naming_a_stalled_rank(tmp_path: Path) -> None:
 
 
 def test_rl_job_beats_per_step_with_the_run_stall_timeout(tmp_path: Path) -> None:
-    launcher = dry_run(write_config(tmp_path, "rl", extra="", deployment="num_train_nodes = 1\nnum_infer_nodes = 1"),
+    launcher = dry_run(write_rl_job(tmp_path, {"num_train_nodes": 1, "num_infer_nodes": 1}),
                        "--stall-timeout", "123")  # fmt: skip
     script = (launcher / "rl.sbatch").read_text()
     assert f'export {STALL_TIMEOUT_ENV}="123.0"' in script
@@ -243,8 +256,7 @@ def test_rl_job_beats_per_step_with_the_run_stall_timeout(tmp_path: Path) -> Non
 def test_rl_publishes_in_the_served_dtype_after_the_rl_hand_off(tmp_path: Path) -> None:
     """`rl` hands the module its whole resolved config (configs/rl.toml: every default written out), so the
     default weight_broadcast.dtype reads as set; it must still follow the dtype inference serves."""
-    cfg = write_config(tmp_path, "rl", deployment="num_train_nodes = 1\nnum_infer_nodes = 1")
-    cfg.write_text(cfg.read_text().replace("[deployment]", '[inference.vllm]\ndtype = "float32"\n\n[deployment]'))
+    cfg = write_rl_job(tmp_path, {"num_train_nodes": 1, "num_infer_nodes": 1}, inference={"vllm": {"dtype": "float32"}})
     handed = write_toml(load_config(RLConfig, ["@", str(cfg)]), tmp_path / "handed.toml")  # as `rl` writes it
     assert 'dtype = "bfloat16"' in handed.read_text()
     assert main(["rl", "@", str(handed), "--dry-run"]) == 0
@@ -337,7 +349,7 @@ def test_rl_with_local_replicas_updates_and_probes_every_replica(tmp_path: Path)
     to one replica only, so the orchestrator gets every replica's control address (weight updates) and HTTP root
     (rollout concurrency), not the node's. Replica j of a node on port p: HTTP p + 1 + j, control p + 100 + j."""
     router_port = free_port()
-    cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 2\nnum_train_nodes = 1\ngpus_per_node = 2")
+    cfg = write_rl_job(tmp_path, {"num_infer_nodes": 2, "num_train_nodes": 1, "gpus_per_node": 2})
     flags = [
         "--slurm.router-port",
         str(router_port),
@@ -369,7 +381,7 @@ def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path
     from prime_rl.common.config.rl_trainer import RLTrainerConfig
 
     router_port = free_port()
-    cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 1\nnum_train_nodes = 2\ngpus_per_node = 2")
+    cfg = write_rl_job(tmp_path, {"num_infer_nodes": 1, "num_train_nodes": 2, "gpus_per_node": 2})
     launcher = tmp_path / "out" / "r" / "launcher"
     flags = ["--slurm.router-port", str(router_port), "--slurm.replica-port", "9100", "--slurm.rdzv-port", "29777"]
     assert main(["rl", "@", str(cfg), *flags, "--weight-broadcast.type", broadcast, "--dry-run"]) == 0
@@ -430,7 +442,7 @@ def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path
 
 def test_rl_job_status_is_final_and_names_the_failed_component(tmp_path: Path) -> None:
     """Probe: STATUS stayed "running" after the job ended; under SLURM too it is final on every exit path."""
-    cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 1\nnum_train_nodes = 1\ngpus_per_node = 1")
+    cfg = write_rl_job(tmp_path, {"num_infer_nodes": 1, "num_train_nodes": 1, "gpus_per_node": 1})
     router_port = free_port()
     assert main(["rl", "@", str(cfg), "--slurm.router-port", str(router_port), "--dry-run"]) == 0
     launcher = tmp_path / "out" / "r" / "launcher"
@@ -451,15 +463,11 @@ def test_help_lists_component_deployment_and_slurm_options(capsys) -> None:
 
 def write_pd_config(tmp_path: Path, kind: str, pd: str) -> Path:
     """A P/D job: ``inference`` with [deployment] type = "disaggregated", ``rl`` with it in [inference.deployment]."""
-    path = tmp_path / f"{kind}.toml"
-    if kind == "inference":
-        body = f'run_name = "r"\n[model]\nname = "/models/tiny"\n[deployment]\ntype = "disaggregated"\n{pd}\n'
-    else:
-        body = (
-            '[run]\nname = "r"\n[model]\nname = "/models/tiny"\n[orchestrator]\nmax_tokens = 8\n'
-            f'[deployment]\ntype = "multi_node"\nnum_train_nodes = 1\ngpus_per_node = 2\n'
-            f'[inference.deployment]\ntype = "disaggregated"\n{pd}\n'
-        )
+    if kind == "rl":
+        deployment = {"type": "disaggregated", **tomllib.loads(pd)}
+        return write_rl_job(tmp_path, {"num_train_nodes": 1, "gpus_per_node": 2}, inference={"deployment": deployment})
+    path = tmp_path / "inference.toml"
+    body = f'run_name = "r"\n[model]\nname = "/models/tiny"\n[deployment]\ntype = "disaggregated"\n{pd}\n'
     path.write_text(f'output_dir = "{tmp_path / "out"}"\n{body}[slurm]\njob_name = "t"\n')
     return path
 
@@ -529,7 +537,7 @@ def test_pd_bad_input_is_one_line_exit_2(tmp_path: Path, capsys, kind: str, pd: 
 
 def test_rl_with_context_parallelism_sends_per_data_parallel_group(tmp_path: Path) -> None:
     """cp=2 on 2 nodes x 2 GPUs: the orchestrator packs for the 2 data-parallel groups (one socket each)."""
-    cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 1\nnum_train_nodes = 2\ngpus_per_node = 2")
+    cfg = write_rl_job(tmp_path, {"num_infer_nodes": 1, "num_train_nodes": 2, "gpus_per_node": 2})
     launcher = dry_run(cfg, "--trainer.model.cp", "2")
     assert "--num-train-ranks 2 " in (launcher / "rl.sbatch").read_text()
 
@@ -538,7 +546,7 @@ def write_restart_job(tmp_path: Path, *flags: str) -> tuple[Path, int]:
     """An rl job with two inference nodes ("localhost", "127.0.0.1": both reachable here) and one trainer node; its
     script and the first replica's HTTP port (the second's is + 1, control + 100)."""
     replica_port = free_port_range(102, 10000, 20000)
-    cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 2\nnum_train_nodes = 1\ngpus_per_node = 1")
+    cfg = write_rl_job(tmp_path, {"num_infer_nodes": 2, "num_train_nodes": 1, "gpus_per_node": 1})
     ports = ["--slurm.router-port", str(free_port()), "--slurm.replica-port", str(replica_port)]
     assert main(["rl", "@", str(cfg), *ports, *flags, "--dry-run"]) == 0
     return tmp_path / "out" / "r" / "launcher" / "rl.sbatch", replica_port
@@ -557,7 +565,7 @@ def test_rl_restarts_render_with_the_budget_and_refuse_what_they_cannot_restart(
     script, _ = write_restart_job(tmp_path)  # max_restarts = 0: a dead replica ends the job, as before
     assert "restart_replica" not in script.read_text() and "prime_rl.launcher.slurm.restarts" not in script.read_text()
     for flags in (["--inference.router.replicas", "2"], ["--weight-broadcast.type", "nccl"]):
-        cfg = write_config(tmp_path, "rl", deployment="num_infer_nodes = 2\nnum_train_nodes = 1\ngpus_per_node = 2")
+        cfg = write_rl_job(tmp_path, {"num_infer_nodes": 2, "num_train_nodes": 1, "gpus_per_node": 2})
         assert main(["rl", "@", str(cfg), "--inference.max-restarts", "1", *flags, "--dry-run"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "inference.max_restarts=1 with " in err, err

@@ -1,11 +1,12 @@
 """Every command line prime-rl builds for a process of its own: trainer (torchrun), inference, orchestrator,
-and the hand-over of a ``[slurm]`` run to ``python -m prime_rl.launcher.slurm``.
+the vllm-router in front of several inference servers, and the hand-over of a ``[slurm]`` run to
+``python -m prime_rl.launcher.slurm``.
 
 Pure functions: an interpreter, config paths and numbers in, ``list[str]`` out; nothing is started or read.
 Callers: the local launcher (``launcher/rl.py``), the SLURM renderer (``launcher/slurm/render.py``, which
 writes these lists into the sbatch templates), multi-GPU ``sft`` (``trainer/sft/entrypoint.py``), the local
-replica supervisor (``inference/router.py``) and the ``[slurm]`` route of every entrypoint
-(``config/slurm_route.py``).
+replica supervisor (``inference/router.py``), the tests' inference server (``inference/testing.py``) and the
+``[slurm]`` route of every entrypoint (``config/slurm_route.py``).
 
 Design decisions:
 - It lives in common, not the launcher: ``sft`` (trainer package) and the replica supervisor (inference) build
@@ -17,8 +18,10 @@ Design decisions:
 - Single-node trainers run ``prime_rl.trainer.torchrun_loopback`` (the rendezvous store on 127.0.0.1, see
   docs/DESIGN.md); multi-node ones ``torch.distributed.run`` with a static rendezvous on the head trainer node.
   Both print rank 0 only on the console (``--local-ranks-filter 0``); every rank writes its own log file.
-- Left out: environment variables (``prime_rl.common.env``), the ``vllm-router`` command line (another
-  program's) and the helper calls inside the sbatch scripts (attempt, status, watchdog).
+- The ``vllm-router`` command line is here too (another program's, but started by both the replica supervisor and
+  the SLURM job): one word order and one set of flags for both.
+- Left out: environment variables (``prime_rl.common.env``) and the helper calls inside the sbatch scripts
+  (attempt, status, watchdog).
 """
 
 from __future__ import annotations
@@ -138,6 +141,38 @@ def orchestrator_node_command(
         "--num-train-ranks", _arg(num_train_ranks),
     ]  # fmt: skip
     return cmd + (["--inference.addresses", *_args(inference_addresses)] if inference_addresses is not None else [])
+
+
+def router_pd_workers(roles: Sequence[str], urls: Sequence[Arg]) -> list[str]:
+    """vllm-router's P/D workers: ``--prefill URL`` or ``--decode URL`` for each instance, in order."""
+    return [word for role, url in zip(roles, urls, strict=True) for word in (f"--{role}", _arg(url))]
+
+
+def router_command(
+    exe: Arg,
+    workers: Sequence[Arg],
+    host: Arg,
+    port: Arg,
+    metrics_host: Arg,
+    metrics_port: Arg,
+    *,
+    disaggregated: bool = False,
+    kv_connector: Arg | None = None,
+    api_key: Arg | None = None,
+    policy: Arg | None = None,
+) -> list[str]:
+    """vllm-router (``exe``) on ``host:port`` in front of ``workers``: their URLs, or ``disaggregated`` (P/D) the
+    words of ``router_pd_workers`` (or shell words that expand to them). Its metrics listen on ``metrics_host:
+    metrics_port``: vllm-router's fixed default port would make two routers on one node collide."""
+    cmd = [_arg(exe)]
+    cmd += ["--vllm-pd-disaggregation" if disaggregated else "--worker-urls", *_args(workers)]
+    if kv_connector is not None:  # P/D: how the decode instance fetches the prompt's KV
+        cmd += ["--kv-connector", _arg(kv_connector)]
+    cmd += ["--host", _arg(host), "--port", _arg(port)]
+    if api_key is not None:
+        cmd += ["--api-key", _arg(api_key)]
+    cmd += ["--prometheus-host", _arg(metrics_host), "--prometheus-port", _arg(metrics_port)]
+    return cmd + (["--policy", _arg(policy)] if policy is not None else [])
 
 
 def slurm_command(python: Arg, kind: str, argv: Sequence[Arg]) -> list[str]:

@@ -119,27 +119,12 @@ def router_executable() -> str:
 
 def _router_command(config: InferenceConfig, urls: list[str], exe: str) -> list[str]:
     metrics_port = config.router.metrics_port or config.server.resolved_control_port + config.num_instances
-    if config.disaggregated is not None:
-        workers = ["--vllm-pd-disaggregation"]
-        for url, role in zip(urls, instance_roles(config), strict=True):
-            workers += ["--prefill" if role == "prefill" else "--decode", url]
-    else:
-        workers = ["--worker-urls", *urls]
-    return [
-        exe,
-        "--host",
-        config.server.host,
-        "--port",
-        str(config.server.port),
-        "--policy",
-        config.router.policy,
-        # vllm-router's metrics listener has a fixed default port; two routers on a node would collide.
-        "--prometheus-host",
-        _client_host(config.server.host),
-        "--prometheus-port",
-        str(metrics_port),
-        *workers,
-    ]
+    pd = config.disaggregated is not None
+    return commands.router_command(
+        exe, commands.router_pd_workers(instance_roles(config), urls) if pd else urls,
+        config.server.host, config.server.port, _client_host(config.server.host), metrics_port,
+        disaggregated=pd, policy=config.router.policy,
+    )  # fmt: skip
 
 
 def _wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout_s: float) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from prime_rl.common import commands
 from prime_rl.common.net import free_port_range
 from prime_rl.common.transport import ControlClient
 from prime_rl.common.wire import HealthReply, HealthRequest
@@ -98,7 +99,7 @@ def start_server(
     config = write_config(tmp / "infer.toml", model_dir, port, control_port, extra, max_model_len, dtype)
     log = tmp / "server.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prime_rl.inference.entrypoint", "@", str(config)],
+        commands.inference_command(sys.executable, config),
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
         env=cpu_env(),

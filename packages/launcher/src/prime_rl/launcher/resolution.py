@@ -1,7 +1,7 @@
 """Resolving a run: the validated `RLConfig` plus the machine's facts -> the configs each process is given.
 
 `resolve` is the one place that fills what depends on the machine (internal ports, the published weights'
-dtype, the resume step) and checks what only a placement can refuse. It is pure: the same config and
+dtype, the resume step, a multi-node trainer's data-parallel groups) and checks what only a placement can refuse. It is pure: the same config and
 `HostFacts` give equal results, the input config is left as it was, and the result is frozen. Both launchers
 call it (`rl` on one node, the SLURM job renderer) and write what it returns, so a local run and a SLURM job
 of one config and one set of facts are given the same per-process configs.
@@ -66,6 +66,17 @@ def _check_multi_node(cfg: RLConfig) -> None:
         )
 
 
+def _multi_node_changes(cfg: RLConfig) -> dict[str, Any]:
+    """What a multi-node placement derives (a single-node run's RLConfig derives it from num_train_gpus): the
+    orchestrator sends per data-parallel group, the cp ranks of a group sharing one socket; a cp that does not
+    divide the ranks is refused by the trainer's check_layout."""
+    deployment = cfg.deployment
+    if not isinstance(deployment, MultiNodeDeployment):
+        return {}
+    cp, ranks = cfg.trainer.model.cp, deployment.num_train_nodes * deployment.gpus_per_node
+    return {"orchestrator.num_train_ranks": ranks // cp if ranks % cp == 0 else ranks}
+
+
 def _port_changes(cfg: RLConfig, host: HostFacts) -> dict[str, Any]:
     changes: dict[str, Any] = {}
     if host.batch_port is not None:  # the trainer pulls where the orchestrator pushes
@@ -99,6 +110,7 @@ def resolve(cfg: RLConfig, host: HostFacts) -> ResolvedRun:
     Raises ConfigError for what only the placement refuses (multi-node `dp_replicate`)."""
     _check_multi_node(cfg)
     changes = {
+        **_multi_node_changes(cfg),
         **_port_changes(cfg, host),
         **_dtype_changes(cfg, host),
         **colocated_changes(cfg, host.gpu_bytes, host.num_params),

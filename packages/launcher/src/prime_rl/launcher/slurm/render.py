@@ -6,7 +6,7 @@ is left to the script itself, which reads the allocation with ``scontrol show ho
 
 Every component's command line comes from ``prime_rl.common.commands`` (the one owner of the project's
 argv), rendered into bash here: words known only inside the job (the node's rank, the head trainer node,
-the replicas' addresses) are ``ShellWord``s, written as they are; every other word is shell-quoted.
+the replicas' addresses, the HTTP key) are ``ShellWord``s, written as they are; every other word is shell-quoted.
 """
 
 from __future__ import annotations
@@ -71,29 +71,47 @@ def shell_command(argv: list[str], indent: str = "    ", width: int = 110) -> st
 
 def component_commands(job: SlurmJob, python: str) -> dict[str, str]:
     """The bash command of every component the job's template starts, by name (``trainer``, ``inference``,
-    ``orchestrator``), from ``prime_rl.common.commands`` with the job's shell words."""
+    ``router``, ``orchestrator``), from ``prime_rl.common.commands`` with the job's shell words."""
+    # the transport table imports the wire format (msgspec, numpy): only a SLURM render needs it
+    from prime_rl.common.weight_transports import TRANSPORTS
+
     configs = {name: str(job.run_dir.config_path(name).resolve()) for name in job.process_configs}
     control_addrs = [ShellWord('"${CONTROL_ADDRS[@]}"')]
     head = ShellWord('"$TRAIN_HEAD"')
     broadcast = job.extra.get("weight_broadcast")
+    # who makes inference load each version: the orchestrator (filesystem) or the trainer (nccl, nixl)
+    loads = TRANSPORTS[broadcast].loads if broadcast is not None else "orchestrator"
     out: dict[str, str] = {}
     if "inference" in configs:
-        role = ShellWord('"$role"') if job.extra.get("pd") else None
+        pd = job.extra.get("pd")
+        role = ShellWord('"$role"') if pd else None
         port, control = ShellWord('"$port"'), ShellWord('"$((port + 100))"')
         argv = commands.inference_node_command(python, configs["inference"], port, control, role)
         out["inference"] = shell_command(argv, indent="      ")
+        # one router on the first inference node; its metrics on router_port + 1 (see SlurmConfig.router_port)
+        workers = (
+            [ShellWord('"${PREFILL_URLS[@]}"'), ShellWord('"${DECODE_URLS[@]}"')]
+            if pd
+            else [ShellWord('"${WORKER_URLS[@]}"')]
+        )
+        argv = commands.router_command(
+            Path(python).parent / "vllm-router", workers, "0.0.0.0", job.slurm.router_port,
+            "127.0.0.1", job.slurm.router_port + 1, disaggregated=bool(pd),
+            kv_connector=pd["router_kv_connector"] if pd else None, api_key=ShellWord('"$VLLM_API_KEY"'),
+            policy=job.extra.get("router_policy"),
+        )  # fmt: skip
+        out["router"] = shell_command(argv)
     if "orchestrator" in configs:
-        cp = getattr(getattr(getattr(job.config, "trainer", None), "model", None), "cp", 1)
         argv = commands.orchestrator_node_command(
             python, configs["orchestrator"], ShellWord('"$ROUTER_URL"'), ShellWord('"$VLLM_API_KEY"'),
-            [ShellWord('"${METRICS_URLS[@]}"')], job.num_train_nodes * job.deployment.gpus_per_node // cp,
-            control_addrs if broadcast in (None, "filesystem") else None,
+            [ShellWord('"${METRICS_URLS[@]}"')], job.process_configs["orchestrator"].num_train_ranks,
+            control_addrs if loads == "orchestrator" else None,
         )  # fmt: skip
         out["orchestrator"] = shell_command(argv)
     if "trainer" in configs:
         if job.kind == "rl":
             module = commands.RL_TRAINER
-            args = commands.rl_trainer_node_args(head, control_addrs if broadcast in ("nccl", "nixl") else None)
+            args = commands.rl_trainer_node_args(head, control_addrs if loads == "trainer" else None)
         else:
             module, args = commands.SFT_TRAINER, []
         argv = commands.torchrun_static_command(
@@ -154,9 +172,7 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "heartbeat_dir": str(job.run_dir.root.resolve() / "heartbeats") if watched else None,
         "rdzv_port": job.slurm.rdzv_port,
         "router_port": job.slurm.router_port,
-        "router_metrics_port": job.slurm.router_port + 1,  # see SlurmConfig.router_port
         "replica_port": job.slurm.replica_port,
-        "router_command": shlex.quote(str(Path(python).parent / "vllm-router")),
         "router_policy": None,
         "replica_port_stride": 1,
         "weight_broadcast": None,
