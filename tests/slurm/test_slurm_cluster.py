@@ -20,6 +20,7 @@ import pytest
 
 from prime_rl.common.env import STALL_TIMEOUT_ENV
 from prime_rl.common.testing import make_tiny_model
+from prime_rl.common.testing_rl import write_cpu_rl_config
 
 
 @pytest.fixture(scope="module")
@@ -164,50 +165,18 @@ def test_inference_job_prints_the_router_url_on_node_zero(slurm_cluster, tmp_pat
 def rl_toml(path: Path, model: Path, out: Path, base: int, max_steps: int, stall_timeout: float = 1800) -> Path:
     """One inference node, one trainer node; ``base`` starts 700 free ports (router, replica + 100, rendezvous,
     batches, weight announcements: every "node" here shares one network, so no default port is safe)."""
-    path.write_text(
-        f"""
-output_dir = "{out}"
-max_steps = {max_steps}
-stall_timeout = {stall_timeout}
-seq_len = 256
-
-[run]
-name = "rl"
-
-[model]
-name = "{model}"
-
-[deployment]
-type = "multi_node"
-num_train_nodes = 1
-num_infer_nodes = 1
-gpus_per_node = 1
-
-[slurm]
-router_port = {base}
-replica_port = {base + 500}
-rdzv_port = {base + 2}
-
-[orchestrator]
-batch_size = 16
-group_size = 4
-max_tokens = 8
-
-[orchestrator.trainer]
-port = {base + 3}
-weights_port = {base + 4}
-
-[inference.vllm]
-enforce_eager = true
-max_model_len = 256
-dtype = "float32"
-
-[inference.env_vars]
-VLLM_CPU_KVCACHE_SPACE = "1"
-VLLM_HOST_IP = "127.0.0.1"
-"""
-    )
-    return path
+    return write_cpu_rl_config(
+        path, model, out, "rl",
+        port=8000,  # inference.server.port's default: under SLURM the router serves on [slurm] router_port
+        max_steps=max_steps,
+        stall_timeout=stall_timeout,
+        deployment={"type": "multi_node", "num_train_nodes": 1, "num_infer_nodes": 1, "gpus_per_node": 1},
+        slurm={"router_port": base, "replica_port": base + 500, "rdzv_port": base + 2},
+        orchestrator={
+            "max_off_policy_steps": 1,  # the default (the base run is synchronous): these runs were one step off
+            "trainer": {"port": base + 3, "weights_port": base + 4},
+        },
+    )  # fmt: skip
 
 
 def test_rl_one_inference_node_one_trainer_node_completes(

@@ -1,9 +1,8 @@
 """A single-node run's torchrun listens on loopback only (probe: its store listened on every interface)."""
 
-import os
-import subprocess
-import sys
 import textwrap
+
+from prime_rl.trainer.testing import torchrun
 
 # Rank 0 lists what the torchrun agent (its parent) and it listen on, from /proc (no `ss` needed).
 RANK = textwrap.dedent(
@@ -44,12 +43,7 @@ LOOPBACK_HEX = {"0100007F", "0000000000000000FFFF00000100007F", "000000000000000
 def test_the_rendezvous_store_listens_on_loopback_only(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "prime_rl.trainer.torchrun_loopback", "--nproc-per-node", "2", str(script)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(script, nproc=2, timeout=120, cwd=tmp_path)  # under commands.TORCHRUN_LOOPBACK, as `rl` runs
     lines = dict(
         line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("MASTER_ADDR", "LISTEN"))
     )

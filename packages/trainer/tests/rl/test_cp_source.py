@@ -2,14 +2,11 @@
 an error on cp rank 0 reaches them as an error (not a hang in the broadcast). 2 gloo ranks, cp=2 (separate
 data-parallel groups on their own rows: test_batching.py::test_dp2_by_cp2_matches_one_process)."""
 
-import os
-import socket
-
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from prime_rl.trainer.rl.batching import padding_run
+from prime_rl.trainer.testing import run_on_ranks
 
 pytestmark = pytest.mark.multiprocess  # several processes: the dev-venv suite runs them
 
@@ -27,12 +24,10 @@ class _Rows:
         pass
 
 
-def _worker(rank: int, world: int, port: int, out: dict) -> None:
+def _cp_rank() -> tuple[int, int, float, str | None]:
     from prime_rl.trainer.rl.data import ContextParallelSource
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    dp_rank, cp_rank = rank // 2, rank % 2
+    dp_rank, cp_rank = dist.get_rank() // 2, dist.get_rank() % 2
     made = []
     source = ContextParallelSource(lambda: made.append(1) or _Rows(dp_rank), cp_rank, 2, timeout_s=30)
     rows = source.get(0)
@@ -41,17 +36,11 @@ def _worker(rank: int, world: int, port: int, out: dict) -> None:
         error = None
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
-    out[rank] = (len(made), rows[0].input_ids.shape[-1], rows[0].temperature, error)
-    dist.destroy_process_group()
+    return len(made), rows[0].input_ids.shape[-1], rows[0].temperature, error
 
 
 def test_cp_rank_zero_receives_and_broadcasts_per_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_worker, args=(2, port, out), nprocs=2, join=True)
-    made, length, temperature, errors = zip(*(out[r] for r in range(2)))
+    made, length, temperature, errors = zip(*run_on_ranks(_cp_rank, 2))
     assert made == (1, 0)  # one receiver (the group's socket), on cp rank 0
     assert length == (8, 8) and temperature == (0.5, 0.5)  # cp rank 1 got cp rank 0's rows
     assert errors[0] == "ValueError: step mismatch on group 0"  # cp rank 0 raises its own error

@@ -4,13 +4,12 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from prime_rl.common.net import free_port
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.rl.data import RLMicroBatch
 from prime_rl.trainer.rl.loss import LossSettings, rl_loss
 from prime_rl.trainer.rl.train import RLObjective
+from prime_rl.trainer.testing import one_rank_group
 from prime_rl.trainer.world import World
 
 
@@ -135,9 +134,8 @@ class _Policy(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def one_process_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield World(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    dist.destroy_process_group()
+    with one_rank_group() as world:
+        yield world
 
 
 @pytest.mark.parametrize("norm", ["token", "sequence", "constant"])

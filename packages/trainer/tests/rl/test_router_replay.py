@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from prime_rl.common.net import free_port
 from prime_rl.common.testing import make_tiny_model
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import build_model, load_hf_weights
@@ -22,6 +20,7 @@ from prime_rl.trainer.rl.batching import build_forwards
 from prime_rl.trainer.rl.data import RLMicroBatch, next_token_targets
 from prime_rl.trainer.rl.loss import LossSettings
 from prime_rl.trainer.rl.train import RLObjective
+from prime_rl.trainer.testing import one_rank_group
 from prime_rl.trainer.world import World
 
 LAYERS, EXPERTS, TOP_K = 2, 8, 2
@@ -29,9 +28,8 @@ LAYERS, EXPERTS, TOP_K = 2, 8, 2
 
 @pytest.fixture(scope="module")
 def one_process_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield World(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    dist.destroy_process_group()
+    with one_rank_group() as world:
+        yield world
 
 
 @pytest.fixture(scope="module")
