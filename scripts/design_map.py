@@ -7,10 +7,16 @@ Two facts are read from the code, never written by hand:
 - **Process arrows**: the channels between the processes `rl` starts, found by resolving a run the way
   users do (`rl --dry-run`) and matching the ports each component's resolved config names: two components
   that name one port talk over it, and the edge is labelled with both keys.
+- **Control arrows**: who sends inference's control port which requests. The weight loads come from the
+  transports' lifecycle table (`prime_rl.common.weight_transports.TRANSPORTS`: `loads` names the sender,
+  `setup` + `update` the requests), so the push transports' trainer -> inference edge is there although the
+  default (filesystem) run resolved above names no port for it; the colocated runs' sleep / wake requests
+  (`prime_rl.common.wire.COLOCATED_MESSAGE_TYPES`) from the packages whose code constructs them (AST).
 
 The concept map (the table between the `concept-map` markers) is hand-written; `check_concepts` verifies
-that every owner it names (`prime_rl.<package>.<module>.<Symbol>`) is defined at the top of that module,
-so a rename or a move fails a test instead of leaving the map stale.
+that every owner in its owner column (`<package>.<module>.<Symbol>`, short for `prime_rl.<package>...`, or a
+whole module) is defined at the top of that module, so a rename or a move fails a test instead of leaving
+the map stale.
 
     python scripts/design_map.py            # print the picture
     python scripts/design_map.py --write    # rewrite it in docs/DESIGN.md
@@ -40,7 +46,8 @@ PICTURE_BEGIN, PICTURE_END = (
 )
 CONCEPTS_BEGIN, CONCEPTS_END = "<!-- concept-map:begin -->", "<!-- concept-map:end -->"
 PROCESSES = ("inference", "orchestrator", "trainer")  # the components `rl` writes a config for
-_OWNER = re.compile(r"`(prime_rl\.[a-z_]+(?:\.[a-z_0-9]+)*)\.([A-Za-z_][A-Za-z_0-9]*)`")
+_OWNER = re.compile(r"`([a-z_]+(?:\.[a-z_0-9]+)*)\.([A-Za-z_][A-Za-z_0-9]*)`")
+OWNER_COLUMN = 1  # | concept | owner | arrows |
 
 
 # --------------------------------------------------------------------------- packages
@@ -133,19 +140,66 @@ def channels(configs: dict[str, dict]) -> list[tuple[str, str, str]]:
     return sorted(edges)
 
 
+# --------------------------------------------------------------------------- control requests
+
+
+def constructed_names(package: str, names: set[str]) -> set[str]:
+    """Which of ``names`` the package's code calls (constructs), read from its AST."""
+    found = set()
+    for path in (ROOT / "packages" / package / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names:
+                found.add(node.func.id)
+    return found
+
+
+def control_edges(transports: dict, colocated: dict[str, list[str]]) -> list[tuple[str, str, str]]:
+    """(sender, "inference", label) for every process that sends inference control requests.
+
+    ``transports``: ``TRANSPORTS`` (name -> row with ``loads``, ``setup``, ``update``): one edge per loader,
+    labelled with its transports and their requests in order. ``colocated``: process -> the sleep / wake
+    requests its code constructs."""
+    by_loader: dict[str, list] = defaultdict(list)
+    for row in transports.values():
+        by_loader[row.loads].append(row)
+    edges = []
+    for loader, rows in sorted(by_loader.items()):
+        requests = dict.fromkeys(m.__name__ for row in rows for m in (*row.setup, *row.update))
+        label = f"{', '.join(row.name for row in rows)} weights: {', '.join(requests)}"
+        edges.append((loader, "inference", label))
+    for process, names in sorted(colocated.items()):
+        if names:
+            edges.append((process, "inference", f"colocated: {', '.join(names)}"))
+    return edges
+
+
+def code_control_edges() -> list[tuple[str, str, str]]:
+    from prime_rl.common.weight_transports import TRANSPORTS
+    from prime_rl.common.wire import COLOCATED_MESSAGE_TYPES
+
+    names = [m.__name__ for m in COLOCATED_MESSAGE_TYPES]
+    colocated = {p: [n for n in names if n in constructed_names(p, set(names))] for p in PROCESSES}
+    return control_edges(TRANSPORTS, colocated)
+
+
 # --------------------------------------------------------------------------- picture
 
 
-def picture(edges: Counter[tuple[str, str]], chans: list[tuple[str, str, str]]) -> str:
+def picture(
+    edges: Counter[tuple[str, str]], chans: list[tuple[str, str, str]], control: list[tuple[str, str, str]]
+) -> str:
     lines = ["```mermaid", "flowchart LR"]
     lines.append('  subgraph packages["packages: arrow = imports"]')
     for a, b in sorted(edges):  # edges only: module counts would go stale with every refactor
         lines.append(f"    pkg_{a}[{a}] --> pkg_{b}[{b}]")
     lines.append("  end")
-    lines.append('  subgraph processes["processes of one rl run: edge = a port both configs name (rl --dry-run)"]')
+    title = "processes of one rl run: edge = a port both configs name (rl --dry-run); control arrow = requests sent"
+    lines.append(f'  subgraph processes["{title}"]')
     lines.append("    launcher([rl launcher]) -.starts.-> inference & orchestrator & trainer")
     for a, b, label in chans:
         lines.append(f'    {a}(({a})) ---|"{label}"| {b}(({b}))')
+    for a, b, label in control:
+        lines.append(f'    {a}(({a})) -->|"control: {label}"| {b}(({b}))')
     lines.append("  end")
     lines.append("```")
     return "\n".join(lines)
@@ -157,7 +211,7 @@ def generate() -> str:
     with tempfile.TemporaryDirectory(prefix="design-map-") as tmp:
         model = make_tiny_model(Path(tmp) / "tiny")
         configs = resolved_configs(model, Path(tmp))
-    return picture(package_imports(), channels(configs))
+    return picture(package_imports(), channels(configs), code_control_edges())
 
 
 def _between(text: str, begin: str, end: str) -> str:
@@ -170,8 +224,8 @@ def _between(text: str, begin: str, end: str) -> str:
 
 
 def module_path(module: str) -> Path | None:
-    """`prime_rl.<package>.a.b` -> packages/<package>/src/prime_rl/<package>/a/b.py (or its __init__.py)."""
-    base = ROOT / "packages" / module.split(".")[1] / "src" / Path(*module.split("."))
+    """`<package>.a.b` -> packages/<package>/src/prime_rl/<package>/a/b.py (or its __init__.py)."""
+    base = ROOT / "packages" / module.split(".")[0] / "src" / "prime_rl" / Path(*module.split("."))
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
             return path
@@ -194,8 +248,15 @@ def check_concepts(text: str) -> list[str]:
     """Each owner the concept map names that does not exist, as one line each (empty: all exist)."""
     table = _between(text, CONCEPTS_BEGIN, CONCEPTS_END)
     problems, owners = [], 0
-    for row in table.splitlines():
-        for module, symbol in _OWNER.findall(row):
+    for row in table.splitlines()[2:]:  # below the header and its rule
+        cells = row.strip().strip("|").split("|")
+        if len(cells) != 3:
+            problems.append(f"concept map row {row!r} has {len(cells)} cells; write | concept | owner | arrows |")
+            continue
+        owner = cells[OWNER_COLUMN]
+        if owner.count("`") != 2 * len(_OWNER.findall(owner)):
+            problems.append(f"concept map owner cell {owner.strip()!r}: write each owner `<package>.<module>.<Symbol>`")
+        for module, symbol in _OWNER.findall(owner):
             owners += 1
             path = module_path(module)
             if module_path(f"{module}.{symbol}") is not None:
@@ -205,7 +266,7 @@ def check_concepts(text: str) -> list[str]:
             elif symbol not in _top_level_names(path):
                 problems.append(f"concept map names {module}.{symbol}: {path.relative_to(ROOT)} defines no {symbol}")
     if owners == 0:
-        problems.append("concept map names no owner (`prime_rl.<package>.<module>.<Symbol>`)")
+        problems.append("concept map names no owner (`<package>.<module>.<Symbol>`)")
     return problems
 
 

@@ -240,6 +240,18 @@ def decode_frames(frames: Sequence[zmq.Frame | bytes], types: Sequence[type[Mess
     return Received(message, arrays)
 
 
+def _timeout(timeout_s: float | None | _Unset, default: float | None) -> float | None:
+    """A call's ``timeout_s``: the instance's ``default`` unless the call names one (None: wait forever)."""
+    return default if timeout_s is _UNSET else timeout_s
+
+
+def _no_reply(message: Message, endpoint: str, timeout: float | None) -> TimeoutError:
+    """The error of a control request that got no reply (sync and asyncio clients alike)."""
+    return TimeoutError(
+        f"no reply to {type(message).__name__} from {endpoint} within {timeout}s; is the server running there?"
+    )
+
+
 def _resolve_secret(secret: RunSecret | None | _Unset) -> RunSecret | None:
     return RunSecret.from_env() if secret is _UNSET else secret
 
@@ -351,7 +363,7 @@ class Sender(_Socket):
         modify them in place afterwards (build fresh arrays per batch). The message is queued, not
         necessarily delivered, when ``send`` returns.
         """
-        timeout = self.timeout_s if timeout_s is _UNSET else timeout_s
+        timeout = _timeout(timeout_s, self.timeout_s)
         pooled: list[np.ndarray] = []
 
         def allocate(size: int) -> np.ndarray:
@@ -402,7 +414,7 @@ class Receiver(_Socket):
 
     def recv(self, timeout_s: float | None | _Unset = _UNSET) -> Received:
         """Next well-formed message; raises ``TimeoutError`` when none arrives within the timeout."""
-        timeout = self.timeout_s if timeout_s is _UNSET else timeout_s
+        timeout = _timeout(timeout_s, self.timeout_s)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -557,10 +569,7 @@ class ControlClient(_Socket):
                 )
             if not ready:
                 self._reopen()
-                raise TimeoutError(
-                    f"no reply to {type(message).__name__} from {self.endpoint} within {timeout}s; "
-                    "is the server running there?"
-                )
+                raise _no_reply(message, self.endpoint, timeout)
 
     def request(
         self,
@@ -569,7 +578,7 @@ class ControlClient(_Socket):
         timeout_s: float | None | _Unset = _UNSET,
     ) -> Message:
         """Send a request and wait for its reply; ``TimeoutError`` if the server does not answer in time."""
-        timeout = self.timeout_s if timeout_s is _UNSET else timeout_s
+        timeout = _timeout(timeout_s, self.timeout_s)
         deadline = None if timeout is None else time.monotonic() + timeout
         frames = encode_frames(message, arrays)
         if not self._socket.poll(_ms(timeout), zmq.POLLOUT):
@@ -637,7 +646,7 @@ class AsyncControlClient:
         timeout_s: float | None | _Unset = _UNSET,
     ) -> Message:
         """Send a request and await its reply; ``TimeoutError`` if none arrives within the timeout."""
-        timeout = self.timeout_s if timeout_s is _UNSET else timeout_s
+        timeout = _timeout(timeout_s, self.timeout_s)
         frames = encode_frames(message, arrays)
         async with self._lock:
             try:
@@ -647,10 +656,7 @@ class AsyncControlClient:
             except TimeoutError:
                 self._socket.close(linger=0)
                 self._socket = self._open()
-                raise TimeoutError(
-                    f"no reply to {type(message).__name__} from {self.endpoint} within {timeout}s; "
-                    "is the server running there?"
-                ) from None
+                raise _no_reply(message, self.endpoint, timeout) from None
         return decode_frames(reply, self.types).message
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """The trainable module: the FSDP root around a model, whose forward is one micro-batch's loss inputs.
 
 `CausalLM.forward` runs the whole micro-batch (transformer + LM head + log-softmax, all the model's own:
-`Transformer.token_logprobs` / `token_nll_sum`) inside the root's forward, so that FSDP's root unit, which
+`Transformer.token_outputs`) inside the root's forward, so that FSDP's root unit, which
 owns the embedding and the (possibly tied) LM head, holds them gathered for the entire forward: the fused
 kernel reads the unsharded bf16 weight and its gradient flows back into FSDP's reduce-scatter like any
 other. What stays here is the run's choice of LM-head chunk (`model.fused_lm_head_token_chunk_size`).
@@ -49,8 +49,11 @@ class CausalLM(nn.Module):
         ``nll_sum=True`` returns one fp32 scalar instead, -sum of the non-ignored targets' logprobs (SFT's
         loss), through the cross-entropy-only head ``fused_nll_sum``: no entropy, and three LM-head
         matmuls instead of four because the gradient is computed in the forward."""
-        head = self.model.token_nll_sum if nll_sum else self.model.token_logprobs
-        return head(input_ids, position_ids, targets, temperature, seqs=seqs, chunk_size=self.chunk_size)
+        # The same arguments as `Transformer.token_outputs` but chunk_size (the run's): this forward is the FSDP
+        # root's, which must take the micro-batch itself so that its unit stays gathered for the whole head.
+        return self.model.token_outputs(
+            input_ids, position_ids, targets, temperature, seqs=seqs, chunk_size=self.chunk_size, nll_sum=nll_sum
+        )
 
 
 def build_training_model(

@@ -8,8 +8,11 @@ inputs) so that this path is accurate enough to serve as a reference; weight gra
 in that dtype and are cast once at the end.
 """
 
+import functools
+
 import torch
 
+from prime_rl.kernels.lm_head.function import BackwardInputs, LMHeadFunction
 from prime_rl.kernels.lm_head.math import check_inputs, finalize_stats, logit_grad, merge_lse_stats
 
 DEFAULT_VOCAB_BLOCK = 8192
@@ -66,26 +69,15 @@ def torch_forward_stats(
 
 
 def torch_backward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    sum_pz: torch.Tensor,
-    grad_logprobs: torch.Tensor,
-    grad_entropy: torch.Tensor,
-    inv_temperature: float,
-    chunk_size: int,
-    vocab_block: int,
-    need_hidden_grad: bool,
-    need_weight_grad: bool,
+    inputs: BackwardInputs, chunk_size: int, vocab_block: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    hidden, weight, targets, lse, sum_pz, grad_logprobs, grad_entropy, inv_temperature, need_h, need_w = inputs
     T, V = hidden.shape[0], weight.shape[0]
     dtype = _compute_dtype(hidden.dtype)
-    # logprob of an ignored target is the constant 0: no gradient flows from it.
-    grad_logprobs = torch.where(targets >= 0, grad_logprobs.to(dtype), torch.zeros((), dtype=dtype))
+    grad_logprobs = grad_logprobs.to(dtype)
     grad_entropy = grad_entropy.to(dtype)
-    grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_hidden_grad else None
-    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight_grad else None
+    grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
+    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
     for t0 in range(0, T, chunk_size):
         t1 = min(t0 + chunk_size, T)
         h = hidden[t0:t1]
@@ -108,36 +100,6 @@ def torch_backward(
     )
 
 
-class _TorchLMHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_block):
-        inv_t = 1.0 / temperature
-        logprobs, entropy, lse, sum_pz = torch_forward_stats(hidden, weight, targets, inv_t, chunk_size, vocab_block)
-        ctx.save_for_backward(hidden, weight, targets, lse, sum_pz)
-        ctx.cfg = (inv_t, chunk_size, vocab_block)
-        return logprobs.float(), entropy.float()
-
-    @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, targets, lse, sum_pz = ctx.saved_tensors
-        inv_t, chunk_size, vocab_block = ctx.cfg
-        grad_hidden, grad_weight = torch_backward(
-            hidden,
-            weight,
-            targets,
-            lse,
-            sum_pz,
-            grad_logprobs,
-            grad_entropy,
-            inv_t,
-            chunk_size,
-            vocab_block,
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-        )
-        return grad_hidden, grad_weight, None, None, None, None
-
-
 def fused_logprobs_entropy_torch(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -157,4 +119,7 @@ def fused_logprobs_entropy_torch(
         raise ValueError(
             f"target id {int(targets.max())} >= vocab size {weight.shape[0]}; use ids in [0, V) or -100 to ignore"
         )
-    return _TorchLMHead.apply(hidden, weight, targets, float(temperature), int(chunk_size), int(vocab_block))
+    chunk_size, vocab_block = int(chunk_size), int(vocab_block)
+    stats = functools.partial(torch_forward_stats, chunk_size=chunk_size, vocab_block=vocab_block)
+    backward = functools.partial(torch_backward, chunk_size=chunk_size, vocab_block=vocab_block)
+    return LMHeadFunction.apply(hidden, weight, targets, float(temperature), stats, backward)

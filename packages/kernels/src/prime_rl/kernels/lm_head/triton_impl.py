@@ -10,9 +10,12 @@ row's gradient is one cuBLAS matmul written straight into grad_weight (fp32 accu
 rounding), as in the vanilla head.
 """
 
+import functools
+
 import torch
 import triton
 
+from prime_rl.kernels.lm_head.function import BackwardInputs, LMHeadFunction
 from prime_rl.kernels.lm_head.math import check_inputs, finalize_stats
 from prime_rl.kernels.lm_head.triton_kernels import lm_head_dlogits_kernel, lm_head_fwd_kernel
 
@@ -80,27 +83,15 @@ def _vocab_block(rows: int, V: int) -> int:
     return min(vb, V)
 
 
-def triton_backward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    sum_pz: torch.Tensor,
-    grad_logprobs: torch.Tensor,
-    grad_entropy: torch.Tensor,
-    inv_temperature: float,
-    chunk_size: int,
-    need_hidden_grad: bool,
-    need_weight_grad: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def triton_backward(inputs: BackwardInputs, chunk_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    hidden, weight, targets, lse, sum_pz, grad_logprobs, grad_entropy, inv_temperature, need_h, need_w = inputs
     T, HID = hidden.shape
     V = weight.shape[0]
-    # logprob of an ignored target is the constant 0: no gradient flows from it.
-    glp = torch.where(targets >= 0, grad_logprobs.float(), 0.0).contiguous()
+    glp = grad_logprobs.float().contiguous()
     gent = grad_entropy.float().contiguous()
-    grad_hidden = torch.zeros((T, HID), dtype=torch.float32, device=hidden.device) if need_hidden_grad else None
+    grad_hidden = torch.zeros((T, HID), dtype=torch.float32, device=hidden.device) if need_h else None
     grad_weight = None
-    if need_weight_grad:
+    if need_w:
         # Every row is written below unless there are no tokens.
         grad_weight = torch.empty_like(weight) if T else torch.zeros_like(weight)
     rows = min(T, chunk_size)
@@ -151,35 +142,6 @@ def triton_backward(
     return (None if grad_hidden is None else grad_hidden.to(hidden.dtype)), grad_weight
 
 
-class _TritonLMHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
-        inv_t = 1.0 / temperature
-        logprobs, entropy, lse, sum_pz = triton_forward_stats(hidden, weight, targets, inv_t)
-        ctx.save_for_backward(hidden, weight, targets, lse, sum_pz)
-        ctx.cfg = (inv_t, chunk_size)
-        return logprobs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, targets, lse, sum_pz = ctx.saved_tensors
-        inv_t, chunk_size = ctx.cfg
-        grad_hidden, grad_weight = triton_backward(
-            hidden,
-            weight,
-            targets,
-            lse,
-            sum_pz,
-            grad_logprobs,
-            grad_entropy,
-            inv_t,
-            chunk_size,
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-        )
-        return grad_hidden, grad_weight, None, None, None
-
-
 def fused_logprobs_entropy_triton(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -193,6 +155,6 @@ def fused_logprobs_entropy_triton(
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     if hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dtype {hidden.dtype} is not supported by the Triton path; use bf16, fp16 or fp32")
-    return _TritonLMHead.apply(
-        hidden.contiguous(), weight.contiguous(), targets.contiguous(), float(temperature), int(chunk_size)
-    )
+    backward = functools.partial(triton_backward, chunk_size=int(chunk_size))
+    contiguous = (hidden.contiguous(), weight.contiguous(), targets.contiguous())
+    return LMHeadFunction.apply(*contiguous, float(temperature), triton_forward_stats, backward)

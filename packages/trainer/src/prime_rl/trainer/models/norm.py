@@ -12,6 +12,11 @@ import torch
 from torch import nn
 
 
+def _normalized_fp32(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -20,21 +25,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32, cast back, then scale: the exact HF order, so bf16 outputs agree.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * _normalized_fp32(x, self.eps).to(x.dtype)
 
 
-class NemotronHRMSNorm(nn.Module):
+class NemotronHRMSNorm(RMSNorm):
     """RMSNorm that scales in fp32 and casts last (HF NemotronHRMSNorm; Llama's casts before scaling)."""
 
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x32).to(x.dtype)
+        return (self.weight.float() * _normalized_fp32(x, self.eps)).to(x.dtype)

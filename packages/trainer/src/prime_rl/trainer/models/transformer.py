@@ -4,8 +4,8 @@ packed sequences.
 Module names follow Hugging Face (`layers.{i}.self_attn.q_proj`, `input_layernorm`, ...) so weight
 conversion is a prefix change plus the MoE router/expert stacking. The forward returns the final
 normed hidden states, not logits. What a loss needs comes from the model's own output layer
-(`lm_head`, tied to `embed_tokens` when the config says so): `token_logprobs` (per-token logprobs and
-entropy, RL) and `token_nll_sum` (SFT's summed NLL), through the fused / chunked head of `lm_head.py`,
+(`lm_head`, tied to `embed_tokens` when the config says so): `token_outputs`, as `token_logprobs` (per-token
+logprobs and entropy, RL) or `token_nll_sum` (SFT's summed NLL), through the fused / chunked head of `lm_head.py`,
 so no [T, V] logits tensor is materialized and nothing outside the model reads `lm_head.weight`.
 
 Swappable pieces, by attribute:
@@ -18,6 +18,8 @@ Left out: KV cache and generation (inference is vLLM), dropout, sliding-window a
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -96,7 +98,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, seqs)
         return self.norm(x).view(batch, seq_len, -1)
 
-    def token_logprobs(
+    def token_outputs(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
@@ -104,27 +106,25 @@ class Transformer(nn.Module):
         temperature: float = 1.0,
         seqs: PackedSeqs | None = None,
         chunk_size: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(1, T) ids, positions, targets -> (logprobs, entropy), each (T,) fp32, of the distribution at
-        ``temperature``; targets < 0 give logprob 0. ``chunk_size``: tokens per fused LM-head chunk (None: the
-        full [T, V] logits). ``seqs`` as in ``forward``."""
-        hidden = self(input_ids, position_ids, seqs=seqs).flatten(0, 1)  # (T, H); self(): forward hooks run (CP)
-        return lm_head_logprobs_entropy(hidden, self.lm_head.weight, targets.flatten(), temperature, chunk_size)
+        nll_sum: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """(1, T) ids, positions, targets -> what a loss reads of the distribution at ``temperature``; targets < 0
+        are ignored. ``chunk_size``: tokens per fused LM-head chunk (None: the full [T, V] logits). ``seqs`` as in
+        ``forward``.
 
-    def token_nll_sum(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        targets: torch.Tensor,
-        temperature: float = 1.0,
-        seqs: PackedSeqs | None = None,
-        chunk_size: int | None = None,
-    ) -> torch.Tensor:
-        """(1, T) ids, positions, targets -> one fp32 scalar, -sum of the non-ignored targets' logprobs (SFT's
-        loss) through the cross-entropy-only head: no entropy, and fused (``chunk_size`` set) three LM-head
-        matmuls instead of four, because the gradient is computed in the forward."""
-        hidden = self(input_ids, position_ids, seqs=seqs).flatten(0, 1)  # (T, H)
-        return lm_head_nll_sum(hidden, self.lm_head.weight, targets.flatten(), temperature, chunk_size)
+        - ``nll_sum=False`` (``token_logprobs``, RL): (logprobs, entropy), each (T,) fp32; ignored targets give
+          logprob 0.
+        - ``nll_sum=True`` (``token_nll_sum``, SFT): one fp32 scalar, -sum of the non-ignored targets' logprobs,
+          through the cross-entropy-only head: no entropy, and fused (``chunk_size`` set) three LM-head matmuls
+          instead of four, because the gradient is computed in the forward."""
+        hidden = self(input_ids, position_ids, seqs=seqs).flatten(0, 1)  # (T, H); self(): forward hooks run (CP)
+        head = lm_head_nll_sum if nll_sum else lm_head_logprobs_entropy
+        return head(hidden, self.lm_head.weight, targets.flatten(), temperature, chunk_size)
+
+    token_logprobs = functools.partialmethod(token_outputs, nll_sum=False)
+    """``token_outputs`` for RL: (logprobs, entropy)."""
+    token_nll_sum = functools.partialmethod(token_outputs, nll_sum=True)
+    """``token_outputs`` for SFT: the summed NLL."""
 
     @torch.no_grad()
     def init_weights(self) -> None:
