@@ -9,6 +9,7 @@ group or the shared slots the buckets go through, is each subclass's ``begin`` /
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from prime_rl.common.weight_sync.broadcast import BucketLayout, Spec, plan_buckets
 
 
-class StreamedSender:
+class StreamedSender(ABC):
     """Trainer rank 0 of a transport that streams a ``BucketLayout`` to every inference server."""
 
     bucket_bytes: int
@@ -28,17 +29,17 @@ class StreamedSender:
         """The bucket layout of an update with these tensor specs (in send order)."""
         return plan_buckets(list(named_specs), self.bucket_bytes)
 
+    @abstractmethod
     def begin(self, version: int, layout: BucketLayout) -> None:
         """Phase 1: every server validates the layout and its workers wait for the buckets."""
-        raise NotImplementedError
 
+    @abstractmethod
     def send(self, version: int, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
         """Phase 2: stream the buckets (``tensors`` indexed like ``layout.specs``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def finish(self, version: int) -> None:
         """Phase 3: wait until every server serves ``version``; raises if any failed."""
-        raise NotImplementedError
 
     def stage(self, version: int, named: Sequence[tuple[str, torch.Tensor]]) -> BucketLayout:
         """Phases 1 and 2 for contiguous ``named`` tensors (in send order); ``finish(version)`` completes them."""
