@@ -22,7 +22,7 @@ from prime_rl.common.config.deployment import MultiNodeDeployment
 from prime_rl.common.config.inference import InferenceConfig
 from prime_rl.common.config.orchestrator import OrchestratorConfig
 from prime_rl.common.config.rebuild import updated
-from prime_rl.common.config.rl import RLConfig
+from prime_rl.common.config.rl import RLConfig, train_groups
 from prime_rl.common.config.rl_trainer import RLTrainerConfig
 from prime_rl.launcher.colocate import colocated_changes
 from prime_rl.launcher.host_facts import HostFacts
@@ -68,13 +68,12 @@ def _check_multi_node(cfg: RLConfig) -> None:
 
 def _multi_node_changes(cfg: RLConfig) -> dict[str, Any]:
     """What a multi-node placement derives (a single-node run's RLConfig derives it from num_train_gpus): the
-    orchestrator sends per data-parallel group, the cp ranks of a group sharing one socket; a cp that does not
-    divide the ranks is refused by the trainer's check_layout."""
+    orchestrator's data-parallel groups over every trainer node's GPUs."""
     deployment = cfg.deployment
     if not isinstance(deployment, MultiNodeDeployment):
         return {}
-    cp, ranks = cfg.trainer.model.cp, deployment.num_train_nodes * deployment.gpus_per_node
-    return {"orchestrator.num_train_ranks": ranks // cp if ranks % cp == 0 else ranks}
+    ranks = deployment.num_train_nodes * deployment.gpus_per_node
+    return {"orchestrator.num_train_ranks": train_groups(ranks, cfg.trainer.model.cp)}
 
 
 def _port_changes(cfg: RLConfig, host: HostFacts) -> dict[str, Any]:

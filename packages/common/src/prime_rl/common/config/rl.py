@@ -122,6 +122,13 @@ def _share_colocated(data: dict, trainer: dict, orch: dict, inference: dict) -> 
         wb.setdefault("memory", "host" if installed_vllm_is_cpu() else "device")
 
 
+def train_groups(ranks: int, cp: int) -> int:
+    """`orchestrator.num_train_ranks` of a trainer with ``ranks`` ranks: the orchestrator sends per data-parallel
+    group, the cp ranks of a group sharing its socket (their cp rank 0 receives and broadcasts); a cp that does not
+    divide the ranks is refused by the trainer's check_layout, so the ranks are returned as they are then."""
+    return ranks // cp if ranks % cp == 0 else ranks
+
+
 class RLConfig(BaseConfig):
     """RL: vLLM inference + orchestrator + FSDP2 trainer."""
 
@@ -392,10 +399,10 @@ class RLConfig(BaseConfig):
         changes["trainer.data.host"] = "127.0.0.1"
         changes["trainer.data.port"] = orch.trainer.port
         if isinstance(self.deployment, SingleNodeDeployment | ColocatedDeployment):
-            # the orchestrator sends per data-parallel group: the cp ranks of a group share its socket (their
-            # cp rank 0 receives and broadcasts); a cp that does not divide the ranks is refused by check_layout
-            cp, gpus = self.trainer.model.cp, self.deployment.num_train_gpus
-            changes["orchestrator.num_train_ranks"] = gpus // cp if gpus % cp == 0 else gpus
+            # multi-node: `launcher.resolution` (the ranks are the nodes' GPUs)
+            changes["orchestrator.num_train_ranks"] = train_groups(
+                self.deployment.num_train_gpus, self.trainer.model.cp
+            )
         return changes
 
     def _context(self) -> dict[str, Any]:
