@@ -319,11 +319,15 @@ def test_a_server_that_dies_mid_update_is_waited_out_and_updated_again(tmp_path,
     trainer.join()
     assert control.died
     loads = [(c[0], c[2]) for c in control.calls if c[0] in ("load", "died")]
-    # the load of 2 died; the restarted server got the served version back (if not the model's own), then 2 again
+    # the load of 2 died; the restarted server got the served version back (if not the model's own), then the
+    # newest policy: 2 again, or 3 when the trainer wrote it during the outage (CI saw that order once)
     died = loads.index(("died", 2))
     served = loads[died - 1][1] if died else 0
-    expected = [("load", served), ("load", 2)] if served else [("load", 2)]
-    assert loads[died + 1 : died + 1 + len(expected)] == expected, control.calls
+    after = loads[died + 1 :]
+    if served:
+        assert after[0] == ("load", served), control.calls
+        after = after[1:]
+    assert after and after[0][0] == "load" and after[0][1] >= 2, control.calls
     metrics = read_metrics(run_dir.metrics_path)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert sum(m["inference/outages"] for m in metrics) == 1
