@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# One session's GPU work on the device machine (one H200), as named items run in order in one call.
+#
+# Device time is scarce (30 minutes a session, each call at most 10, the machine given back 30 s after a
+# call ends), so the work is planned here, in the repository, and not rewritten each session:
+#
+#   bash ../shared/gpu/make_vllm_bundle.sh      # here, once: .gpu/a and .gpu/b (git-ignored)
+#   call 1  carry [".gpu/a"]                     mkdir -p /tmp/stage && cp .gpu/a/* /tmp/stage/
+#   call 2  carry [".gpu/b"]  (within 30 s)      bash benchmarks/gpu_session.sh install gputests
+#   call 3  (within 30 s of call 2)              bash benchmarks/gpu_session.sh rlsystem
+#   call 4  carry [".bench_anchor"]              bash benchmarks/gpu_session.sh anchors trainer torchtitan liger
+#
+# The anchors (../shared/bench, which does not travel) go in .bench_anchor/ (git-ignored) with their wheels:
+#   mkdir -p .bench_anchor/whl && cp ../shared/bench/anchor_*.py .bench_anchor/
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .bench_anchor/whl \
+#     torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.0 liger-kernel==0.8.5
+#
+# `bash benchmarks/gpu_session.sh --list` prints the items with their time limits; `--dry-run ITEM...` prints
+# what they would run. Each item runs under its own limit (a hung item costs its limit, not the call), its
+# output goes to $OUT/<item>.log, and one JSON line per item (rc, seconds) to $OUT/items.jsonl and stdout.
+# Items that need vLLM check that the bundle is installed on this machine (a fresh machine lost /tmp).
+# Results are read from $OUT by hand into benchmarks/results/*.md (the benchmarks print JSON lines).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+SRC=$(ls -d "$PWD"/packages/*/src | tr '\n' ':')
+export PYTHONPATH=/tmp/site:$SRC${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
+# --strict-markers is left out: without pytest-xdist (the GPU machine has none) `xdist_group` is unregistered
+PYTEST="$PY -m pytest -q -s -p no:cacheprovider -o addopts=--import-mode=importlib -m gpu"
+
+# name | seconds | command. Commands run with bash from the repository root, PYTHONPATH as above.
+ITEMS=(
+  "install|150|[ -d /tmp/site/vllm ] || bash .gpu/b/install_on_gpu.sh"
+  "anchors|120|$PY -m pip install -q --no-index --no-deps --target /tmp/site .bench_anchor/whl/*.whl"
+  "gputests|420|$PYTEST packages/kernels/tests/test_lm_head_triton_gpu.py packages/kernels/tests/test_lm_head_ce.py packages/kernels/tests/test_grouped_gemm_gpu.py packages/trainer/tests/models/test_dense_attention.py packages/trainer/tests/test_colocate.py packages/trainer/tests/test_offload_gpu.py tests/test_weight_ipc.py tests/test_server_ipc.py tests/test_logprob_parity.py tests/test_rl_e2e.py"
+  "gputests_more|300|$PYTEST packages/trainer/tests/models/test_gpu_attention.py packages/trainer/tests/models/test_gpu_nemotron_h.py packages/trainer/tests/test_lora_rl.py packages/trainer/tests/parallel/test_scaling.py tests/test_router_replay_gpu.py"
+  "rlsystem|560|$PY benchmarks/rl_system.py --colocated both --steps 3 --warmup 1 --baseline-timeout 120"
+  "rl8b|560|$PY benchmarks/rl_system.py --shape qwen3-8b --colocated yes --steps 3 --warmup 1 --no-baseline --name rl8b"
+  "trainer|300|$PY benchmarks/trainer.py --shape qwen3-1.7b && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b"
+  "torchtitan|330|$PY .bench_anchor/anchor_torchtitan.py --config qwen3-1.7b"
+  "liger|240|$PY .bench_anchor/anchor_liger.py qwen3-1.7b"
+  "lmhead|200|$PY benchmarks/lm_head.py --anchor .bench_anchor/anchor_hf_train.py"
+  "moe|240|$PY benchmarks/grouped_gemm.py && $PY benchmarks/grouped_gemm.py --experts 16 --tokens 2048"
+)
+
+item_field() {  # item_field NAME FIELD(1 name, 2 seconds, 3 command)
+  local entry
+  for entry in "${ITEMS[@]}"; do
+    if [ "${entry%%|*}" = "$1" ]; then
+      echo "$entry" | cut -d'|' -f"$2"-"$([ "$2" = 3 ] && echo 99 || echo "$2")"
+      return 0
+    fi
+  done
+  return 1
+}
+
+if [ "${1:-}" = "--list" ]; then
+  for entry in "${ITEMS[@]}"; do echo "$entry" | awk -F'|' '{printf "%-14s %4ss\n", $1, $2}'; done
+  exit 0
+fi
+dry=0
+if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
+[ $# -gt 0 ] || { echo "usage: gpu_session.sh [--list | --dry-run] ITEM [ITEM ...] (items: --list)" >&2; exit 2; }
+for name in "$@"; do  # every name is checked before anything runs: a typo must not cost device time
+  item_field "$name" 1 > /dev/null || { echo "unknown item '$name'; the items are: $(bash "$0" --list | awk '{print $1}' | tr '\n' ' ')" >&2; exit 2; }
+done
+
+BENCH=/tmp/prime-rl-bench  # the benchmarks' default workdir: models (GBs) stay there, pictures and log tails come back
+save_bench_files() {
+  mkdir -p "$OUT/bench"
+  cp "$BENCH"/*.svg "$OUT/bench/" 2>/dev/null
+  local f
+  for f in "$BENCH"/*.log; do [ -f "$f" ] && tail -c 300000 "$f" > "$OUT/bench/$(basename "$f")"; done
+  return 0
+}
+
+needs_vllm() { case "$1" in gputests | gputests_more | rlsystem | rl8b) return 0 ;; *) return 1 ;; esac; }
+
+status=0
+for name in "$@"; do
+  limit=$(item_field "$name" 2)
+  cmd=$(item_field "$name" 3)
+  if [ $dry = 1 ]; then echo "$name (${limit}s): $cmd"; continue; fi
+  if needs_vllm "$name" && [ ! -d /tmp/site/vllm ]; then
+    echo "{\"item\": \"$name\", \"rc\": null, \"skipped\": \"no vLLM in /tmp/site: this machine is fresh; stage .gpu/a and run install first\"}" | tee -a "$OUT/items.jsonl"
+    status=1
+    continue
+  fi
+  start=$(date +%s)
+  echo "== $name (limit ${limit}s) $(date -u +%H:%M:%S)" >&2
+  timeout -k 15 "$limit" bash -c "$cmd" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "{\"item\": \"$name\", \"rc\": $rc, \"seconds\": $(($(date +%s) - start)), \"timed_out\": $([ $rc = 124 ] || [ $rc = 137 ] && echo true || echo false)}" | tee -a "$OUT/items.jsonl"
+  tail -n 25 "$OUT/$name.log"
+  save_bench_files
+  [ $rc = 0 ] || status=1
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/hardware.txt" 2>/dev/null || true
+exit $status
