@@ -16,7 +16,7 @@ def test_announcement_reaches_an_orchestrator_that_binds_later():
     announcer = VersionAnnouncer(endpoint, timeout_s=5)
     start = time.perf_counter()
     announcer.announce(1, path="/run/broadcasts/step_1", publish_s=0.01, write_s=0.5)
-    assert time.perf_counter() - start < 1.0  # queued, not blocked on the missing peer
+    assert time.perf_counter() - start < 3.0  # queued, not blocked on the missing peer (the 5 s timeout)
     with Receiver(endpoint, bind=True, timeout_s=10, types=(WeightsPublished,)) as receiver:
         announcer.announce(2)
         got = [receiver.recv().message, receiver.recv().message]
