@@ -8,7 +8,7 @@
 #   call 1  carry [".gpu/a"]                     mkdir -p /tmp/stage && cp .gpu/a/* /tmp/stage/
 #   call 2  carry [".gpu/b"]  (within 30 s)      bash benchmarks/gpu_session.sh install gputests
 #   call 3  (within 30 s of call 2)              bash benchmarks/gpu_session.sh rlsystem
-#   call 4  carry [".bench_anchor"]              bash benchmarks/gpu_session.sh anchors trainer torchtitan liger
+#   call 4  carry [".bench_anchor"]              bash benchmarks/gpu_session.sh anchors kernels trainer torchtitan
 #
 # The anchors (../shared/bench, which does not travel) go in .bench_anchor/ (git-ignored) with their wheels:
 #   mkdir -p .bench_anchor/whl && cp ../shared/bench/anchor_*.py .bench_anchor/
@@ -35,8 +35,9 @@ PYTEST="$PY -m pytest -q -s -p no:cacheprovider -o addopts=--import-mode=importl
 ITEMS=(
   "install|150|[ -d /tmp/site/vllm ] || bash .gpu/b/install_on_gpu.sh"
   "anchors|120|$PY -m pip install -q --no-index --no-deps --target /tmp/site .bench_anchor/whl/*.whl"
-  "gputests|420|$PYTEST packages/kernels/tests/test_lm_head_triton_gpu.py packages/kernels/tests/test_lm_head_ce.py packages/kernels/tests/test_grouped_gemm_gpu.py packages/trainer/tests/models/test_dense_attention.py packages/trainer/tests/test_colocate.py packages/trainer/tests/test_offload_gpu.py tests/test_weight_ipc.py tests/test_server_ipc.py tests/test_logprob_parity.py tests/test_rl_e2e.py"
-  "gputests_more|300|$PYTEST packages/trainer/tests/models/test_gpu_attention.py packages/trainer/tests/models/test_gpu_nemotron_h.py packages/trainer/tests/test_lora_rl.py packages/trainer/tests/parallel/test_scaling.py tests/test_router_replay_gpu.py"
+  "kernels|240|$PYTEST packages/kernels/tests/test_lm_head_triton_gpu.py packages/kernels/tests/test_lm_head_ce.py packages/kernels/tests/test_grouped_gemm_gpu.py packages/trainer/tests/models/test_dense_attention.py packages/trainer/tests/models/test_gpu_attention.py packages/trainer/tests/models/test_gpu_nemotron_h.py packages/trainer/tests/test_colocate.py packages/trainer/tests/test_offload_gpu.py"
+  "gputests|450|$PYTEST tests/test_weight_ipc.py tests/test_server_ipc.py tests/test_logprob_parity.py tests/test_rl_e2e.py"
+  "gputests_more|300|$PYTEST packages/trainer/tests/test_lora_rl.py packages/trainer/tests/parallel/test_scaling.py tests/test_router_replay_gpu.py"
   "rlsystem|560|$PY benchmarks/rl_system.py --colocated both --steps 3 --warmup 1 --baseline-timeout 120"
   "rl8b|560|$PY benchmarks/rl_system.py --shape qwen3-8b --colocated yes --steps 3 --warmup 1 --no-baseline --name rl8b"
   "trainer|300|$PY benchmarks/trainer.py --shape qwen3-1.7b && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b"
