@@ -76,15 +76,32 @@ def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ArchConfig) -> d
             out[f"layers.{m[1]}.mlp.router.e_score_correction_bias"] = tensor
         else:
             out[name] = tensor
+
+    def mismatch(layer: int, proj: str, by_expert: dict[int, torch.Tensor]) -> str:
+        return (
+            f"layer {layer} {proj}: the checkpoint has {len(by_expert)} experts (ids {min(by_expert)}.."
+            f"{max(by_expert)}) but the config makes this layer "
+            f"{'a MoE with ' + str(config.num_experts) + ' experts' if config.is_moe_layer(layer) else 'dense'}; "
+            "check that config.json belongs to these weights"
+        )
+
+    return _stacked_and_tied(out, experts, config, "layers.{}.mlp.experts.{}", mismatch)
+
+
+def _stacked_and_tied(
+    out: dict[str, torch.Tensor],
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]],
+    config: ArchConfig,
+    stacked_name: str,
+    mismatch: Callable[[int, str, dict[int, torch.Tensor]], str],
+) -> dict[str, torch.Tensor]:
+    """HF -> model names, for every architecture: ``out`` plus each (layer, projection)'s experts stacked into
+    ``stacked_name.format(layer, projection)``, and a tied LM head as the embedding. A layer whose experts are not
+    exactly the config's is refused with ``mismatch(layer, projection, experts)``."""
     for (layer, proj), by_expert in experts.items():
         if sorted(by_expert) != list(range(config.num_experts)) or not config.is_moe_layer(layer):
-            raise ValueError(
-                f"layer {layer} {proj}: the checkpoint has {len(by_expert)} experts (ids {min(by_expert)}.."
-                f"{max(by_expert)}) but the config makes this layer "
-                f"{'a MoE with ' + str(config.num_experts) + ' experts' if config.is_moe_layer(layer) else 'dense'}; "
-                "check that config.json belongs to these weights"
-            )
-        out[f"layers.{layer}.mlp.experts.{proj}"] = torch.stack([by_expert[e] for e in range(config.num_experts)])
+            raise ValueError(mismatch(layer, proj, by_expert))
+        out[stacked_name.format(layer, proj)] = torch.stack([by_expert[e] for e in range(config.num_experts)])
     if config.tie_word_embeddings and "embed_tokens.weight" in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
@@ -147,16 +164,14 @@ def _nemotron_h_to_model(sd: dict[str, torch.Tensor], config: ArchConfig) -> dic
             experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = tensor
         else:
             out[name] = tensor
-    for (layer, proj), by_expert in experts.items():
-        if sorted(by_expert) != list(range(config.num_experts)) or not config.is_moe_layer(layer):
-            raise ValueError(
-                f"layer {layer} {proj}: the checkpoint has {len(by_expert)} experts but the config makes this layer "
-                f"{config.layer_types[layer]!r} with {config.num_experts} experts; check that config.json belongs to these weights"
-            )
-        out[f"layers.{layer}.mixer.experts.{proj}"] = torch.stack([by_expert[e] for e in range(config.num_experts)])
-    if config.tie_word_embeddings and "embed_tokens.weight" in out:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    return out
+
+    def mismatch(layer: int, proj: str, by_expert: dict[int, torch.Tensor]) -> str:
+        return (
+            f"layer {layer} {proj}: the checkpoint has {len(by_expert)} experts but the config makes this layer "
+            f"{config.layer_types[layer]!r} with {config.num_experts} experts; check that config.json belongs to these weights"
+        )
+
+    return _stacked_and_tied(out, experts, config, "layers.{}.mixer.experts.{}", mismatch)
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
