@@ -77,15 +77,10 @@ def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ArchConfig) -> d
         else:
             out[name] = tensor
 
-    def mismatch(layer: int, proj: str, by_expert: dict[int, torch.Tensor]) -> str:
-        return (
-            f"layer {layer} {proj}: the checkpoint has {len(by_expert)} experts (ids {min(by_expert)}.."
-            f"{max(by_expert)}) but the config makes this layer "
-            f"{'a MoE with ' + str(config.num_experts) + ' experts' if config.is_moe_layer(layer) else 'dense'}; "
-            "check that config.json belongs to these weights"
-        )
+    def layer_kind(layer: int) -> str:
+        return f"a MoE with {config.num_experts} experts" if config.is_moe_layer(layer) else "dense"
 
-    return _stacked_and_tied(out, experts, config, "layers.{}.mlp.experts.{}", mismatch)
+    return _stacked_and_tied(out, experts, config, "layers.{}.mlp.experts.{}", layer_kind)
 
 
 def _stacked_and_tied(
@@ -93,14 +88,18 @@ def _stacked_and_tied(
     experts: dict[tuple[int, str], dict[int, torch.Tensor]],
     config: ArchConfig,
     stacked_name: str,
-    mismatch: Callable[[int, str, dict[int, torch.Tensor]], str],
+    layer_kind: Callable[[int], str],
 ) -> dict[str, torch.Tensor]:
     """HF -> model names, for every architecture: ``out`` plus each (layer, projection)'s experts stacked into
     ``stacked_name.format(layer, projection)``, and a tied LM head as the embedding. A layer whose experts are not
-    exactly the config's is refused with ``mismatch(layer, projection, experts)``."""
+    exactly the config's is refused, naming what the config makes that layer (``layer_kind(layer)``)."""
     for (layer, proj), by_expert in experts.items():
         if sorted(by_expert) != list(range(config.num_experts)) or not config.is_moe_layer(layer):
-            raise ValueError(mismatch(layer, proj, by_expert))
+            raise ValueError(
+                f"layer {layer} {proj}: the checkpoint has {len(by_expert)} experts (ids {min(by_expert)}.."
+                f"{max(by_expert)}) but the config makes this layer {layer_kind(layer)}; "
+                "check that config.json belongs to these weights"
+            )
         out[stacked_name.format(layer, proj)] = torch.stack([by_expert[e] for e in range(config.num_experts)])
     if config.tie_word_embeddings and "embed_tokens.weight" in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
@@ -165,13 +164,10 @@ def _nemotron_h_to_model(sd: dict[str, torch.Tensor], config: ArchConfig) -> dic
         else:
             out[name] = tensor
 
-    def mismatch(layer: int, proj: str, by_expert: dict[int, torch.Tensor]) -> str:
-        return (
-            f"layer {layer} {proj}: the checkpoint has {len(by_expert)} experts but the config makes this layer "
-            f"{config.layer_types[layer]!r} with {config.num_experts} experts; check that config.json belongs to these weights"
-        )
+    def layer_kind(layer: int) -> str:
+        return f"{config.layer_types[layer]!r} with {config.num_experts} experts"
 
-    return _stacked_and_tied(out, experts, config, "layers.{}.mixer.experts.{}", mismatch)
+    return _stacked_and_tied(out, experts, config, "layers.{}.mixer.experts.{}", layer_kind)
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
