@@ -22,7 +22,7 @@ import time
 
 import msgspec
 
-from prime_rl.common.transport import ControlClient, ControlServer
+from prime_rl.common.transport import ControlClient, ControlServer, ServerThread
 from prime_rl.common.wire import (
     Message,
     MetadataGetRequest,
@@ -51,30 +51,13 @@ class MetadataStore:
         return MetadataReply(ok=False, error=f"{type(request).__name__} is not a metadata request")
 
 
-class MetadataService:
+class MetadataService(ServerThread):
     """Serves a ``MetadataStore`` on ``tcp://host:port`` in a background thread."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.store = MetadataStore()
-        self.server = ControlServer(f"tcp://{host}:{port}")
-        self.endpoint = self.server.endpoint
+        super().__init__(ControlServer(f"tcp://{host}:{port}"), self.store.handle, "prime-rl-nixl-metadata")
         self.port = int(self.endpoint.rsplit(":", 1)[1])
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="prime-rl-nixl-metadata", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.server.serve_forever(self.store.handle, self._stop)
-        finally:
-            self.server.close()
-
-    def start(self) -> MetadataService:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 class MetadataClient:

@@ -27,7 +27,7 @@ Design decisions:
   who asked for a weight load or a pause. A control server logs the peers it refused for want of the
   secret (``prime_rl.common.refusals``), one line per origin per minute at most.
 
-Left out: an asyncio server and receiver (run ``ControlServer.serve_forever`` / ``Receiver.recv`` in a
+Left out: an asyncio server and receiver (run a ``ControlServer`` in a ``ServerThread`` / ``Receiver.recv`` in a
 thread).
 """
 
@@ -41,7 +41,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
 import numpy as np
 import zmq
@@ -492,6 +492,31 @@ class ControlServer(_Socket):
         """Serve until ``stop`` is set (checked every ``poll_s``)."""
         while not stop.is_set():
             self.serve_once(handler, timeout_s=poll_s)
+
+
+class ServerThread:
+    """Serves ``server`` with ``handler`` in a daemon thread from ``start`` until ``stop``, then closes it."""
+
+    def __init__(self, server: ControlServer, handler: Handler, name: str) -> None:
+        self.server = server
+        self.endpoint = server.endpoint
+        self._handler = handler
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.server.serve_forever(self._handler, self._stop)
+        finally:
+            self.server.close()
+
+    def start(self) -> Self:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 class PeerLostError(ConnectionError):

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.rundir import BROADCAST_MARKER
-from prime_rl.common.transport import ControlServer
+from prime_rl.common.transport import ControlServer, ServerThread
 from prime_rl.common.wire import (
     AwaitWeightsRequest,
     BroadcastWeightsRequest,
@@ -67,6 +67,20 @@ from prime_rl.inference.weights.manifest import Manifest, WeightUpdateError
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
+
+WEIGHT_UPDATES: dict[type[Message], Callable[[Any, Any], Awaitable[ControlReply]]] = {
+    LoadWeightsRequest: load_checkpoint,
+    InitBroadcastRequest: push.init_broadcast,
+    BroadcastWeightsRequest: push.begin_broadcast,
+    AwaitWeightsRequest: push.await_update,
+    InitNixlRequest: push.init_nixl,
+    NixlWeightsRequest: push.begin_nixl,
+    InitIpcRequest: push.init_ipc,
+    IpcWeightsRequest: push.begin_ipc,
+}
+"""Weight-update requests -> their handlers (``handler(controller, request)``): the filesystem transport's load
+(``weights.load``) and the push transports' requests (``weights.push``); which transport sends which is the table
+in ``prime_rl.common.weight_transports``."""
 
 
 class Controller:
@@ -136,25 +150,8 @@ class Controller:
                 return await sleep.sleep(self, request, origin)
             if isinstance(request, WakeUpRequest):
                 return await sleep.wake_up(self, request, origin)
-            # Weight updates: the filesystem transport's load (weights.load), the push transports' requests
-            # (weights.push); which transport sends which is the table in prime_rl.common.weight_transports.
-            if isinstance(request, LoadWeightsRequest):
-                return await load_checkpoint(self, request)
-            if isinstance(request, InitBroadcastRequest):
-                return await push.init_broadcast(self, request)
-            if isinstance(request, BroadcastWeightsRequest):
-                return await push.begin_broadcast(self, request)
-            if isinstance(request, AwaitWeightsRequest):
-                return await push.await_update(self, request)
-            if isinstance(request, InitNixlRequest):
-                return await push.init_nixl(self, request)
-            if isinstance(request, NixlWeightsRequest):
-                return await push.begin_nixl(self, request)
-            # ipc (shared buffers on one host)
-            if isinstance(request, InitIpcRequest):
-                return await push.init_ipc(self, request)
-            if isinstance(request, IpcWeightsRequest):
-                return await push.begin_ipc(self, request)
+            if update := WEIGHT_UPDATES.get(type(request)):
+                return await update(self, request)
         except WeightUpdateError as e:  # refused before any worker saw it: the served weights are untouched
             error = f"{e}; the update is refused and version {self.weight_version} serves on"
             logger.error("%s", error)
@@ -260,7 +257,7 @@ def _describe(request: Message) -> str:
     return type(request).__name__ + (f"(version={version})" if version is not None else "")
 
 
-class ControlThread:
+class ControlThread(ServerThread):
     """Runs a ``ControlServer`` in a thread and forwards each request to ``controller`` on ``loop``.
 
     The server authenticates with the run secret from the environment (``prime_rl.common.auth``); the
@@ -268,29 +265,12 @@ class ControlThread:
     """
 
     def __init__(self, endpoint: str, controller: Controller, loop: asyncio.AbstractEventLoop) -> None:
-        self.server = ControlServer(endpoint)
-        self.endpoint = self.server.endpoint
+        super().__init__(ControlServer(endpoint), self._handle, "prime-rl-control")
         if self.server.secret is not None:
             controller.run_id = self.server.secret.run_id
         self._controller = controller
         self._loop = loop
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="prime-rl-control", daemon=True)
 
     def _handle(self, request: Message, arrays: dict) -> Message:
         origin = self.server.last_origin
         return asyncio.run_coroutine_threadsafe(self._controller.handle(request, origin), self._loop).result()
-
-    def _run(self) -> None:
-        try:
-            self.server.serve_forever(self._handle, self._stop)
-        finally:
-            self.server.close()
-
-    def start(self) -> ControlThread:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)

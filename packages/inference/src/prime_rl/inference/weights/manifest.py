@@ -132,20 +132,14 @@ class Manifest:
         if unknown:
             problems.append(f"{len(unknown)} tensor(s) the served model does not have: {_listed(unknown)}")
         wanted = {**self.optional, **self.expected}
-        bad_shape = [
-            f"{n} {list(s.shape)} (expected {list(wanted[n].shape)})"
-            for n, s in update.items()
-            if n in wanted and s.shape != wanted[n].shape
-        ]
-        if bad_shape:
-            problems.append(f"wrong shape: {_listed(bad_shape)}")
-        bad_dtype = [
-            f"{n} {s.dtype} (expected {wanted[n].dtype})"
-            for n, s in update.items()
-            if n in wanted and s.dtype != wanted[n].dtype
-        ]
-        if bad_dtype:
-            problems.append(f"wrong dtype: {_listed(bad_dtype)}")
+        for field, shown in (("shape", lambda s: list(s.shape)), ("dtype", lambda s: s.dtype)):
+            wrong = [
+                f"{n} {shown(s)} (expected {shown(wanted[n])})"
+                for n, s in update.items()
+                if n in wanted and getattr(s, field) != getattr(wanted[n], field)
+            ]
+            if wrong:
+                problems.append(f"wrong {field}: {_listed(wrong)}")
         if problems:
             raise WeightUpdateError(
                 f"refused weight update from {source}: " + "; ".join(problems) + ". "

@@ -76,15 +76,31 @@ def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ArchConfig) -> d
             out[f"layers.{m[1]}.mlp.router.e_score_correction_bias"] = tensor
         else:
             out[name] = tensor
+
+    def layer_kind(layer: int) -> str:
+        return f"a MoE with {config.num_experts} experts" if config.is_moe_layer(layer) else "dense"
+
+    return _stacked_and_tied(out, experts, config, "layers.{}.mlp.experts.{}", layer_kind)
+
+
+def _stacked_and_tied(
+    out: dict[str, torch.Tensor],
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]],
+    config: ArchConfig,
+    stacked_name: str,
+    layer_kind: Callable[[int], str],
+) -> dict[str, torch.Tensor]:
+    """HF -> model names, for every architecture: ``out`` plus each (layer, projection)'s experts stacked into
+    ``stacked_name.format(layer, projection)``, and a tied LM head as the embedding. A layer whose experts are not
+    exactly the config's is refused, naming what the config makes that layer (``layer_kind(layer)``)."""
     for (layer, proj), by_expert in experts.items():
         if sorted(by_expert) != list(range(config.num_experts)) or not config.is_moe_layer(layer):
             raise ValueError(
                 f"layer {layer} {proj}: the checkpoint has {len(by_expert)} experts (ids {min(by_expert)}.."
-                f"{max(by_expert)}) but the config makes this layer "
-                f"{'a MoE with ' + str(config.num_experts) + ' experts' if config.is_moe_layer(layer) else 'dense'}; "
+                f"{max(by_expert)}) but the config makes this layer {layer_kind(layer)}; "
                 "check that config.json belongs to these weights"
             )
-        out[f"layers.{layer}.mlp.experts.{proj}"] = torch.stack([by_expert[e] for e in range(config.num_experts)])
+        out[stacked_name.format(layer, proj)] = torch.stack([by_expert[e] for e in range(config.num_experts)])
     if config.tie_word_embeddings and "embed_tokens.weight" in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
@@ -93,21 +109,43 @@ def hf_state_dict_to_model(sd: dict[str, torch.Tensor], config: ArchConfig) -> d
 def model_state_dict_to_hf(sd: dict[str, torch.Tensor], config: ArchConfig) -> dict[str, torch.Tensor]:
     """Model names/shapes -> HF names/shapes (tied models drop `lm_head.weight`, as HF saves them)."""
     if config.model_type == "nemotron_h":
-        return _nemotron_h_to_hf(sd, config)
+        ours_to_hf = {v: k for k, v in _NH_RENAMES.items()}
+        return _unstacked_to_hf(
+            sd, config, _NH_STACKED_RE, "backbone.layers.{}.mixer.experts.{}.{}.weight",
+            lambda name: "backbone." + ours_to_hf.get(name, name),
+        )  # fmt: skip
+    return _unstacked_to_hf(sd, config, _STACKED_RE, "model.layers.{}.mlp.experts.{}.{}.weight", _hf_name)
+
+
+def _hf_name(name: str) -> str:
+    """The HF name of a model tensor that is neither the LM head nor stacked experts."""
+    if m := _ROUTER_RE.match(name):
+        return f"model.layers.{m[1]}.mlp.gate.weight"
+    if m := _ROUTER_BIAS_RE.match(name):
+        return f"model.layers.{m[1]}.mlp.gate.e_score_correction_bias"
+    return f"model.{name}"
+
+
+def _unstacked_to_hf(
+    sd: dict[str, torch.Tensor],
+    config: ArchConfig,
+    stacked: re.Pattern[str],
+    expert_name: str,
+    hf_name: Callable[[str], str],
+) -> dict[str, torch.Tensor]:
+    """Model -> HF names, for every architecture: a tied LM head is dropped, stacked experts (``stacked`` matches
+    their name: layer, projection) are split into ``expert_name.format(layer, expert, projection)``, every other
+    tensor is renamed by ``hf_name``."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in sd.items():
         if name == "lm_head.weight":
             if not config.tie_word_embeddings:
                 out[name] = tensor
-        elif m := _STACKED_RE.match(name):
+        elif m := stacked.match(name):
             for e, expert_weight in enumerate(tensor.unbind(0)):
-                out[f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}.weight"] = expert_weight
-        elif m := _ROUTER_RE.match(name):
-            out[f"model.layers.{m[1]}.mlp.gate.weight"] = tensor
-        elif m := _ROUTER_BIAS_RE.match(name):
-            out[f"model.layers.{m[1]}.mlp.gate.e_score_correction_bias"] = tensor
+                out[expert_name.format(m[1], e, m[2])] = expert_weight
         else:
-            out[f"model.{name}"] = tensor
+            out[hf_name(name)] = tensor
     return out
 
 
@@ -125,31 +163,11 @@ def _nemotron_h_to_model(sd: dict[str, torch.Tensor], config: ArchConfig) -> dic
             experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = tensor
         else:
             out[name] = tensor
-    for (layer, proj), by_expert in experts.items():
-        if sorted(by_expert) != list(range(config.num_experts)) or not config.is_moe_layer(layer):
-            raise ValueError(
-                f"layer {layer} {proj}: the checkpoint has {len(by_expert)} experts but the config makes this layer "
-                f"{config.layer_types[layer]!r} with {config.num_experts} experts; check that config.json belongs to these weights"
-            )
-        out[f"layers.{layer}.mixer.experts.{proj}"] = torch.stack([by_expert[e] for e in range(config.num_experts)])
-    if config.tie_word_embeddings and "embed_tokens.weight" in out:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    return out
 
+    def layer_kind(layer: int) -> str:
+        return f"{config.layer_types[layer]!r} with {config.num_experts} experts"
 
-def _nemotron_h_to_hf(sd: dict[str, torch.Tensor], config: ArchConfig) -> dict[str, torch.Tensor]:
-    ours_to_hf = {v: k for k, v in _NH_RENAMES.items()}
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in sd.items():
-        if name == "lm_head.weight":
-            if not config.tie_word_embeddings:
-                out[name] = tensor
-        elif m := _NH_STACKED_RE.match(name):
-            for e, expert_weight in enumerate(tensor.unbind(0)):
-                out[f"backbone.layers.{m[1]}.mixer.experts.{e}.{m[2]}.weight"] = expert_weight
-        else:
-            out["backbone." + ours_to_hf.get(name, name)] = tensor
-    return out
+    return _stacked_and_tied(out, experts, config, "layers.{}.mixer.experts.{}", layer_kind)
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

@@ -59,7 +59,7 @@ from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
 from prime_rl.trainer.models.config import load_arch_config
-from prime_rl.trainer.rl.publish_base import Publisher, prune_versions, require_inference_addresses
+from prime_rl.trainer.rl.publish_base import Publisher, PushPublisher, prune_versions, require_inference_addresses
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of, write_hf_dir
 from prime_rl.trainer.weights.staging import HostStaging, gather_full_tensors
 from prime_rl.trainer.world import World
@@ -191,19 +191,19 @@ class FilesystemPublisher(Publisher):
         prune_versions(self.run_dir, version, self.cfg.keep_last)
 
 
-class BroadcastPublisher(Publisher):
+class BroadcastPublisher(PushPublisher):
     """nccl (gloo on CPU): rank 0 broadcasts into the inference workers; the reload wait is in the background."""
 
     def __init__(self, cfg: NCCLBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
         super().__init__(cfg, model, world, "weight broadcast")
         self.run_dir = run_dir
-        self.broadcaster = None
+        self.sender = None
         if world.is_main:
             from prime_rl.trainer.weights.broadcast_sender import WeightBroadcaster
 
             require_inference_addresses(cfg)
             backend = "nccl" if world.device.type == "cuda" else "gloo"
-            self.broadcaster = WeightBroadcaster(
+            self.sender = WeightBroadcaster(
                 cfg.inference_addresses,
                 host=cfg.host,
                 port=cfg.port,
@@ -211,32 +211,25 @@ class BroadcastPublisher(Publisher):
                 timeout_s=cfg.timeout,
                 keep_rollback_copy=cfg.keep_rollback_copy,
             )
-            self.broadcaster.connect()
+            self.sender.connect()
 
     def publish(self, version: int) -> float:
         start = time.perf_counter()
         self.flush()  # the previous version is served (and announced) before the next one is sent
         state = self.state
-        tensors = gather_full_tensors(state, self.dtype, keep=self.broadcaster is not None)
-        broadcaster = self.broadcaster
-        if broadcaster is None:
+        tensors = gather_full_tensors(state, self.dtype, keep=self.sender is not None)
+        sender = self.sender
+        if sender is None:
             for _ in tensors:
                 pass
             return time.perf_counter() - start
         hf = model_state_dict_to_hf(dict(tensors), self.model.config)
         named = [(name, t.contiguous()) for name, t in hf.items()]
-        broadcaster.stage(version, named)
+        sender.stage(version, named)
         del named, hf
         blocked = time.perf_counter() - start
-        self.job.start(lambda: self._serve_then_announce(version, blocked, broadcaster.finish))
+        self.job.start(lambda: self._serve_then_announce(version, blocked, sender.finish))
         return blocked
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            if self.broadcaster is not None:
-                self.broadcaster.close()
 
 
 def build_publisher(

@@ -12,6 +12,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -23,6 +24,10 @@ from prime_rl.trainer.weights.staging import model_state
 from prime_rl.trainer.world import World
 
 logger = logging.getLogger(__name__)
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
 
 
 class BackgroundJob:
@@ -118,6 +123,20 @@ class Publisher:
         finally:
             if self.announcer is not None:
                 self.announcer.close()
+
+
+class PushPublisher(Publisher):
+    """A push transport's publisher (nccl, nixl, ipc): its ``sender`` moves the bytes into the inference servers
+    and is closed after the last version is served (None on ranks that only join the all-gathers)."""
+
+    sender: Closeable | None = None
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.sender is not None:
+                self.sender.close()
 
 
 def prune_versions(run_dir: RunDir, version: int, keep_last: int) -> None:

@@ -28,7 +28,7 @@ from prime_rl.common.config.rl_trainer import IpcBroadcastConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
-from prime_rl.trainer.rl.publish_base import Publisher, require_inference_addresses
+from prime_rl.trainer.rl.publish_base import PushPublisher, require_inference_addresses
 from prime_rl.trainer.weights.ipc_sender import IpcWeightSender
 from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
@@ -36,7 +36,7 @@ from prime_rl.trainer.world import World
 logger = logging.getLogger(__name__)
 
 
-class IpcPublisher(Publisher):
+class IpcPublisher(PushPublisher):
     def __init__(
         self,
         cfg: IpcBroadcastConfig,
@@ -98,13 +98,6 @@ class IpcPublisher(Publisher):
             sender.wake_weights()
             logger.info("woke the weights of %d inference server(s) in %.2fs", len(sender.servers.clients),
                         time.perf_counter() - start)  # fmt: skip
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            if self.sender is not None:
-                self.sender.close()
 
 
 def build_ipc_publisher(

@@ -19,13 +19,13 @@ from prime_rl.common.config.rl_trainer import NixlBroadcastConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
-from prime_rl.trainer.rl.publish_base import Publisher, require_inference_addresses
+from prime_rl.trainer.rl.publish_base import PushPublisher, require_inference_addresses
 from prime_rl.trainer.weights.nixl_source import NixlWeightSender
 from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
 
 
-class NixlPublisher(Publisher):
+class NixlPublisher(PushPublisher):
     def __init__(self, cfg: NixlBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
         super().__init__(cfg, model, world, "nixl weight update")
         self.run_dir = run_dir
@@ -59,9 +59,3 @@ class NixlPublisher(Publisher):
         if self.world.is_main:
             self.job.start(lambda: self._serve_then_announce(version, blocked, self.sender.finish))
         return blocked
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self.sender.close()
