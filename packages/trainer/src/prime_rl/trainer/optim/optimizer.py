@@ -51,8 +51,20 @@ def build_optimizer(cfg: AdamWConfig | SignSGDConfig, params: list[torch.nn.Para
     )
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
-    """Global L2 norm of all gradients (over every rank's shard); clip in place when max_norm is set."""
+def folds_clip(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether ``optimizer`` can apply the clip itself: fused AdamW divides every gradient by its ``grad_scale``
+    attribute inside its one kernel (the hook AMP's GradScaler unscales through), so the clip's own pass over
+    all gradients, a read and a write of every fp32 gradient (~4 ms a step at 1.7B on an H200), goes away."""
+    return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
+
+
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], max_norm: float | None, optimizer: torch.optim.Optimizer | None = None
+) -> torch.Tensor:
+    """Global L2 norm of all gradients (over every rank's shard), before clipping. With ``max_norm`` the
+    gradients are clipped to it: by ``optimizer``'s next step where it folds the clip in (``folds_clip``),
+    else here, in place. Either way the update is the same (the fold divides by the factor the in-place clip
+    multiplies by the inverse of)."""
     # expert-parallel gradients live on their own mesh and DTensor ops cannot mix meshes: take the
     # norm per mesh, then combine
     by_mesh: dict[object, list[torch.nn.Parameter]] = {}
@@ -69,7 +81,11 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> 
         norm = norms[0]
     else:
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-    if max_norm is not None:
+    if folds_clip(optimizer):
+        # clip_grads_with_norm_'s factor max_norm / (norm + 1e-6), capped at 1, as a divisor; None: no clip
+        scale = None if max_norm is None else torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+        optimizer.grad_scale = scale  # read (and left as is) by every later step: set every step
+    elif max_norm is not None:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm

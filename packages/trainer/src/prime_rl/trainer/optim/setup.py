@@ -18,7 +18,7 @@ from prime_rl.trainer.ckpt import CheckpointManager
 from prime_rl.trainer.memory_plan import require_resolved
 from prime_rl.trainer.optim.full_offload import FullOffloadOptimizer
 from prime_rl.trainer.optim.offload import OptimizerOffload
-from prime_rl.trainer.optim.optimizer import build_optimizer, clip_grad_norm
+from prime_rl.trainer.optim.optimizer import build_optimizer, clip_grad_norm, folds_clip
 from prime_rl.trainer.optim.scheduler import build_scheduler
 
 
@@ -48,13 +48,17 @@ class Optimization:
         """Optimizer step (state brought in and sent back out when offloaded), LR schedule, zero grads."""
         self.offload.load()
         self.optimizer.step()
+        if folds_clip(self.optimizer):
+            self.optimizer.grad_scale = None  # this step's clip, folded in (clip_grad_norm); never the next one's
         self.offload.offload()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """The global gradient norm, clipping to ``max_norm`` unless the optimizer runs fully offloaded."""
-        return self.optimizer.grad_norm() if self.full_offload else clip_grad_norm(self.params, max_norm)
+        if self.full_offload:
+            return self.optimizer.grad_norm()
+        return clip_grad_norm(self.params, max_norm, self.optimizer)
 
 
 def build_optimization(
