@@ -13,6 +13,7 @@ cannot be told from a written default there (as for the served dtype, `resolutio
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 from prime_rl.common.config import ConfigError, load_config
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m prime_rl.launcher.slurm.colocated RL_TOML", file=sys.stderr)
         return 2
     try:
-        share = sized_share(load_config(RLConfig, ["@", args[0]]), visible_gpus())
+        # no NVIDIA driver here (a CPU node whose GRES are stand-ins, as on tests/slurm's cluster): nothing to size
+        gpus = visible_gpus() if shutil.which("nvidia-smi") else []
+        share = sized_share(load_config(RLConfig, ["@", args[0]]), gpus)
     except ConfigError as e:
         print(f"colocated: {e}")
         return 2
