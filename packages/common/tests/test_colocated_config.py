@@ -70,7 +70,16 @@ def test_split_runs_neither_sleep_nor_offload(model):
         (["--deployment.num-gpus", "2", "--inference.vllm.tensor-parallel-size", "2",
           "--inference.vllm.data-parallel-size", "2"], "must equal deployment.num_gpus=2"),
         (["--trainer.offload-between-steps", "false"], "keep its free memory from vLLM"),
-        (["--slurm.job-name", "x"], "runs on this node only"),
+        (["--deployment.num-nodes", "2"], "deployment.num_nodes=2 with deployment.type='colocated' runs one server "
+                                           "and its trainer ranks per node through SLURM; add a [slurm] table"),
+        (["--deployment.num-nodes", "2", "--slurm.job-name", "x", "--weight-broadcast.type", "ipc"],
+         "shares its buckets with the servers of its own node only; use weight_broadcast.type='filesystem'"),
+        (["--deployment.gpus-per-node", "8"], "deployment.gpus_per_node gives inference and trainer GPUs or nodes "
+                                             "of their own, but deployment.type='colocated' puts both on the same "
+                                             "ones; set deployment.num_gpus (GPUs per node)"),
+        (["--deployment.num-nodes", "2", "--slurm.job-name", "x", "--deployment.num-gpus", "2",
+          "--inference.vllm.tensor-parallel-size", "2", "--trainer.model.dp-replicate", "3"],
+         "deployment.num_gpus=2 x num_nodes=2 must be divisible by trainer.model.dp_replicate=3"),
         (["--inference.max-restarts", "1"], "set inference.max_restarts=0"),
     ],
 )  # fmt: skip
@@ -103,3 +112,17 @@ def test_the_filesystem_transport_still_serves_colocated_runs(model, monkeypatch
         ["--model.name", str(model), "--deployment.type", "colocated", "--weight-broadcast.type", "filesystem"],
     )
     assert cfg.trainer.weight_broadcast.type == "filesystem" and cfg.orchestrator.inference.addresses
+
+
+def test_colocated_under_slurm_runs_every_node_in_turns_loading_from_the_shared_run_dir(model, monkeypatch):
+    """Per node under SLURM: FSDP over every node's GPUs, one server per node over its GPUs, and the filesystem
+    transport by default (ipc's sender reaches its own node only); one node keeps ipc, as on this machine."""
+    monkeypatch.setattr(rl_config, "installed_vllm_is_cpu", lambda: False)
+    base = ["--model.name", str(model), "--deployment.type", "colocated", "--deployment.num-gpus", "4",
+            "--inference.vllm.tensor-parallel-size", "2", "--slurm.job-name", "x"]  # fmt: skip
+    cfg = load_config(RLConfig, [*base, "--deployment.num-nodes", "3"])
+    assert cfg.orchestrator.num_train_ranks == 12  # every node's 4 GPUs
+    assert (cfg.inference.vllm.tensor_parallel_size, cfg.inference.vllm.data_parallel_size) == (2, 2)  # per node
+    assert cfg.trainer.weight_broadcast.type == "filesystem"
+    assert cfg.orchestrator.inference.sleep_level == 2 and cfg.trainer.offload_between_steps
+    assert load_config(RLConfig, base).trainer.weight_broadcast.type == "ipc"  # one node: one host

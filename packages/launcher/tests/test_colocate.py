@@ -89,3 +89,27 @@ def test_rl_exits_2_with_one_line_before_starting(model_dir, monkeypatch, capsys
     err = capsys.readouterr().err.strip()
     assert err.startswith("rl: error: deployment.type='colocated' needs vLLM's sleep mode") and "\n" not in err
     assert not (tmp_path / "rl" / "logs").exists()  # nothing started
+
+
+def test_a_slurm_job_sizes_vllm_on_its_first_node_for_fsdp_over_every_node(model_dir, monkeypatch):
+    """`prime_rl.launcher.slurm.colocated`, run by the job on its first node (the submit host may see no GPU): the
+    resting trainer's shards are spread over every node's GPUs; a share the user set is kept; a vLLM that cannot
+    sleep on GPUs is refused in one line."""
+    from prime_rl.common.config import ConfigError
+    from prime_rl.launcher.slurm.colocated import sized_share
+
+    monkeypatch.setattr(launcher, "gpu_memory_bytes", lambda gpu: H200)
+    monkeypatch.setattr(launcher, "checkpoint_params", lambda path: 8_000_000_000)
+    monkeypatch.setattr(launcher, "sleep_mode_available", lambda: True)
+    job = ["--slurm.job-name", "x", "--deployment.num-nodes", "2"]
+    cfg = _cfg(model_dir, monkeypatch, *job)
+    assert cfg.trainer.weight_broadcast.type == "filesystem"  # no ipc slots
+    assert sized_share(cfg, ["0"]) == vllm_share(H200, 8_000_000_000, 2) == 0.85  # 16 GB of masters a GPU, not 32
+    assert sized_share(_cfg(model_dir, monkeypatch, "--slurm.job-name", "x"), ["0"]) == 0.72  # one node, ipc slots
+    assert (
+        sized_share(_cfg(model_dir, monkeypatch, *job, "--inference.vllm.gpu-memory-utilization", "0.5"), ["0"]) is None
+    )
+    assert sized_share(cfg, []) is None  # no GPU here: the configured share is kept
+    monkeypatch.setattr(launcher, "sleep_mode_available", lambda: False)
+    with pytest.raises(ConfigError, match="needs vLLM's sleep mode"):
+        sized_share(cfg, ["0"])

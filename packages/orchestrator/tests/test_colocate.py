@@ -3,6 +3,7 @@ and a recording control plane: inference sleeps after each step's rollouts and b
 batch, no request reaches inference while it sleeps, and each load runs wake weights -> load -> wake KV."""
 
 import time
+from pathlib import Path
 
 from packages.orchestrator.tests.test_orchestrator_e2e import FakeTrainer, make_config, run_orchestrator
 from prime_rl.common.monitor import read_metrics
@@ -99,3 +100,33 @@ def test_with_a_push_transport_the_announcement_wakes_the_kv_cache_after_the_tra
     assert [m["policy/version"] for m in metrics] == [0, 1, 2]  # each step samples the version just pushed
     for m in metrics[1:]:
         assert {"colocate/wake_kv_s", "colocate/asleep_s"} <= m.keys() and "colocate/load_s" not in m
+
+
+def test_every_nodes_server_is_put_to_sleep_and_woken_around_each_load(control_plane, monkeypatch):
+    """Colocated under SLURM, one server per node: the hand-over reaches every server's control plane (real
+    ZeroMQ), so no node's vLLM keeps its GPUs while the trainer steps there, and every node's loads the version."""
+    import asyncio
+
+    from prime_rl.common.env import SECRET_FILE_ENV
+    from prime_rl.orchestrator.colocate import HandOver
+    from prime_rl.orchestrator.policy import PolicyState
+    from prime_rl.orchestrator.weights import ZmqInferenceControl
+
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)  # the planes have no run secret: neither may the clients
+    nodes = [control_plane(), control_plane()]
+    control = ZmqInferenceControl([plane.endpoint for plane in nodes], timeout=10)
+    hand_over = HandOver(control, PolicyState(), level=2)
+
+    async def step():
+        await hand_over.sleep()
+        await hand_over.load_weights(Path("/run/broadcasts/step_1"), 1)
+
+    try:
+        asyncio.run(step())
+    finally:
+        control.close()
+    for plane in nodes:
+        assert [name for name, _ in plane.requests] == [
+            "SleepRequest", "WakeUpRequest", "LoadWeightsRequest", "WakeUpRequest"
+        ]  # fmt: skip
+        assert plane.version == 1

@@ -679,3 +679,94 @@ def test_a_wedged_replica_is_restarted_like_a_dead_one_and_without_restarts_ends
         reason.startswith("watchdog: inference rank 0 (pid ")
         and "inference-node1) stalled in phase 'serving'" in reason
     )
+
+
+def srun_options(argv: list[str]) -> list[str]:
+    """A step's srun options but its name and log files: what decides where it runs and which GPUs it gets."""
+    options = argv[: next(k for k, a in enumerate(argv) if not a.startswith("--"))]
+    return [o for o in options if not o.startswith(("--job-name=", "--output=", "--error="))]
+
+
+def test_rl_colocated_runs_each_nodes_server_and_trainer_ranks_on_its_gpus_and_hands_over_every_server(
+    tmp_path: Path,
+) -> None:
+    """`[deployment] type = "colocated"` on 2 nodes of 4 GPUs: each node runs one server (tensor x data parallel
+    over its 4 GPUs) and one torchrun of 4 ranks, both steps placed alike (every GPU the job has on that node); the
+    orchestrator, which puts inference to sleep after rollouts and wakes it, gets every node's control address."""
+    cfg = write_rl_job(
+        tmp_path, {"type": "colocated", "num_gpus": 4, "num_nodes": 2},
+        inference={"vllm": {"tensor_parallel_size": 2}}, orchestrator={"max_off_policy_steps": 0},
+    )  # fmt: skip
+    flags = ["--slurm.router-port", str(free_port()), "--slurm.replica-port", "9100", "--slurm.rdzv-port", "29777"]
+    launcher = dry_run(cfg, *flags)
+    script = (launcher / "rl.sbatch").read_text()
+    assert "#SBATCH --nodes=2\n" in script and "#SBATCH --gres=gpu:4\n" in script  # the nodes both sides share
+    inference = tomllib.loads((tmp_path / "out" / "r" / "configs" / "inference.toml").read_text())["vllm"]
+    assert inference["tensor_parallel_size"] * inference["data_parallel_size"] == 4
+    proc, calls = run_script(
+        launcher / "rl.sbatch", tmp_path, ["localhost", "n2"], FAKE_SERVE="router", FAKE_HANG="inference"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "nodes: inference=localhost n2 trainer=localhost n2" in proc.stdout
+    by_name = {c["name"]: c["argv"] for c in calls}
+    for i, node in enumerate(["localhost", "n2"]):
+        server, trainer = by_name[f"inference-node{i}"], by_name[f"trainer-node{i}"]
+        assert srun_options(server) == srun_options(trainer)  # same node, same GPUs: no step asks for fewer
+        assert f"--nodelist={node}" in trainer and "--overlap" in trainer  # steps share the node's GPUs
+        assert (arg_after(trainer, "--nnodes"), arg_after(trainer, "--node-rank")) == ("2", str(i))
+        assert (
+            arg_after(trainer, "--nproc-per-node") == "4" and arg_after(trainer, "--rdzv-endpoint") == "localhost:29777"
+        )
+        assert "--weight-broadcast.inference-addresses" not in trainer  # filesystem: the orchestrator loads
+    orch = by_name["orchestrator"]
+    assert "--nodelist=localhost" in orch and arg_after(orch, "--num-train-ranks") == "8"
+    assert args_after(orch, "--inference.addresses") == ["tcp://localhost:9200", "tcp://n2:9201"]
+    trainer_cfg = tomllib.loads((tmp_path / "out" / "r" / "configs" / "trainer.toml").read_text())
+    assert trainer_cfg["weight_broadcast"]["type"] == "filesystem" and trainer_cfg["offload_between_steps"]
+    orch_cfg = tomllib.loads((tmp_path / "out" / "r" / "configs" / "orchestrator.toml").read_text())
+    assert orch_cfg["inference"]["sleep_level"] == 2 and orch_cfg["max_off_policy_steps"] == 0
+
+
+def test_rl_colocated_share_reaches_every_server_and_a_failed_sizing_ends_the_job(tmp_path: Path) -> None:
+    """vLLM's share is sized on the first node (`slurm.colocated`) and passed to every node's server; when the
+    sizing refuses the run (here: a stand-in that says the model cannot fit) the job ends naming it, before any
+    component starts."""
+    cfg = write_rl_job(
+        tmp_path, {"type": "colocated", "num_gpus": 1, "num_nodes": 2}, orchestrator={"max_off_policy_steps": 0}
+    )
+    launcher = dry_run(cfg, "--slurm.router-port", str(free_port()), "--slurm.replica-port", "9100")
+    script = launcher / "rl.sbatch"
+    sizing = f"{sys.executable} -m prime_rl.launcher.slurm.colocated"
+    assert sizing in script.read_text()
+    share = script.parent / "share.sbatch"
+    share.write_text(script.read_text().replace(sizing, "sh -c 'echo 0.42'"))  # the job's rl.toml: its $0
+    proc, calls = run_script(share, tmp_path, ["localhost", "n2"], FAKE_SERVE="router", FAKE_HANG="inference")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    servers = [c["argv"] for c in calls if c["name"].startswith("inference-node")]
+    assert len(servers) == 2 and all(arg_after(s, "--vllm.gpu-memory-utilization") == "0.42" for s in servers)
+    refused = script.parent / "refused.sbatch"
+    refused.write_text(script.read_text().replace(sizing, "sh -c 'echo colocated: a model of 8B needs 40 GiB; exit 2'"))
+    (tmp_path / "calls.jsonl").unlink()
+    proc, calls = run_script(refused, tmp_path, ["localhost", "n2"])
+    assert proc.returncode == 2 and calls == []
+    assert "job: colocated: a model of 8B needs 40 GiB" in proc.stderr
+    status = json.loads((tmp_path / "out" / "r" / "logs" / "latest" / "STATUS").read_text())
+    assert status["state"] == "failed" and "needs 40 GiB" in status["reason"]
+
+
+def test_rl_colocated_on_one_node_pushes_through_ipc_and_the_orchestrator_still_hands_over(tmp_path: Path) -> None:
+    """One node: trainer rank 0 and the server share a host, so ipc (the colocated default) pushes as on one
+    machine; the orchestrator, though it loads nothing then, still gets the server's control address to sleep it."""
+    cfg = write_rl_job(tmp_path, {"type": "colocated", "num_gpus": 2}, orchestrator={"max_off_policy_steps": 0})
+    launcher = dry_run(cfg, "--slurm.router-port", str(free_port()), "--slurm.replica-port", "9100")
+    trainer_cfg = tomllib.loads((tmp_path / "out" / "r" / "configs" / "trainer.toml").read_text())
+    assert trainer_cfg["weight_broadcast"]["type"] == "ipc"
+    proc, calls = run_script(
+        launcher / "rl.sbatch", tmp_path, ["localhost"], FAKE_SERVE="router", FAKE_HANG="inference"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    by_name = {c["name"]: c["argv"] for c in calls}
+    assert args_after(by_name["orchestrator"], "--inference.addresses") == ["tcp://localhost:9200"]
+    trainer = by_name["trainer-node0"]
+    assert args_after(trainer, "--weight-broadcast.inference-addresses") == ["tcp://localhost:9200"]
+    assert arg_after(trainer, "--weight-broadcast.host") == "localhost"  # ipc's bucket channel, on this node

@@ -92,5 +92,5 @@ def colocated_changes(cfg: RLConfig, gpu_bytes: int | None, num_params: int | No
         return {}
     if "gpu_memory_utilization" in cfg.inference.vllm.model_fields_set:
         return {}
-    share = vllm_share(gpu_bytes, num_params, cfg.deployment.num_gpus, ipc_slot_bytes(cfg))
+    share = vllm_share(gpu_bytes, num_params, cfg.deployment.num_ranks, ipc_slot_bytes(cfg))
     return {"inference.vllm.gpu_memory_utilization": share}

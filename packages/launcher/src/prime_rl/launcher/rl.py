@@ -202,7 +202,7 @@ def checkpoint_params(model_dir: Path) -> int | None:
 def num_train_ranks(cfg: RLConfig) -> tuple[int, str]:
     """Trainer ranks of this run and the key that sets them."""
     if isinstance(cfg.deployment, ColocatedDeployment):
-        return cfg.deployment.num_gpus, "deployment.num_gpus"
+        return cfg.deployment.num_ranks, "deployment.num_gpus"  # x num_nodes: FSDP over every node's GPUs
     if isinstance(cfg.deployment, SingleNodeDeployment):
         return cfg.deployment.num_train_gpus, "deployment.num_train_gpus"
     return cfg.deployment.num_train_nodes * cfg.deployment.gpus_per_node, "deployment.num_train_nodes"

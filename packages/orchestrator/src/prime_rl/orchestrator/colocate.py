@@ -22,6 +22,10 @@ the servers' reason and exits, and the launcher stops the run (inference, which 
 version with its KV cache asleep, goes with it: never asleep and waited on forever). Each move is timed and
 lands in the step's metrics (`colocate/*`): the seconds each request took and how long inference slept.
 
+Every request goes to every server the orchestrator controls (``ZmqInferenceControl``, all of
+``orchestrator.inference.addresses``): in a colocated SLURM job that is one server per node, so every node's GPUs
+are free before the batch reaches any trainer rank.
+
 Left out: overlap (rollouts for n + 1 during training n cannot run on a sleeping engine), and restarts of a
 colocated inference server (`inference.max_restarts`, whose watch holds the same gate).
 """

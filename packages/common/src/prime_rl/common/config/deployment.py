@@ -49,7 +49,9 @@ the Qwen3-1.7B shape on vLLM 0.26): the launcher sizes vLLM's share and the trai
 
 
 class ColocatedDeployment(BaseConfig):
-    """Inference and trainer on the same GPUs of this machine, in turns: vLLM sleeps while the trainer steps."""
+    """Inference and trainer on the same GPUs, in turns: vLLM sleeps while the trainer steps. On this machine, or
+    with ``[slurm]`` on ``num_nodes`` nodes: each node runs one vLLM server and ``num_gpus`` trainer ranks on the
+    same ``num_gpus`` GPUs, the trainer FSDP over every node's GPUs."""
 
     # Each step: rollouts, then vLLM sleeps (sleep mode frees its KV cache and drops its weights, or at level 1
     # moves them to host memory), the trainer steps and publishes, vLLM wakes its weights and gets the new ones (ipc: pushed by
@@ -57,20 +59,42 @@ class ColocatedDeployment(BaseConfig):
 
     type: Literal["colocated"] = "colocated"
     num_gpus: int = Field(1, ge=1)
-    """GPUs both inference and trainer use (CPU processes for the trainer on a machine without GPUs)"""
+    """GPUs both inference and trainer use on each node (CPU processes for the trainer on a machine without GPUs)"""
+    num_nodes: int = Field(1, ge=1)
+    """nodes, each with its own vLLM server and trainer ranks on its num_gpus GPUs (more than one needs [slurm])"""
     sleep_level: int = Field(2, ge=1, le=2)
     """vLLM sleep level while the trainer runs: 2 discards weights and KV cache (every step's update brings every
     weight back: on the H200 at the Qwen3-1.7B shape sleep took 0.11 s, against 2.6-4.8 s at level 1, which copies
     the weights to host memory only to overwrite them); 1 keeps the weights in host memory, needed with LoRA
     (an update brings the adapter alone, so the base must survive: `rl` picks 1 there)"""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_split_keys(cls, data: Any) -> Any:
+        """The split deployments' sizes mean nothing here (both sides share every GPU): one line naming ours."""
+        split = ("gpus_per_node", "num_train_nodes", "num_infer_nodes", "num_train_gpus", "num_infer_gpus")
+        given = [key for key in split if isinstance(data, dict) and key in data]
+        if given:
+            raise ValueError(
+                f"deployment.{given[0]} gives inference and trainer GPUs or nodes of their own, but "
+                "deployment.type='colocated' puts both on the same ones; set deployment.num_gpus (GPUs per node) "
+                "and deployment.num_nodes instead"
+            )
+        return data
+
     @property
     def num_train_gpus(self) -> int:
+        """GPUs of one node (local runs: the trainer's torchrun ``--nproc-per-node``)"""
         return self.num_gpus
 
     @property
     def num_infer_gpus(self) -> int:
         return self.num_gpus
+
+    @property
+    def num_ranks(self) -> int:
+        """Trainer ranks over every node: FSDP shards over all of them."""
+        return self.num_gpus * self.num_nodes
 
 
 Deployment = Annotated[SingleNodeDeployment | MultiNodeDeployment | ColocatedDeployment, Field(discriminator="type")]

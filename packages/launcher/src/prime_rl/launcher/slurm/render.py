@@ -79,14 +79,18 @@ def component_commands(job: SlurmJob, python: str) -> dict[str, str]:
     control_addrs = [ShellWord('"${CONTROL_ADDRS[@]}"')]
     head = ShellWord('"$TRAIN_HEAD"')
     broadcast = job.extra.get("weight_broadcast")
-    # who makes inference load each version: the orchestrator (filesystem) or the trainer (nccl, nixl)
+    # who makes inference load each version: the orchestrator (filesystem) or the trainer (nccl, nixl, ipc)
     loads = TRANSPORTS[broadcast].loads if broadcast is not None else "orchestrator"
+    # colocated: the orchestrator also puts every node's server to sleep after rollouts and wakes it (HandOver)
+    orchestrator_controls = loads == "orchestrator" or job.colocated
     out: dict[str, str] = {}
     if "inference" in configs:
         pd = job.extra.get("pd")
         role = ShellWord('"$role"') if pd else None
         port, control = ShellWord('"$port"'), ShellWord('"$((port + 100))"')
         argv = commands.inference_node_command(python, configs["inference"], port, control, role)
+        if job.colocated:  # vLLM's share beside the resting trainer, sized on the first node (slurm/colocated.py)
+            argv.append(ShellWord('${VLLM_SHARE:+--vllm.gpu-memory-utilization "$VLLM_SHARE"}'))
         out["inference"] = shell_command(argv, indent="      ")
         # one router on the first inference node; its metrics on router_port + 1 (see SlurmConfig.router_port)
         workers = (
@@ -105,7 +109,7 @@ def component_commands(job: SlurmJob, python: str) -> dict[str, str]:
         argv = commands.orchestrator_node_command(
             python, configs["orchestrator"], ShellWord('"$ROUTER_URL"'), ShellWord('"$VLLM_API_KEY"'),
             [ShellWord('"${METRICS_URLS[@]}"')], job.process_configs["orchestrator"].num_train_ranks,
-            control_addrs if loads == "orchestrator" else None,
+            control_addrs if orchestrator_controls else None,
         )  # fmt: skip
         out["orchestrator"] = shell_command(argv)
     if "trainer" in configs:
@@ -115,7 +119,7 @@ def component_commands(job: SlurmJob, python: str) -> dict[str, str]:
         else:
             module, args = commands.SFT_TRAINER, []
         argv = commands.torchrun_static_command(
-            python, job.num_train_nodes, ShellWord('"$i"'), job.deployment.gpus_per_node,
+            python, job.num_train_nodes, ShellWord('"$i"'), job.gpus_per_node,
             ShellWord(f'"$TRAIN_HEAD:{job.slurm.rdzv_port}"'), ShellWord('"$SLURM_JOB_ID"'), module,
             configs["trainer"], args,
         )  # fmt: skip
@@ -143,10 +147,13 @@ def job_context(job: SlurmJob, python: str | None = None) -> dict[str, Any]:
         "partition": job.slurm.partition,
         "account": job.slurm.account,
         "time": job.slurm.time,
-        "num_nodes": num_train + num_infer,
+        "num_nodes": job.num_nodes,
         "num_train_nodes": num_train,
         "num_infer_nodes": num_infer,
-        "gpus_per_node": job.deployment.gpus_per_node,
+        # colocated: the trainer's nodes are the inference nodes (each step sees every GPU the job has there)
+        "colocated": job.colocated,
+        "train_node_offset": 0 if job.colocated else num_infer,
+        "gpus_per_node": job.gpus_per_node,
         # the orchestrator sends per data-parallel group: the cp ranks of a group share one socket
         "train_cp": getattr(getattr(getattr(job.config, "trainer", None), "model", None), "cp", 1),
         "project_dir": str(project_dir()),
