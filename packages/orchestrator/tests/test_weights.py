@@ -177,6 +177,44 @@ def test_a_failed_background_update_is_the_error_the_run_stops_with(tmp_path):
     asyncio.run(go())
 
 
+class SlowFailingControl(FakeControl):
+    """A load that fails after ``started`` is set: the step loop can be made to wait for the lock meanwhile."""
+
+    def __init__(self):
+        super().__init__(fail_load=True)
+        self.started, self.release = asyncio.Event(), asyncio.Event()
+
+    async def load_weights(self, path, version):
+        self.started.set()
+        await self.release.wait()
+        await super().load_weights(path, version)
+
+
+def test_a_background_update_failing_while_a_step_waits_for_it_is_the_error_the_step_raises(tmp_path):
+    """The step loop waits for the update lock while the poller's load fails: it raises that failure at once. It
+    used to re-open the version socket the poller had just closed and load the failed version again, or die with
+    'Address already in use' when the closed socket had not let go of its port yet (CI saw this once)."""
+
+    async def go():
+        policy, control = PolicyState(), SlowFailingControl()
+        updater, trainer = _updater(control, policy)
+        poller = asyncio.create_task(updater.run())
+        trainer.announce(1, publish(tmp_path, 1))
+        await asyncio.wait_for(control.started.wait(), timeout=5)  # the poller holds the lock, loading
+        step = asyncio.create_task(updater.wait_for_version(1, timeout=5))
+        await asyncio.sleep(0.05)  # the step is past its first check, waiting for the lock
+        assert not step.done()
+        control.release.set()
+        with pytest.raises(RuntimeError, match="server refused weights"):
+            await asyncio.wait_for(poller, timeout=5)
+        with pytest.raises(RuntimeError, match="server refused weights"):
+            await asyncio.wait_for(step, timeout=5)
+        # the step did not re-open the closed socket and load the failed version a second time
+        assert [c for c in control.calls if c[0] == "load"] == [("load", "step_1", 1)]
+
+    asyncio.run(go())
+
+
 def test_recover_loads_the_newest_complete_version_up_to_the_resume_step(tmp_path):
     async def go():
         policy, control = PolicyState(), FakeControl()

@@ -337,6 +337,8 @@ class WeightUpdater:
             if self.before_update is not None:
                 await self.before_update()
             async with self._lock:
+                if self.failure is not None:  # the poller failed while this call waited for the lock
+                    raise self.failure
                 if self.inference_down is not None and self.inference_down():
                     continue  # it went away while this call waited for the lock (the poller's and a step's calls)
                 self.listener.poll()
