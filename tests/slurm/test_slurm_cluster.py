@@ -56,9 +56,10 @@ rdzv_port = {rdzv_port}
     return path
 
 
-def submit(cluster, *args: str) -> str:
+def submit_through(cluster, module: str, *args: str) -> tuple[str, str]:
+    """``python -m module *args`` against the cluster; (the job id it submitted, its stdout)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "prime_rl.launcher.slurm", *args],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         env=cluster.env,
@@ -67,7 +68,24 @@ def submit(cluster, *args: str) -> str:
     assert proc.returncode == 0, proc.stderr
     match = re.search(r"submitted job (\d+)", proc.stdout)
     assert match, proc.stdout
-    return match.group(1)
+    return match.group(1), proc.stdout
+
+
+def submit(cluster, *args: str) -> str:
+    return submit_through(cluster, "prime_rl.launcher.slurm", *args)[0]
+
+
+def submit_rl(cluster, cfg: Path) -> tuple[str, str]:
+    """Through the `rl` entrypoint, as a user would: it hands the resolved config to the SLURM module."""
+    return submit_through(cluster, "prime_rl.launcher.rl", "@", str(cfg))
+
+
+def component_tails(logs: Path, job_id: str) -> str:
+    """The end of every component's log beside the job's own: they say why one failed (pytest removes the run
+    dir after a few sessions)."""
+    return "".join(
+        f"\n--- {f.name}\n" + f.read_text()[-1500:] for f in sorted(logs.glob("*.log")) if f.name != f"job_{job_id}.log"
+    )
 
 
 def leftover_processes(marker: str, timeout: float = 15.0) -> list[str]:
@@ -147,17 +165,9 @@ def test_inference_job_prints_the_router_url_on_node_zero(slurm_cluster, tmp_pat
         f'[deployment]\ntype = "multi_node"\nnum_infer_nodes = 2\ngpus_per_node = 1\n'
         f'[slurm]\nrouter_port = {free_port}\ntemplate_path = "{template}"\n'
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "prime_rl.launcher.slurm", "inference", "@", str(cfg)],
-        capture_output=True,
-        text=True,
-        env=slurm_cluster.env,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    job_id, stdout = submit_through(slurm_cluster, "prime_rl.launcher.slurm", "inference", "@", str(cfg))
     url = f"http://{slurm_cluster.nodes[0]}:{free_port}/v1"
-    assert f"router: {url}" in proc.stdout
+    assert f"router: {url}" in stdout
     assert slurm_cluster.wait(job_id, timeout=60) == ("COMPLETED", "0:0")
     assert (tmp_path / "out" / "inf" / "launcher" / "router_url").read_text().strip() == url
 
@@ -186,25 +196,12 @@ def test_rl_one_inference_node_one_trainer_node_completes(
     out = tmp_path / "out"
     cfg = tmp_path / "rl.toml"
     rl_toml(cfg, tiny_model, out, base, max_steps=2)
-    # Through the `rl` entrypoint, as a user would: it hands the resolved config to the SLURM module.
-    proc = subprocess.run(
-        [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(cfg)],
-        capture_output=True,
-        text=True,
-        env=slurm_cluster.env,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
-    assert f"router: http://{slurm_cluster.nodes[0]}:{base}/v1" in proc.stdout
+    job_id, stdout = submit_rl(slurm_cluster, cfg)
+    assert f"router: http://{slurm_cluster.nodes[0]}:{base}/v1" in stdout
     state, code = slurm_cluster.wait(job_id, timeout=240)
     logs = out / "rl" / "launcher" / "logs"
     job_log = (logs / f"job_{job_id}.log").read_text()
-    # the components' own logs say why one failed (pytest removes the run dir after a few sessions)
-    tails = "".join(
-        f"\n--- {f.name}\n" + f.read_text()[-1500:] for f in sorted(logs.glob("*.log")) if f.name != f"job_{job_id}.log"
-    )
-    assert (state, code) == ("COMPLETED", "0:0"), job_log + tails
+    assert (state, code) == ("COMPLETED", "0:0"), job_log + component_tails(logs, job_id)
     inference_node, trainer_node = slurm_cluster.nodes
     assert f"nodes: inference={inference_node} trainer={trainer_node}" in job_log
     assert f"start: orchestrator on {trainer_node}" in job_log
@@ -230,19 +227,11 @@ def test_rl_colocated_on_two_nodes_hands_every_nodes_server_over_and_completes(
         slurm={"router_port": base, "replica_port": base + 500, "rdzv_port": base + 2},
         orchestrator={"trainer": {"port": base + 3, "weights_port": base + 10}},
     )  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(cfg)],
-        capture_output=True, text=True, env=slurm_cluster.env, timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    job_id, _ = submit_rl(slurm_cluster, cfg)
     state, code = slurm_cluster.wait(job_id, timeout=300)
     logs = out / "rl" / "launcher" / "logs"
     job_log = (logs / f"job_{job_id}.log").read_text()
-    tails = "".join(
-        f"\n--- {f.name}\n" + f.read_text()[-1500:] for f in sorted(logs.glob("*.log")) if f.name != f"job_{job_id}.log"
-    )
-    assert (state, code) == ("COMPLETED", "0:0"), job_log + tails
+    assert (state, code) == ("COMPLETED", "0:0"), job_log + component_tails(logs, job_id)
     first, second = slurm_cluster.nodes
     assert f"nodes: inference={first} {second} trainer={first} {second}" in job_log
     for i, node in enumerate(slurm_cluster.nodes):  # each node runs its server and its trainer rank
@@ -307,15 +296,7 @@ def test_stuck_orchestrator_ends_the_rl_job_via_the_watchdog(
     base = free_ports(700)
     out = tmp_path / "out"
     cfg = rl_toml(tmp_path / "rl.toml", tiny_model, out, base, max_steps=1000, stall_timeout=stall_s)
-    proc = subprocess.run(
-        [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(cfg)],
-        capture_output=True,
-        text=True,
-        env=slurm_cluster.env,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    job_id, _ = submit_rl(slurm_cluster, cfg)
     beat_file = out / "rl" / "heartbeats" / "orchestrator" / "orchestrator-0.json"
     deadline = time.monotonic() + 240
     while True:  # stop it in 'rollouts' of step 2 or later (its deadline there is stall_timeout)
