@@ -94,8 +94,10 @@ def orchestrator() -> None:
     (DIR / "orchestrator.out").write_text("re-added at version 0\n" if "add_worker" in calls.read_text() else "ok\n")
     (DIR / f"{dead}.version").write_text("3")  # the orchestrator's reload of the served policy
     wait_for(lambda: "add_worker" in calls.read_text())
-    run_dir = Path(arg_after("@")).parent.parent
-    (DIR / "status.json").write_text((run_dir / "logs" / "latest" / "STATUS").read_text())
+    # readmit puts the replica back into the router first and then writes STATUS: wait for that write
+    status = Path(arg_after("@")).parent.parent / "logs" / "latest" / "STATUS"
+    wait_for(lambda: "is back after restart" in status.read_text())
+    (DIR / "status.json").write_text(status.read_text())
 
 
 if __name__ == "__main__":
