@@ -6,15 +6,21 @@
 #
 #   bash ../shared/gpu/make_vllm_bundle.sh      # here, once: .gpu/a and .gpu/b (git-ignored)
 #   call 1  carry [".gpu/a"]                     mkdir -p /tmp/stage && cp .gpu/a/* /tmp/stage/
-#   call 2  carry [".gpu/b"]  (within 30 s)      bash benchmarks/gpu_session.sh install gputests
+#   call 2  carry [".gpu/b", ".bench_anchor"]    bash benchmarks/gpu_session.sh install anchors gputests torchtitan trainer
 #   call 3  (within 30 s of call 2)              bash benchmarks/gpu_session.sh rlsystem
-#   call 4  carry [".bench_anchor"]              bash benchmarks/gpu_session.sh anchors kernels trainer torchtitan
+#   call 4  (within 30 s of call 3)              bash benchmarks/gpu_session.sh gpue2e
 #
-# The anchors (../shared/bench, which does not travel) go in .bench_anchor/ (git-ignored) with their wheels:
+# Measured on 2026-12-04 (one H200, warm machine): install 25 s, gputests ~240 s, torchtitan 33 s, trainer 74 s,
+# rlsystem 531 s (split, colocated and vLLM alone), gpue2e ~500 s (its two colocated runs 155 s each): with the
+# first call's start-up and the idle gaps the four calls take ~25 of the 30 minutes.
+#
+# The anchors (../shared/bench, which does not travel) go in .bench_anchor/ (git-ignored) with their wheels,
+# beside the pure-Python wheels the project needs that neither the machine nor the vLLM bundle has (tomli_w):
 #   mkdir -p .bench_anchor/whl && cp ../shared/bench/anchor_*.py .bench_anchor/
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .bench_anchor/whl \
-#     torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.0 liger-kernel==0.8.5
+#     torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.0 liger-kernel==0.8.5 \
+#     tomli_w==1.2.0
 #
 # `bash benchmarks/gpu_session.sh --list` prints the items with their time limits; `--dry-run ITEM...` prints
 # what they would run. Each item runs under its own limit (a hung item costs its limit, not the call), its
@@ -34,9 +40,11 @@ PYTEST="$PY -m pytest -q -s -p no:cacheprovider -o addopts=--import-mode=importl
 # name | seconds | command. Commands run with bash from the repository root, PYTHONPATH as above.
 ITEMS=(
   "install|150|[ -d /tmp/site/vllm ] || bash .gpu/b/install_on_gpu.sh"
-  "anchors|120|$PY -m pip install -q --no-index --no-deps --target /tmp/site .bench_anchor/whl/*.whl"
+  # the wheels, then every entrypoint imported: a dependency the machine lacks fails here, in seconds
+  "anchors|120|$PY -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .bench_anchor/whl/*.whl && $PY -c 'import prime_rl.launcher.rl, prime_rl.orchestrator.entrypoint, prime_rl.inference.server, prime_rl.trainer.rl.train, prime_rl.trainer.sft.train'"
   "kernels|240|$PYTEST packages/kernels/tests/test_lm_head_triton_gpu.py packages/kernels/tests/test_lm_head_ce.py packages/kernels/tests/test_grouped_gemm_gpu.py packages/trainer/tests/models/test_dense_attention.py packages/trainer/tests/models/test_gpu_attention.py packages/trainer/tests/models/test_gpu_nemotron_h.py packages/trainer/tests/test_colocate.py packages/trainer/tests/test_offload_gpu.py"
-  "gputests|450|$PYTEST tests/test_weight_ipc.py tests/test_server_ipc.py tests/test_logprob_parity.py tests/test_rl_e2e.py"
+  "gputests|300|$PYTEST tests/test_weight_ipc.py tests/test_server_ipc.py tests/test_logprob_parity.py"
+  "gpue2e|580|$PYTEST tests/test_rl_e2e.py"
   "gputests_more|300|$PYTEST packages/trainer/tests/test_lora_rl.py packages/trainer/tests/parallel/test_scaling.py tests/test_router_replay_gpu.py"
   "rlsystem|560|$PY benchmarks/rl_system.py --colocated both --steps 3 --warmup 1 --baseline-timeout 120"
   "rl8b|560|$PY benchmarks/rl_system.py --shape qwen3-8b --colocated yes --steps 3 --warmup 1 --no-baseline --name rl8b"
@@ -78,7 +86,7 @@ save_bench_files() {
   return 0
 }
 
-needs_vllm() { case "$1" in gputests | gputests_more | rlsystem | rl8b) return 0 ;; *) return 1 ;; esac; }
+needs_vllm() { case "$1" in gputests | gpue2e | gputests_more | rlsystem | rl8b) return 0 ;; *) return 1 ;; esac; }
 
 status=0
 for name in "$@"; do

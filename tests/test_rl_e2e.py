@@ -188,9 +188,12 @@ def test_colocated_rl_learns_with_inference_asleep_while_training(
     assert all(woken in orchestrator[s] and "colocate/asleep_s" in orchestrator[s] for s in range(2, steps))
     assert all(orchestrator[s]["policy/batch_version"] == s - 1 for s in orchestrator)  # synchronous: on-policy
     assert all("time/release" in trainer[s] for s in trainer)
-    if HAS_CUDA:  # the memory timeline: the trainer's reserved memory falls before inference wakes
-        assert all(trainer[s]["memory/released_reserved"] < trainer[s]["memory/before_release_reserved"]
-                   for s in trainer)  # fmt: skip
+    if HAS_CUDA:  # the memory timeline: the trainer gives back what its step reserved before inference wakes
+        # (with ipc the publisher frees it before it wakes the weights, so `release` finds nothing left to free:
+        # on the H200 both read 9.9 GiB against a 31.4 GiB peak; hence the peak, not before_release, is the bar)
+        assert all(trainer[s]["memory/released_reserved"] < trainer[s]["memory/peak_allocated"]
+                   and trainer[s]["memory/released_reserved"] <= trainer[s]["memory/before_release_reserved"]
+                   for s in trainer), [{k: v for k, v in trainer[s].items() if k.startswith("memory/")} for s in trainer]  # fmt: skip
     log = (tmp_path / "colo" / "logs" / "latest" / "inference.log").read_text()
     assert log.count("asleep at level 2 for orchestrator@") == steps and "woke kv_cache for orchestrator@" in log
     if transport == "ipc":  # the trainer woke the weights before each push; nothing went through the disk
