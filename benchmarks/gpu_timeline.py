@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -36,11 +37,17 @@ class Samples:
 
 
 class GpuTimeline:
-    """Samples every `interval_ms` into `csv_path` (devices) and `csv_path.apps.csv` (processes) while open."""
+    """Samples every `interval_ms` into `csv_path` (devices) and `csv_path.apps.csv` (processes) while open.
+
+    `roles` (pid -> role) is filled while the run is alive: a process's command line is gone once it exits, and
+    `read_samples` runs after the run (the 2026-12-04 picture labelled its lines "pid N" for that reason)."""
 
     def __init__(self, csv_path: Path, interval_ms: int = 250) -> None:
         self.csv_path, self.interval_ms = csv_path, interval_ms
         self._procs: list[subprocess.Popen] = []
+        self.roles: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def __enter__(self) -> GpuTimeline:
         if shutil.which("nvidia-smi") is None:
@@ -52,12 +59,33 @@ class GpuTimeline:
             out = open(path, "w")
             cmd = ["nvidia-smi", f"{flag}={query}", "--format=csv,noheader,nounits", f"-lms={self.interval_ms}"]
             self._procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL))
+        self._watcher = threading.Thread(target=self._watch_roles, daemon=True)
+        self._watcher.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
         for proc in self._procs:
             proc.terminate()
             proc.wait(timeout=10)
+
+    def _watch_roles(self) -> None:
+        while True:
+            self.name_new_pids()
+            if self._stop.wait(1.0):
+                return
+
+    def name_new_pids(self) -> None:
+        """Gives every pid the apps file names for the first time its role, read from its command line now."""
+        try:
+            rows = csv.reader(apps_path(self.csv_path).read_text().splitlines())
+        except OSError:
+            return
+        for row in rows:
+            if len(row) == 3 and row[1].strip().isdigit() and int(row[1]) not in self.roles:
+                self.roles[int(row[1])] = role_of(int(row[1]))
 
 
 def apps_path(csv_path: Path) -> Path:

@@ -200,7 +200,7 @@ def run_rl(
     cmd = [sys.executable, "-m", "prime_rl.launcher.rl", "@", str(config), *args.extra]
     start = time.perf_counter()
     timeline_csv = args.workdir / f"{name}.gpu.csv"
-    with open(args.workdir / f"{name}.log", "w") as log, GpuTimeline(timeline_csv):
+    with open(args.workdir / f"{name}.log", "w") as log, GpuTimeline(timeline_csv) as timeline:
         # the launcher echoes orchestrator and trainer lines
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         arrivals = watch_metrics(proc, run_dir / "monitors/file/metrics.jsonl")
@@ -239,7 +239,8 @@ def run_rl(
     run = dict(
         total_s=total, run_dir=str(run_dir), mode=mode, transport=transport or ("ipc" if colocated else "filesystem")
     )
-    run.update(draw_timeline(args, name, timeline_csv, arrivals))
+    roles = {**timeline.roles, os.getpid(): "rl_system.py"}  # this process built the model on the GPU
+    run.update(draw_timeline(args, name, timeline_csv, arrivals, roles))
     return steps, run
 
 
@@ -259,12 +260,12 @@ def watch_metrics(proc: subprocess.Popen, metrics: Path) -> list[tuple[float, in
         time.sleep(0.2)
 
 
-def draw_timeline(args: argparse.Namespace, name: str, csv_path: Path, arrivals: list) -> dict:
+def draw_timeline(args: argparse.Namespace, name: str, csv_path: Path, arrivals: list, roles: dict) -> dict:
     """{name}.svg in the workdir (GPU memory per device and process, utilization, step marks) and the GPU-busy
     share per device over the timed steps (from the warm-up's last trainer row to the last row)."""
     if not csv_path.exists():
         return {}  # no nvidia-smi here
-    samples = read_samples(csv_path)
+    samples = read_samples(csv_path, roles)
     if not samples.devices:
         return {}
     marks = [(t - samples.t0, f"{kind} {step}") for t, step, kind in arrivals if kind == "train"]

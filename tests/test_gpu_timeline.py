@@ -69,6 +69,22 @@ def test_a_process_this_machine_cannot_see_keeps_its_pid():
     assert gpu_timeline.role_of(2**22 + 12345) == f"pid {2**22 + 12345}"
 
 
+def test_roles_are_read_while_the_processes_live_and_kept_after_they_exit(tmp_path):
+    csv_path = tmp_path / "timeline.csv"
+    csv_path.write_text(GPU_CSV)
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "prime_rl.trainer.rl"])
+    try:
+        gpu_timeline.apps_path(csv_path).write_text(f"2026/12/03 23:00:00.250, {trainer.pid}, 50000\n")
+        timeline = gpu_timeline.GpuTimeline(csv_path)  # not entered: no nvidia-smi here; the watcher's one pass
+        timeline.name_new_pids()
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert gpu_timeline.role_of(trainer.pid) == f"pid {trainer.pid}"  # gone: its command line cannot be read now
+    assert timeline.roles == {trainer.pid: "trainer"}
+    assert list(gpu_timeline.read_samples(csv_path, timeline.roles).processes) == ["trainer"]
+
+
 def test_rl_system_notes_when_each_metrics_row_appears(tmp_path):
     rl_system = pytest.importorskip("rl_system")
     metrics = tmp_path / "metrics.jsonl"
