@@ -3,10 +3,12 @@ returns the allocator's free blocks to the driver, and logs the memory of each p
 memory reader and through the real RL trainer (where there is no device memory to log); GPU: the memory
 really falls and the numbers of the run do not change (`pytest -m gpu packages/trainer/tests/test_colocate.py`)."""
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -46,6 +48,27 @@ def test_release_waits_for_the_offload_then_returns_memory_and_reports_each_phas
     assert offload.release().keys() == {"memory/before_release_allocated", "memory/before_release_reserved",
                                         "memory/peak_allocated", "memory/released_allocated",
                                         "memory/released_reserved", "time/release"}  # fmt: skip
+
+
+def test_make_room_still_frees_cycles_of_each_step_after_freezing_what_outlives_the_first():
+    class Cycle:
+        def __init__(self):
+            self.me, self.tensor = self, torch.zeros(4)
+
+    offload = StepOffload(torch.device("cpu"))
+    kept = Cycle()  # alive at the first make_room: frozen, like the model and the compiled code
+    try:
+        offload.make_room()
+        assert gc.get_freeze_count() > 0
+        step = weakref.ref(Cycle().tensor)  # a later step's tensor held only by a cycle
+        offload.make_room()
+        assert step() is None, "make_room no longer frees a step's cyclic garbage"
+        frozen = gc.get_freeze_count()
+        offload.make_room()
+        assert gc.get_freeze_count() == frozen  # frozen once: later steps' objects stay collectable
+    finally:
+        gc.unfreeze()  # this pytest worker's other tests expect an ordinary collector
+    assert kept.me is kept
 
 
 @pytest.fixture(scope="module")
