@@ -52,6 +52,7 @@ ITEMS=(
   "torchtitan|330|$PY .bench_anchor/anchor_torchtitan.py --config qwen3-1.7b"
   "liger|240|$PY .bench_anchor/anchor_liger.py qwen3-1.7b"
   "lmhead|200|$PY benchmarks/lm_head.py --anchor .bench_anchor/anchor_hf_train.py"
+  "respcost|300|$PY benchmarks/response_cost.py --shape qwen3-1.7b --concurrent 32 --gpu-memory-utilization 0.35"
   "moe|240|$PY benchmarks/grouped_gemm.py && $PY benchmarks/grouped_gemm.py --experts 16 --tokens 2048"
 )
 
@@ -86,7 +87,7 @@ save_bench_files() {
   return 0
 }
 
-needs_vllm() { case "$1" in gputests | gpue2e | gputests_more | rlsystem | rl8b) return 0 ;; *) return 1 ;; esac; }
+needs_vllm() { case "$1" in gputests | gpue2e | gputests_more | rlsystem | rl8b | respcost) return 0 ;; *) return 1 ;; esac; }
 
 status=0
 for name in "$@"; do
