@@ -2,7 +2,7 @@
 ``prime_rl.common.weight_transports.TRANSPORTS`` (set-up once, then begin + await per version).
 
 Set-up (``InitBroadcastRequest`` / ``InitNixlRequest`` / ``InitIpcRequest``) runs in every worker under the
-update lock. A version's first request is validated here (the manifest, the version rule of the table), then
+update lock (``set_up_workers``). A version's first request is validated here (the manifest, the version rule of the table), then
 answered at once while a task receives it in the workers (``apply_update`` with ``prime_receive_broadcast`` /
 ``prime_receive_nixl`` / ``prime_receive_ipc``, which call ``prime_rl.inference.weights.broadcast_receiver`` /
 ``nixl_receiver`` / ``ipc_receiver``; nccl and ipc share ``begin_streamed``),
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prime_rl.common.weight_transports import refuse_version
 from prime_rl.common.wire import (
@@ -37,6 +37,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+async def set_up_workers(controller: Controller, method: str, args: tuple[Any, ...]) -> list[Any]:
+    """A push transport's once-per-session set-up: run ``method`` in every worker and return their results.
+    Under the update lock, so a session's receivers are never rebuilt while an update uses them."""
+    async with controller._lock:
+        return await controller.engine.collective_rpc(method, args=args)
+
+
 # -- nccl (gloo on CPU) ----------------------------------------------------------------------
 
 
@@ -46,19 +53,19 @@ async def init_broadcast(controller: Controller, request: InitBroadcastRequest) 
         return controller._reply(
             False, f"backend {request.backend!r} is not supported; use 'nccl' (GPU) or 'gloo' (CPU)"
         )
-    async with controller._lock:
-        results = await controller.engine.collective_rpc(
-            "prime_init_broadcast",
-            args=(
-                request.host,
-                request.port,
-                request.world_size,
-                request.rank_offset,
-                request.backend,
-                controller.broadcast_timeout_s,
-                request.keep_rollback_copy,
-            ),
-        )
+    results = await set_up_workers(
+        controller,
+        "prime_init_broadcast",
+        (
+            request.host,
+            request.port,
+            request.world_size,
+            request.rank_offset,
+            request.backend,
+            controller.broadcast_timeout_s,
+            request.keep_rollback_copy,
+        ),
+    )
     logger.info("joined weight-broadcast group at %s:%d as %s", request.host, request.port, results)
     return controller._reply(True)
 
@@ -169,18 +176,18 @@ async def init_nixl(controller: Controller, request: InitNixlRequest) -> Control
 
     # Validate the session's layout here, before any worker allocates or registers anything.
     await asyncio.to_thread(check_nixl_layout, controller.manifest, request)
-    async with controller._lock:
-        results = await controller.engine.collective_rpc(
-            "prime_init_nixl",
-            args=(
-                request.host,
-                request.port,
-                request.session,
-                request.rank_offset,
-                request.keep_rollback_copy,
-                request.timeout_s,
-            ),
-        )
+    results = await set_up_workers(
+        controller,
+        "prime_init_nixl",
+        (
+            request.host,
+            request.port,
+            request.session,
+            request.rank_offset,
+            request.keep_rollback_copy,
+            request.timeout_s,
+        ),
+    )
     logger.info("NIXL receivers ready for session %s: %s", request.session, results)
     return controller._reply(True)
 
@@ -217,9 +224,8 @@ async def init_ipc(controller: Controller, request: InitIpcRequest) -> ControlRe
     """Every worker opens the trainer's shared slots and registers on its bucket channel."""
     if request.memory not in ("host", "device"):
         return controller._reply(False, f"IPC memory {request.memory!r} is not one of 'host', 'device'")
-    async with controller._lock:
-        # encoded: vLLM's own serializer of RPC arguments flattens array-like structs into lists
-        results = await controller.engine.collective_rpc("prime_init_ipc", args=(encode(request),))
+    # encoded: vLLM's own serializer of RPC arguments flattens array-like structs into lists
+    results = await set_up_workers(controller, "prime_init_ipc", (encode(request),))
     logger.info("opened IPC session %s (%s memory): %s", request.session, request.memory, results)
     return controller._reply(True)
 

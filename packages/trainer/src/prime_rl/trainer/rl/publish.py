@@ -59,7 +59,7 @@ from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
 from prime_rl.trainer.models.config import load_arch_config
-from prime_rl.trainer.rl.publish_base import Publisher, PushPublisher, prune_versions, require_inference_addresses
+from prime_rl.trainer.rl.publish_base import Publisher, PushPublisher, prune_versions
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of, write_hf_dir
 from prime_rl.trainer.weights.staging import HostStaging, gather_full_tensors
 from prime_rl.trainer.world import World
@@ -201,7 +201,6 @@ class BroadcastPublisher(PushPublisher):
         if world.is_main:
             from prime_rl.trainer.weights.broadcast_sender import WeightBroadcaster
 
-            require_inference_addresses(cfg)
             backend = "nccl" if world.device.type == "cuda" else "gloo"
             self.sender = WeightBroadcaster(
                 cfg.inference_addresses,

@@ -127,9 +127,15 @@ class Publisher:
 
 class PushPublisher(Publisher):
     """A push transport's publisher (nccl, nixl, ipc): its ``sender`` moves the bytes into the inference servers
-    and is closed after the last version is served (None on ranks that only join the all-gathers)."""
+    and is closed after the last version is served (None on ranks that only join the all-gathers). Rank 0
+    refuses a config without the inference servers' control addresses (``require_inference_addresses``)."""
 
     sender: Closeable | None = None
+
+    def __init__(self, cfg, model: CausalLM, world: World, job_name: str) -> None:
+        super().__init__(cfg, model, world, job_name)
+        if world.is_main:  # rank 0 sends the control requests, so it alone needs the addresses
+            require_inference_addresses(cfg)
 
     def close(self) -> None:
         try:

@@ -28,7 +28,7 @@ from prime_rl.common.config.rl_trainer import IpcBroadcastConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
-from prime_rl.trainer.rl.publish_base import PushPublisher, require_inference_addresses
+from prime_rl.trainer.rl.publish_base import PushPublisher
 from prime_rl.trainer.weights.ipc_sender import IpcWeightSender
 from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
@@ -51,7 +51,6 @@ class IpcPublisher(PushPublisher):
         """Colocated runs: frees this rank's step memory before inference's weights wake (None: they never sleep)."""
         self.sender = None
         if world.is_main:
-            require_inference_addresses(cfg)
             self.sender = IpcWeightSender(
                 cfg.inference_addresses,
                 host=cfg.host,

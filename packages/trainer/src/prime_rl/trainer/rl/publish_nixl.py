@@ -19,7 +19,7 @@ from prime_rl.common.config.rl_trainer import NixlBroadcastConfig
 from prime_rl.common.rundir import RunDir
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import model_state_dict_to_hf
-from prime_rl.trainer.rl.publish_base import PushPublisher, require_inference_addresses
+from prime_rl.trainer.rl.publish_base import PushPublisher
 from prime_rl.trainer.weights.nixl_source import NixlWeightSender
 from prime_rl.trainer.weights.staging import gather_full_tensors
 from prime_rl.trainer.world import World
@@ -29,8 +29,6 @@ class NixlPublisher(PushPublisher):
     def __init__(self, cfg: NixlBroadcastConfig, run_dir: RunDir, model: CausalLM, world: World):
         super().__init__(cfg, model, world, "nixl weight update")
         self.run_dir = run_dir
-        if world.is_main:
-            require_inference_addresses(cfg)
         session = [f"prime-rl-{uuid.uuid4().hex[:12]}" if world.is_main else None]
         if world.world_size > 1:
             dist.broadcast_object_list(session, src=0)
