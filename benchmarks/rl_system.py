@@ -235,6 +235,10 @@ def run_rl(
         if colocated:
             steps[-1].update({field: r.get(key) for field, key in COLOCATE_KEYS.items()})
             steps[-1]["memory_gib"] = {k.removeprefix("memory/"): v for k, v in r.items() if k.startswith("memory/")}
+            # the ipc push's parts (flush, gather, make_room, wake_weights, push, free): publish_s split up
+            steps[-1]["publish_phases_s"] = {
+                k.removeprefix("time/publish/"): v for k, v in r.items() if k.startswith("time/publish/")
+            }
     mode = "colocated" if colocated else "split"
     run = dict(
         total_s=total, run_dir=str(run_dir), mode=mode, transport=transport or ("ipc" if colocated else "filesystem")

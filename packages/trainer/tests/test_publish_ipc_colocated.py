@@ -42,7 +42,7 @@ def test_colocated_publish_frees_memory_before_the_weights_wake_and_before_the_a
     publisher.make_room = lambda: events.append("make room")
     publisher.announcer = SimpleNamespace(announce=lambda version, **kw: events.append(f"announce {version}"))
 
-    publisher.publish(1)
+    blocked = publisher.publish(1)
     publisher.flush()
 
     assert events == [
@@ -53,3 +53,6 @@ def test_colocated_publish_frees_memory_before_the_weights_wake_and_before_the_a
         "served 1",
         "announce 1",
     ]
+    # the step's metrics get each part of the blocked time, in the order the parts ran
+    assert list(publisher.last_phases) == ["flush", "gather", "make_room", "wake_weights", "push", "free"]
+    assert 0 <= sum(publisher.last_phases.values()) <= blocked

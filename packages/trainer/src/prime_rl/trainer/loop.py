@@ -212,6 +212,8 @@ def train_loop(
                     metrics["time/publish_write"] = write_time
                 if hasattr(publisher, "skipped"):  # versions the disk could not keep up with
                     metrics["weights/skipped"] = publisher.skipped
+                for phase, seconds in getattr(publisher, "last_phases", {}).items():  # the ipc push's parts
+                    metrics[f"time/publish/{phase}"] = seconds
             if ckpt_interval and (done % ckpt_interval == 0 or done == max_steps):
                 path = optim.save_checkpoint(ckpt, done, model)
                 logger.info(f"saved checkpoint {path}")
