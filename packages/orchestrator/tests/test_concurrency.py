@@ -23,6 +23,7 @@ from prime_rl.orchestrator.concurrency import (
     TRIAL_PROBES,
     LoadLimit,
     ServerLoad,
+    follow_load,
     parse_vllm_metrics,
     total_load,
 )
@@ -50,6 +51,29 @@ vllm:generation_tokens_total{engine="1",model_name="m"} 300.0
 vllm:num_preemptions_total{engine="0",model_name="m"} 2.0
 vllm:num_preemptions_total{engine="1",model_name="m"} 1.0
 """
+
+
+def test_the_log_tells_a_probe_without_answer_from_a_server_without_gauges(caplog):
+    """A busy server's timed-out probe is not "no gauges" (the H200 colocated run said so and read as load-following
+    off for the run); each is said once per streak."""
+    answers = iter([None, None, ["router_requests_total 5\n"], None, [METRICS]])
+    limit = LoadLimit(4, 8)
+
+    async def fetch() -> list[str] | None:
+        try:
+            return next(answers)
+        except StopIteration:
+            raise asyncio.CancelledError from None
+
+    caplog.set_level("INFO", logger="prime_rl.orchestrator.concurrency")
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(follow_load(limit, fetch, "http://s/metrics", interval_s=0))
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "no answer from http://s/metrics: rollout concurrency stays at 4 until it answers",
+        "no vLLM request-queue gauge at http://s/metrics: rollout concurrency stays at 4",
+        "no answer from http://s/metrics: rollout concurrency stays at 4 until it answers",
+    ]
 
 
 def test_parse_vllm_metrics():

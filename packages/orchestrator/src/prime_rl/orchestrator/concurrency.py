@@ -229,16 +229,26 @@ async def follow_load(
     limit: LoadLimit, fetch: Callable[[], Awaitable[list[str] | None]], where: str, interval_s: float = 1.0
 ) -> None:
     """Read the servers' /metrics texts with `fetch` every `interval_s` and move `limit` by their total load, until
-    cancelled. A probe that fails leaves the limit where it is (a server that is down shows up in the requests)."""
-    warned = False
+    cancelled. A probe that fails leaves the limit where it is (a server that is down shows up in the requests).
+
+    A probe that got no answer and an answer without vLLM's gauges are told apart: on the H200 a colocated run's
+    first probe timed out while the server was busy and logged "no vLLM request-queue gauge", which read as
+    load-following being off for the whole run."""
+    warned = failing = False
     while True:
         texts = await fetch()
         load = total_load(texts) if texts is not None else None
-        if load is None:
+        if texts is None:
+            if not failing:  # once per streak of failed probes
+                logger.info("no answer from %s: rollout concurrency stays at %d until it answers", where, limit.limit)
+                failing = True
+        elif load is None:
+            failing = False
             if not warned:
                 logger.info("no vLLM request-queue gauge at %s: rollout concurrency stays at %d", where, limit.limit)
                 warned = True
         else:
+            failing = False
             before = limit.limit
             after = await limit.update(load)
             if after != before:
