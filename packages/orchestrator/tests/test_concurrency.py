@@ -54,7 +54,7 @@ vllm:num_preemptions_total{engine="1",model_name="m"} 1.0
 
 
 def test_the_log_tells_a_probe_without_answer_from_a_server_without_gauges(caplog):
-    """A busy server's timed-out probe is not "no gauges" (the H200 colocated run said so and read as load-following
+    """A busy server's timed-out probe is not "no gauges" (the H200 colocated run said that line, which read as load-following
     off for the run); each is said once per streak."""
     answers = iter([None, None, ["router_requests_total 5\n"], None, [METRICS]])
     limit = LoadLimit(4, 8)

@@ -232,8 +232,8 @@ async def follow_load(
     cancelled. A probe that fails leaves the limit where it is (a server that is down shows up in the requests).
 
     A probe that got no answer and an answer without vLLM's gauges are told apart: on the H200 a colocated run's
-    first probe timed out while the server was busy and logged "no vLLM request-queue gauge", which read as
-    load-following being off for the whole run."""
+    first probe logged "no vLLM request-queue gauge" (the split run on the same vLLM found the gauges), and a
+    timed-out probe of a busy server said the same line, which read as load-following off for the whole run."""
     warned = failing = False
     while True:
         texts = await fetch()
