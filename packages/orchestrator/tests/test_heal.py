@@ -273,15 +273,17 @@ def test_an_outage_past_its_deadline_fails_naming_the_setting(make_server):
 
 
 class DiesDuringLoad(RestartingControl):
-    """The first load of ``version`` dies with the server (which restarts at 0), showing as ``how``: no answer until
-    the timeout, the connection dropping (API server killed), or an error reply (vLLM's engine core killed)."""
+    """The first load of ``version`` or a newer one dies with the server (which restarts at 0), showing as ``how``: no
+    answer until the timeout, the connection dropping (API server killed), or an error reply (vLLM's engine core
+    killed). Or a newer one: under load the orchestrator may go from version 1 straight to the newest (CI saw it
+    load no version 2 at all)."""
 
     def __init__(self, server_holder: list, version: int, how: str = "timeout") -> None:
         super().__init__()
         self.server_holder, self.die_at, self.died, self.how = server_holder, version, False, how
 
     async def load_weights(self, path, version):
-        if version == self.die_at and not self.died:
+        if version >= self.die_at and not self.died:
             self.died, self.up, self.version = True, False, 0
             self.calls.append(("died", Path(path).name, version))
             server = self.server_holder[0]
@@ -319,15 +321,16 @@ def test_a_server_that_dies_mid_update_is_waited_out_and_updated_again(tmp_path,
     trainer.join()
     assert control.died
     loads = [(c[0], c[2]) for c in control.calls if c[0] in ("load", "died")]
-    # the load of 2 died; the restarted server got the served version back (if not the model's own), then the
-    # newest policy: 2 again, or 3 when the trainer wrote it during the outage (CI saw that order once)
-    died = loads.index(("died", 2))
+    # the load of 2 (or of a newer one) died; the restarted server got the served version back (if not the model's
+    # own), then the newest policy: the one that died again, or a newer one the trainer wrote during the outage
+    died = [kind for kind, _ in loads].index("died")
+    lost = loads[died][1]
     served = loads[died - 1][1] if died else 0
     after = loads[died + 1 :]
     if served:
         assert after[0] == ("load", served), control.calls
         after = after[1:]
-    assert after and after[0][0] == "load" and after[0][1] >= 2, control.calls
+    assert after and after[0][0] == "load" and after[0][1] >= lost, control.calls
     metrics = read_metrics(run_dir.metrics_path)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert sum(m["inference/outages"] for m in metrics) == 1
