@@ -97,12 +97,12 @@ class IpcPublisher(PushPublisher):
         if self.make_room is None:
             return
         self.make_room()
-        clock.lap("make_room")
         if dist.is_initialized() and self.world.world_size > 1:
             dist.barrier()  # every GPU of the run has room before vLLM's weights wake on it
+        clock.lap("make_room")  # with the barrier's wait for the other ranks: the log below times the wake alone
         if sender is not None:
             sender.wake_weights()
-            clock.lap("wake_weights")  # with the barrier's wait for the other ranks
+            clock.lap("wake_weights")
             logger.info("woke the weights of %d inference server(s) in %.2fs", len(sender.servers.clients),
                         clock.seconds["wake_weights"])  # fmt: skip
 
