@@ -181,6 +181,9 @@ class ControlPlane:
         self.requests: list[tuple[str, str]] = []
         """(request type, boot id of the process that answered it)"""
         self.version, self.stop = 0, None
+        self.engine_dead = False
+        """vLLM's engine core died under the API server, which still answers: every request with an error, health
+        not ok (what `prime_rl.inference.control` does until vLLM exits)."""
         self.start()
 
     def start(self) -> None:
@@ -198,6 +201,11 @@ class ControlPlane:
 
     def _handle(self, message, arrays):
         self.requests.append((type(message).__name__, self.boot_id))
+        if self.engine_dead:
+            error = "EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause."
+            if isinstance(message, HealthRequest):
+                return HealthReply(ok=False, weight_version=self.version, boot_id=self.boot_id, error=error)
+            return ControlReply(ok=False, weight_version=self.version, boot_id=self.boot_id, error=error)
         if isinstance(message, LoadWeightsRequest):
             self.version = message.version
         if isinstance(message, HealthRequest):

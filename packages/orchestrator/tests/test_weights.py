@@ -330,3 +330,40 @@ def test_an_update_answered_by_a_restarted_server_is_lost_not_applied(tmp_path, 
     # the new process was resumed after the lost update (it answered the pause), never left paused
     after = [name for name, boot in plane.requests if boot == plane.boot_id]
     assert after[:2] == ["PauseRequest", "ResumeRequest"], after
+
+
+def test_a_replica_whose_engine_died_under_a_pause_loses_the_update_while_the_router_stays_healthy(
+    tmp_path, control_plane, monkeypatch
+):
+    """CI (issue 35): two replicas behind a router; replica 1's engine core was killed and its API server answered
+    the next update's PauseRequest with EngineDeadError. The HTTP route stayed healthy (replica 0 serves), so that
+    error was taken for a refused update and stopped the run. Its own health failing makes it a death: the update is
+    lost (the watch takes the replica out and heals it), the live replica is resumed, the old version kept."""
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)  # the planes have no run secret: neither may the clients
+    planes = [control_plane(), control_plane()]
+    control = ZmqInferenceControl([p.endpoint for p in planes], timeout=10)
+    lost: list[str] = []
+
+    async def on_unanswered(reason: str) -> None:
+        lost.append(reason)
+
+    async def router_healthy_so_not_gone() -> bool:
+        return False
+
+    async def go():
+        policy = PolicyState()
+        updater, trainer = _updater(control, policy)
+        updater.on_unanswered, updater.server_gone = on_unanswered, router_healthy_so_not_gone
+        planes[1].engine_dead = True
+        trainer.announce(1, publish(tmp_path, 1))
+        await _until(lambda: updater.listener.poll() is not None or updater.listener.latest is not None)
+        assert not await updater.update_once()
+        assert policy.version == 0 and policy.is_open
+        updater.listener.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        control.close()
+    assert len(lost) == 1 and "ServerGoneError" in lost[0] and "EngineDeadError" in lost[0], lost
+    assert [name for name, _ in planes[0].requests] == ["PauseRequest", "ResumeRequest"], planes[0].requests

@@ -34,8 +34,10 @@ watch (`WeightUpdater.on_unanswered`), which applies the version again once the 
 - the API server dies: the connection carrying the control request closes (`PeerLostError`: the control client
   watches its connection; a REQ socket alone cannot tell a dead peer from a slow load and waited out
   `orchestrator.inference.timeout`, 600 s);
-- vLLM's engine core dies: the API server answers the load with an error, then exits; an error while the HTTP
-  health fails (``gone``: vLLM answers 503 once its engine is dead) is that death, not a refused update;
+- vLLM's engine core dies: the API server answers the request (a pause, a load) with an error, then exits; an error
+  after which that server's own control-plane health fails (`ServerGoneError`) or the HTTP health fails (``gone``:
+  vLLM answers 503 once its engine is dead) is that death, not a refused update. Behind a router only the first
+  tells: the other replicas keep the HTTP route healthy;
 - the server never answers (wedged): the timeout, as before;
 - the server died between two requests and its restart answers the next one (ZeroMQ queues a request for a dead
   peer): the reply carries a new ``boot_id`` (`ServerRestartedError`), so that update is lost too, and the restarted

@@ -119,6 +119,13 @@ class ServerRestartedError(ConnectionError):
     assumed (the weights loaded so far, a pause). Handled like a server lost mid-update (`WeightUpdater._apply`)."""
 
 
+class ServerGoneError(ConnectionError):
+    """A server answered a control request with an error and its health failed right after: it is going away (vLLM's
+    engine core died under the request: the API server answers with EngineDeadError, then exits), so the request is
+    lost to that death, not refused. Handled like a server lost mid-update (`WeightUpdater._apply`). Known here, by
+    the server's own health, and not only by the HTTP route's: behind a router, the other replicas keep that healthy."""
+
+
 class ZmqInferenceControl:
     """Sends PauseRequest / LoadWeightsRequest / ResumeRequest to every server, in parallel threads."""
 
@@ -153,15 +160,21 @@ class ZmqInferenceControl:
         )
         restarted = [c.endpoint for c, r in zip(clients, replies) if isinstance(r, Message) and self._new_boot(c, r)]
         failed = [(c, r) for c, r in zip(clients, replies) if not (isinstance(r, ControlReply) and r.ok)]
+        dying: set[str] = set()  # answered with an error and not well afterwards (vLLM's engine died under it)
         for client, reply in failed:
-            # dropped, or an error from a server that is not well afterwards (vLLM's engine died under the load)
-            if isinstance(reply, PeerLostError) or (isinstance(reply, Message) and not await self._well(client)):
+            if isinstance(reply, Message) and not await self._well(client):
+                dying.add(client.endpoint)
+            if isinstance(reply, PeerLostError) or client.endpoint in dying:
                 self._gone.add(client.endpoint)
-        for client, reply in sorted(failed, key=lambda f: not isinstance(f[1], PeerLostError)):
+        # a lost server first: the update is then lost to its death, which the watch heals, whatever else failed
+        for client, reply in sorted(failed, key=lambda f: f[0].endpoint not in self._gone):
             if isinstance(reply, BaseException):
                 raise reply
             error = getattr(reply, "error", None) or f"unexpected reply {type(reply).__name__}"
-            raise InferenceControlError(f"{type(message).__name__} failed on {client.endpoint}: {error}")
+            failure = f"{type(message).__name__} failed on {client.endpoint}: {error}"
+            if client.endpoint in dying:
+                raise ServerGoneError(f"{failure} (and its health fails since: the server is going away)")
+            raise InferenceControlError(failure)
         if restarted:
             raise ServerRestartedError(
                 f"{', '.join(restarted)} answered {type(message).__name__} as a new process (its boot id changed): it "
@@ -204,7 +217,7 @@ class ZmqInferenceControl:
         self._gone.clear()  # an update begins
         try:
             await self._broadcast(PauseRequest(mode=mode, by="orchestrator"))
-        except (ServerRestartedError, PeerLostError):  # the update ends here: what it paused must not stay paused
+        except (ServerRestartedError, PeerLostError, ServerGoneError):  # the update ends: unpause what it paused
             await self.resume()  # (`WeightUpdater._apply` resumes only after a pause)
             raise
 
