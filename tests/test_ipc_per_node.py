@@ -1,5 +1,5 @@
-"""ipc across the nodes of a colocated SLURM job, without vLLM or SLURM: 2 gloo ranks, each a node of its own
-(LOCAL_WORLD_SIZE=1), publish through the real ``IpcPublisher`` into one stand-in server per node (the real
+"""ipc across the nodes of a colocated SLURM job, without vLLM or SLURM: gloo ranks as 2 nodes of 1 or 2 ranks
+(LOCAL_WORLD_SIZE), publish through the real ``IpcPublisher`` into one stand-in server per node (the real
 controller, asleep as after rollouts; its "workers" read the slots with the real ``IpcReceiver``). Each node's
 leader wakes and fills its own node's server only, on its own channel, and the version is announced only once
 every node's server serves it; a node whose server fails the version is an error on every rank, and nothing
@@ -90,8 +90,8 @@ def _serve(engines: list[SlotReader], loop: asyncio.AbstractEventLoop) -> list[C
 
 
 def _node(addresses: list[str], port: int, versions: int) -> tuple[list[tuple[int, float]], str | None]:
-    """One rank, the leader of its own node: publishes ``versions`` versions as the colocated trainer does
-    (every rank frees its step's memory first). Rank 0's announcements (version, when), and what it raised."""
+    """One rank: publishes ``versions`` versions as the colocated trainer does (every rank frees its step's memory
+    first; its node's local rank 0 pushes). Rank 0's announcements (version, when), and what it raised."""
     from prime_rl.common.config.rl_trainer import IpcBroadcastConfig
     from prime_rl.trainer.rl import publish_base, publish_ipc
     from prime_rl.trainer.world import World
@@ -118,21 +118,28 @@ def _node(addresses: list[str], port: int, versions: int) -> tuple[list[tuple[in
         publisher.flush()
     except Exception as e:  # noqa: BLE001 - every rank's error is the test's
         error = f"{type(e).__name__}: {e}"
-    publisher.sender.close()
+    if publisher.sender is not None:  # a node's leader
+        publisher.sender.close()
     return announced, error
 
 
-def test_each_node_pushes_into_its_own_server_and_the_version_is_announced_once_every_node_serves_it(loop):
+@pytest.mark.parametrize("ranks_per_node", [1, 2], ids=["2x1", "2x2"])
+def test_each_node_pushes_into_its_own_server_and_the_version_is_announced_once_every_node_serves_it(
+    loop, ranks_per_node
+):
     engines = [SlotReader(), SlotReader(load_s=1.0)]  # node 1's server loads a second later
     threads = _serve(engines, loop)
     port = free_port()
     try:
-        results = run_on_ranks(_node, 2, [t.endpoint for t in threads], port, 2, ranks_per_node=1)
+        results = run_on_ranks(
+            _node, 2 * ranks_per_node, [t.endpoint for t in threads], port, 2, ranks_per_node=ranks_per_node
+        )
     finally:
         for thread in threads:
             thread.stop()
-    (announced, error0), (_, error1) = results
-    assert error0 is None and error1 is None, (error0, error1)
+    announced = results[0][0]
+    assert [error for _, error in results] == [None] * len(results)
+    assert all(a == [] for a, _ in results[1:])  # rank 0 alone announces
     # each server read its own node's channel only: node i's leader on loopback at port + i
     assert [engine.channels for engine in engines] == [[("127.0.0.1", port)], [("127.0.0.1", port + 1)]]
     for engine in engines:
