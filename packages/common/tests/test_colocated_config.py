@@ -72,8 +72,6 @@ def test_split_runs_neither_sleep_nor_offload(model):
         (["--trainer.offload-between-steps", "false"], "keep its free memory from vLLM"),
         (["--deployment.num-nodes", "2"], "deployment.num_nodes=2 with deployment.type='colocated' runs one server "
                                            "and its trainer ranks per node through SLURM; add a [slurm] table"),
-        (["--deployment.num-nodes", "2", "--slurm.job-name", "x", "--weight-broadcast.type", "ipc"],
-         "shares its buckets with the servers of its own node only; use weight_broadcast.type='filesystem'"),
         (["--deployment.gpus-per-node", "8"], "deployment.gpus_per_node gives inference and trainer GPUs or nodes "
                                              "of their own, but deployment.type='colocated' puts both on the same "
                                              "ones; set deployment.num_gpus (GPUs per node)"),
@@ -114,15 +112,33 @@ def test_the_filesystem_transport_still_serves_colocated_runs(model, monkeypatch
     assert cfg.trainer.weight_broadcast.type == "filesystem" and cfg.orchestrator.inference.addresses
 
 
-def test_colocated_under_slurm_runs_every_node_in_turns_loading_from_the_shared_run_dir(model, monkeypatch):
-    """Per node under SLURM: FSDP over every node's GPUs, one server per node over its GPUs, and the filesystem
-    transport by default (ipc's sender reaches its own node only); one node keeps ipc, as on this machine."""
+def test_colocated_under_slurm_runs_every_node_in_turns_pushing_through_ipc_per_node(model, monkeypatch):
+    """Per node under SLURM: FSDP over every node's GPUs, one server per node over its GPUs, and ipc by default on
+    any number of nodes (each node's trainer leader fills its own node's server: no disk); the filesystem
+    transport when asked for, or with LoRA (adapters load from a path)."""
     monkeypatch.setattr(rl_config, "installed_vllm_is_cpu", lambda: False)
     base = ["--model.name", str(model), "--deployment.type", "colocated", "--deployment.num-gpus", "4",
             "--inference.vllm.tensor-parallel-size", "2", "--slurm.job-name", "x"]  # fmt: skip
     cfg = load_config(RLConfig, [*base, "--deployment.num-nodes", "3"])
     assert cfg.orchestrator.num_train_ranks == 12  # every node's 4 GPUs
     assert (cfg.inference.vllm.tensor_parallel_size, cfg.inference.vllm.data_parallel_size) == (2, 2)  # per node
-    assert cfg.trainer.weight_broadcast.type == "filesystem"
+    wb = cfg.trainer.weight_broadcast
+    assert (wb.type, wb.memory) == ("ipc", "device")  # each node's buckets on its leader's GPU, which vLLM shares
     assert cfg.orchestrator.inference.sleep_level == 2 and cfg.trainer.offload_between_steps
     assert load_config(RLConfig, base).trainer.weight_broadcast.type == "ipc"  # one node: one host
+    chosen = load_config(RLConfig, [*base, "--deployment.num-nodes", "3", "--weight-broadcast.type", "filesystem"])
+    assert chosen.trainer.weight_broadcast.type == "filesystem"
+    lora = load_config(RLConfig, [*base, "--deployment.num-nodes", "3", "--trainer.model.lora.rank", "8"])
+    assert lora.trainer.weight_broadcast.type == "filesystem"
+
+
+def test_ipc_in_a_split_slurm_job_is_still_refused(model, monkeypatch):
+    """Without colocation a SLURM job puts the trainer and inference on different nodes: no shared memory."""
+    monkeypatch.setattr(rl_config, "installed_vllm_is_cpu", lambda: False)
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, ["--model.name", str(model), "--slurm.job-name", "x", "--weight-broadcast.type", "ipc",
+                               "--weight-broadcast.memory", "host"])  # fmt: skip
+    assert "a SLURM job puts the trainer and inference on different nodes; use weight_broadcast.type='nccl'" in str(
+        e.value
+    )
+    assert "\n" not in str(e.value).strip()

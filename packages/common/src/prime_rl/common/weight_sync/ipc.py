@@ -24,8 +24,9 @@ Why a store rather than the control socket: one ready/ack per bucket between one
 worker process; the control plane speaks to the API process, which only reaches its workers through a
 ``collective_rpc`` that lasts the whole update.
 
-Left out: more than one sending rank (rank 0 gathers, as for nccl; the slots' bandwidth is a GPU copy), and
-reusing slots across sessions (a new session sends new handles).
+Left out: more than one sending rank per host (rank 0 gathers, as for nccl; the slots' bandwidth is a GPU copy;
+a colocated job on several nodes has one sender per node, each with its own session and channel), and reusing
+slots across sessions (a new session sends new handles).
 """
 
 from __future__ import annotations

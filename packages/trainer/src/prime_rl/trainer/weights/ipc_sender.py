@@ -1,6 +1,7 @@
 """The sending end of the IPC weight transport: trainer rank 0 packs the full state dict into a ring of shared
 buffers that the inference workers on the same host read (protocol: ``prime_rl.common.weight_sync.ipc``; the
-receiving end: ``prime_rl.inference.weights.ipc_receiver``).
+receiving end: ``prime_rl.inference.weights.ipc_receiver``). On several nodes each node's local rank 0 has a
+sender of its own for its node's servers (``prime_rl.trainer.rl.publish_ipc``).
 
 Like ``WeightBroadcaster`` it exposes the three phases ``begin`` / ``send`` / ``finish`` (the sequence, shared with
 it, is ``streamed_sender.StreamedSender``) so the publisher can leave the last (waiting for the engines' reload)
@@ -42,7 +43,8 @@ class IpcWeightError(RuntimeError):
 
 
 class IpcWeightSender(StreamedSender):
-    """Rank 0 of the trainer: shares bucket slots with every inference server on this host and fills them."""
+    """Rank 0 of the trainer (of each node, on several): shares bucket slots with the inference servers on this
+    host and fills them."""
 
     gave_up = (IpcWeightError,)  # a worker gave up: its server's AwaitWeightsRequest says why
 
