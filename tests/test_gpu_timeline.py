@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from datetime import datetime
 from pathlib import Path
@@ -74,6 +75,13 @@ def test_roles_are_read_while_the_processes_live_and_kept_after_they_exit(tmp_pa
     csv_path.write_text(GPU_CSV)
     trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "prime_rl.trainer.rl"])
     try:
+        # right after Popen returns, the child's /proc cmdline can still read empty (CI failed on it; 12 of 300 tries
+        # here); a process on nvidia-smi's list has been running far longer
+        cmdline = Path(f"/proc/{trainer.pid}/cmdline")
+        deadline = time.monotonic() + 30
+        while b"prime_rl.trainer.rl" not in cmdline.read_bytes():
+            assert time.monotonic() < deadline, "the child's command line never became readable"
+            time.sleep(0.01)
         gpu_timeline.apps_path(csv_path).write_text(f"2026/12/03 23:00:00.250, {trainer.pid}, 50000\n")
         timeline = gpu_timeline.GpuTimeline(csv_path)  # not entered: no nvidia-smi here; the watcher's one pass
         timeline.name_new_pids()
