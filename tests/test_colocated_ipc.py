@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -26,17 +24,6 @@ from prime_rl.trainer.weights.ipc_sender import IpcWeightError, IpcWeightSender 
 class BrokenWake(SleepyEngine):
     async def wake_up(self, tags):
         raise RuntimeError("cuMemMap failed: out of memory")
-
-
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=5)
-    loop.close()
 
 
 def _serve(engine: SleepyEngine, loop: asyncio.AbstractEventLoop) -> tuple[Controller, ControlThread]:

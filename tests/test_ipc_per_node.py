@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -65,17 +63,6 @@ class SlotReader(SleepyEngine):
             raise RuntimeError(self.fail)
         self.loaded[version] = (time.time(), got["w"])
         return {"tensors": len(got)}
-
-
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=5)
-    loop.close()
 
 
 def _serve(engines: list[SlotReader], loop: asyncio.AbstractEventLoop) -> list[ControlThread]:
