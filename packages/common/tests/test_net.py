@@ -77,3 +77,14 @@ def test_free_port_is_never_one_the_kernel_hands_to_outgoing_connections_and_sta
     assert low <= port < high
     with pytest.raises(RuntimeError, match="no 1 consecutive ports"):
         reserve_ports(1, "other", lock_dir=tmp_path, span=(port, port + 1))  # locked for this caller
+
+
+def test_free_port_with_headroom_leaves_that_many_ports_above_it(monkeypatch, tmp_path):
+    """An inference server derives its control ports from its HTTP port (+100): a test's free_port for it must
+    leave that room below 65535, or the run fails at start-up (it did, in CI: 65471 + 100)."""
+    monkeypatch.setattr(net, "PORT_LOCK_DIR", tmp_path)
+    low, high = reserved_port_range()
+    headroom = high - low - 3  # only three candidates: every call must land there
+    for _ in range(3):
+        port = net.free_port(headroom=headroom)
+        assert low <= port < low + 3 and port + headroom < high

@@ -37,6 +37,28 @@ def test_config_refuses_colliding_ports():
         )
 
 
+def test_config_refuses_a_port_whose_derived_ports_pass_65535():
+    """The control ports sit at server.port + 100 (+ i per replica): a port near 65535 used to start the run and
+    then fail inside each replica's own flag check (CI). It is refused at start-up, naming the room it needs."""
+    with pytest.raises(
+        ConfigError, match="puts the control port at 65600, above 65535; lower server.port .* by at least 65"
+    ):
+        load_config(InferenceConfig, ["--server.port", "65500"])
+    with pytest.raises(ConfigError, match="the control ports at 65536"):
+        load_config(InferenceConfig, ["--server.port", "65435", "--router.replicas", "2"])
+    with pytest.raises(ConfigError, match="the router's metrics port at 65536"):
+        load_config(InferenceConfig, ["--server.port", "65434", "--router.replicas", "2"])
+    with pytest.raises(ConfigError, match="the replicas' HTTP ports at 65536"):
+        load_config(
+            InferenceConfig,
+            ["--server.port", "65534", "--server.control-port", "9000", "--router.replicas", "2"],
+        )
+    cfg = load_config(InferenceConfig, ["--server.port", "65433", "--router.replicas", "2"])
+    assert max(cfg.instance_control_ports) == 65534  # and the router's metrics port 65535: the last that fits
+    cfg = load_config(InferenceConfig, ["--server.port", "65535", "--server.control-port", "9000"])
+    assert cfg.instance_control_ports == [9000]
+
+
 def test_listeners_are_loopback_by_default_and_open_http_needs_a_key():
     cfg = InferenceConfig()
     assert (cfg.server.host, cfg.server.control_host) == ("127.0.0.1", "127.0.0.1")

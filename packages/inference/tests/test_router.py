@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from prime_rl.common.config import parse_config
-from prime_rl.common.config.inference import InferenceConfig
+from prime_rl.common.config.inference import INFERENCE_PORT_HEADROOM, InferenceConfig
 from prime_rl.common.net import free_port
 from prime_rl.common.transport import ControlClient
 from prime_rl.common.wire import HealthRequest, LoadWeightsRequest
@@ -32,7 +32,7 @@ def _successes(url: str) -> float:
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("router")
-    port = free_port()
+    port = free_port(headroom=INFERENCE_PORT_HEADROOM)
     config_path = tmp / "infer.toml"
     config_path.write_text(
         f'[model]\nname = "{tiny_model}"\n[server]\nhost = "127.0.0.1"\nport = {port}\ncontrol_host = "127.0.0.1"\n'

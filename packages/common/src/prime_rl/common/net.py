@@ -11,16 +11,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", headroom: int = 0) -> int:
     """A TCP port free on `host` right now, for a caller that binds it itself a moment later.
 
     It comes from the reserved range (`reserve_ports`), not from ``bind(0)``: the kernel hands ephemeral ports
     to any process's outgoing connections, and one did take a port between this call and the bind (a ZeroMQ
     client's source port; CI's orchestrator tests, issue 35). The port stays locked for this process's next
     `_RECENT_KEEP` calls, so no other caller of `free_port` or `reserve_ports` picks it before it is bound.
-    Falls back to ``bind(0)`` when the lock directory cannot be used."""
+    ``headroom``: the caller derives ports up to that far above this one (an inference server's control ports
+    at +100), so the port is at most ``65535 - headroom`` (the reserved range ends at 65535). Falls back to
+    ``bind(0)`` when the lock directory cannot be used."""
+    low, high = reserved_port_range()
     try:
-        lease = reserve_ports(1, key=f"{os.getpid()}-{random.random()}", host=host)
+        lease = reserve_ports(1, key=f"{os.getpid()}-{random.random()}", host=host, span=(low, high - headroom))
     except (OSError, RuntimeError):
         with socket.socket() as s:
             s.bind((host, 0))

@@ -49,16 +49,23 @@ class InferenceModelConfig(BaseConfig):
     """Model name clients send in requests; None uses ``name``."""
 
 
+MAX_PORT = 65535
+INFERENCE_PORT_HEADROOM = 200
+"""Ports an inference deployment may derive above ``server.port`` at default settings: the control ports at
++100 (one per instance), the router's metrics port and the NIXL side channel after them (tests pick a
+``server.port`` with this much room: ``free_port(headroom=INFERENCE_PORT_HEADROOM)``)."""
+
+
 class ServerConfig(BaseConfig):
     """Where the HTTP API and the control plane listen."""
 
     host: str = "127.0.0.1"
     """Interface of the OpenAI-compatible HTTP API (and of the router, with replicas); another than loopback needs api_key."""
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(8000, ge=1, le=MAX_PORT)
     """Port of the OpenAI-compatible HTTP API (and of the router, with replicas)."""
     control_host: str = "127.0.0.1"
     """Interface the ZeroMQ control endpoint binds on; another than loopback needs the run secret (PRIME_RL_SECRET_FILE)."""
-    control_port: int | None = Field(None, ge=1, le=65535)
+    control_port: int | None = Field(None, ge=1, le=MAX_PORT)
     """Port of the ZeroMQ control endpoint; None means ``port + 100``."""
 
     api_key: str | None = None
@@ -263,6 +270,24 @@ class InferenceConfig(BaseConfig):
                 "[lora] with deployment.type='disaggregated' is not supported (KV connectors and LoRA adapters "
                 "are untested together here); remove [lora] or use deployment.type='single_node'"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _derived_ports_fit(self) -> InferenceConfig:
+        # Checked here, at start-up, not by the replica that is handed the port: a server.port near 65535 made
+        # each replica fail its own --server.control-port check after the run had started (CI, issue 29).
+        derived = {"the control port" + ("s" if self.num_instances > 1 else ""): max(self.instance_control_ports)}
+        if self.fronted_by_router:
+            derived["the replicas' HTTP ports"] = max(self.instance_http_ports)
+            if self.router.metrics_port is None:
+                derived["the router's metrics port"] = self.server.resolved_control_port + self.num_instances
+        for what, port in derived.items():
+            if port > MAX_PORT:
+                room = port - MAX_PORT
+                raise ValueError(
+                    f"server.port={self.server.port} (server.control_port={self.server.control_port}) puts {what} "
+                    f"at {port}, above {MAX_PORT}; lower server.port (or server.control_port) by at least {room}"
+                )
         return self
 
     @model_validator(mode="after")

@@ -442,6 +442,13 @@ class RLConfig(BaseConfig):
                 "weight_broadcast.type='ipc' shares memory on one host, but a SLURM job puts the trainer and "
                 "inference on different nodes; use weight_broadcast.type='nccl' or 'nixl'"
             )
+        last_channel = wb.port + self.deployment.num_nodes - 1 if colocated else wb.port
+        if last_channel > 65535:  # node i's leader hosts its bucket channel at port + i (publish_ipc.node_channel)
+            raise ValueError(
+                f"weight_broadcast.port={wb.port} with deployment.num_nodes={self.deployment.num_nodes}: node i's "
+                f"bucket channel listens on port + i, up to {last_channel}, above 65535; set weight_broadcast.port "
+                f"to at most {65535 - self.deployment.num_nodes + 1}"
+            )
         if wb.memory == "device" and not colocated and self.deployment.num_infer_gpus > 0:
             raise ValueError(
                 f"weight_broadcast.memory='device' reads the trainer's GPU, but deployment.num_infer_gpus="
