@@ -348,7 +348,7 @@ def test_rl_with_local_replicas_updates_and_probes_every_replica(tmp_path: Path)
     """Two replicas per inference node behind that node's router: a router forwards control requests and /metrics
     to one replica only, so the orchestrator gets every replica's control address (weight updates) and HTTP root
     (rollout concurrency), not the node's. Replica j of a node on port p: HTTP p + 1 + j, control p + 100 + j."""
-    router_port = free_port()
+    router_port = free_port(headroom=1)
     cfg = write_rl_job(tmp_path, {"num_infer_nodes": 2, "num_train_nodes": 1, "gpus_per_node": 2})
     flags = [
         "--slurm.router-port",
@@ -380,7 +380,7 @@ def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path
     from prime_rl.common.config.orchestrator import OrchestratorConfig
     from prime_rl.common.config.rl_trainer import RLTrainerConfig
 
-    router_port = free_port()
+    router_port = free_port(headroom=1)
     cfg = write_rl_job(tmp_path, {"num_infer_nodes": 1, "num_train_nodes": 2, "gpus_per_node": 2})
     launcher = tmp_path / "out" / "r" / "launcher"
     flags = ["--slurm.router-port", str(router_port), "--slurm.replica-port", "9100", "--slurm.rdzv-port", "29777"]
@@ -443,7 +443,7 @@ def test_rl_places_inference_first_then_orchestrator_and_trainers(tmp_path: Path
 def test_rl_job_status_is_final_and_names_the_failed_component(tmp_path: Path) -> None:
     """Probe: STATUS stayed "running" after the job ended; under SLURM too it is final on every exit path."""
     cfg = write_rl_job(tmp_path, {"num_infer_nodes": 1, "num_train_nodes": 1, "gpus_per_node": 1})
-    router_port = free_port()
+    router_port = free_port(headroom=1)
     assert main(["rl", "@", str(cfg), "--slurm.router-port", str(router_port), "--dry-run"]) == 0
     launcher = tmp_path / "out" / "r" / "launcher"
     proc, _ = run_script(
@@ -547,7 +547,7 @@ def write_restart_job(tmp_path: Path, *flags: str) -> tuple[Path, int]:
     script and the first replica's HTTP port (the second's is + 1, control + 100)."""
     replica_port = free_port_range(102, 10000, 20000)
     cfg = write_rl_job(tmp_path, {"num_infer_nodes": 2, "num_train_nodes": 1, "gpus_per_node": 1})
-    ports = ["--slurm.router-port", str(free_port()), "--slurm.replica-port", str(replica_port)]
+    ports = ["--slurm.router-port", str(free_port(headroom=1)), "--slurm.replica-port", str(replica_port)]
     assert main(["rl", "@", str(cfg), *ports, *flags, "--dry-run"]) == 0
     return tmp_path / "out" / "r" / "launcher" / "rl.sbatch", replica_port
 
@@ -700,7 +700,14 @@ def test_rl_colocated_runs_each_nodes_server_and_trainer_ranks_on_its_gpus_and_h
         inference={"vllm": {"tensor_parallel_size": 2}}, orchestrator={"max_off_policy_steps": 0},
         **({} if transport == "ipc" else {"trainer": {"weight_broadcast": {"type": transport}}}),
     )  # fmt: skip
-    flags = ["--slurm.router-port", str(free_port()), "--slurm.replica-port", "9100", "--slurm.rdzv-port", "29777"]
+    flags = [
+        "--slurm.router-port",
+        str(free_port(headroom=1)),
+        "--slurm.replica-port",
+        "9100",
+        "--slurm.rdzv-port",
+        "29777",
+    ]
     launcher = dry_run(cfg, *flags)
     script = (launcher / "rl.sbatch").read_text()
     assert "#SBATCH --nodes=2\n" in script and "#SBATCH --gres=gpu:4\n" in script  # the nodes both sides share
@@ -741,7 +748,7 @@ def test_rl_colocated_share_reaches_every_server_and_a_failed_sizing_ends_the_jo
     cfg = write_rl_job(
         tmp_path, {"type": "colocated", "num_gpus": 1, "num_nodes": 2}, orchestrator={"max_off_policy_steps": 0}
     )
-    launcher = dry_run(cfg, "--slurm.router-port", str(free_port()), "--slurm.replica-port", "9100")
+    launcher = dry_run(cfg, "--slurm.router-port", str(free_port(headroom=1)), "--slurm.replica-port", "9100")
     script = launcher / "rl.sbatch"
     sizing = f"{sys.executable} -m prime_rl.launcher.slurm.colocated"
     assert sizing in script.read_text()
@@ -765,7 +772,7 @@ def test_rl_colocated_on_one_node_pushes_through_ipc_and_the_orchestrator_still_
     """One node: trainer rank 0 and the server share a host, so ipc (the colocated default) pushes as on one
     machine; the orchestrator, though it loads nothing then, still gets the server's control address to sleep it."""
     cfg = write_rl_job(tmp_path, {"type": "colocated", "num_gpus": 2}, orchestrator={"max_off_policy_steps": 0})
-    launcher = dry_run(cfg, "--slurm.router-port", str(free_port()), "--slurm.replica-port", "9100")
+    launcher = dry_run(cfg, "--slurm.router-port", str(free_port(headroom=1)), "--slurm.replica-port", "9100")
     trainer_cfg = tomllib.loads((tmp_path / "out" / "r" / "configs" / "trainer.toml").read_text())
     assert trainer_cfg["weight_broadcast"]["type"] == "ipc"
     proc, calls = run_script(
