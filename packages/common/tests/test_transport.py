@@ -160,6 +160,19 @@ def test_send_without_receiver_times_out(tmp_path):
             sender.send(wire.HealthRequest())
 
 
+def test_a_queueing_sender_does_not_wait_for_a_reader_and_delivers_once_one_binds(tmp_path):
+    """Notifications (the trainer's version announcements) must not block on a reader that comes later or has
+    gone: the message waits in the queue and arrives when a receiver binds."""
+    endpoint = f"ipc://{tmp_path}/later"
+    with Sender(endpoint, timeout_s=0.2, queue_without_peer=True) as sender:
+        start = time.monotonic()
+        sender.send(wire.HealthRequest())
+        assert time.monotonic() - start < 0.2
+        with Receiver(endpoint, bind=True, timeout_s=5.0) as receiver:
+            message, _ = receiver.recv()
+    assert isinstance(message, wire.HealthRequest)
+
+
 def test_unsendable_dtype_is_refused():
     with pytest.raises(TypeError, match="dtype object"):
         encode_frames(wire.HealthRequest(), {"x": np.array([object()])})

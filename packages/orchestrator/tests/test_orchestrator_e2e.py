@@ -78,7 +78,13 @@ class FakeTrainer:
 
     def _run(self, rank: int, port: int, num_steps: int) -> None:
         try:
-            announcer = Sender(f"tcp://127.0.0.1:{self.weights_port}", timeout_s=30) if rank == 0 else None
+            # queues like the trainer's VersionAnnouncer: the orchestrator may have taken its last step and gone
+            # before an announcement it did not need (CI: a blocking send timed out after the run had passed)
+            announcer = (
+                Sender(f"tcp://127.0.0.1:{self.weights_port}", timeout_s=30, queue_without_peer=True)
+                if rank == 0
+                else None
+            )
             with Receiver(f"tcp://127.0.0.1:{port + rank}", bind=False, timeout_s=30) as receiver:
                 for i in range(num_steps):
                     message, arrays = receiver.recv()

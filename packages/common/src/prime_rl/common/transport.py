@@ -332,7 +332,12 @@ class _Socket:
 
 
 class Sender(_Socket):
-    """PUSH side: ``send(message, arrays)``. Connects by default."""
+    """PUSH side: ``send(message, arrays)``. Connects by default.
+
+    Without a connected peer a send blocks (and times out after ``timeout_s``): a batch must reach a live
+    trainer. ``queue_without_peer`` queues instead (up to the high-water mark, 1000 messages), for
+    notifications whose reader may come later or be gone for good: the trainer's version announcements
+    outlive an orchestrator that already took its last step."""
 
     def __init__(
         self,
@@ -343,13 +348,16 @@ class Sender(_Socket):
         context: zmq.Context | None = None,
         linger_s: float = 5.0,
         secret: RunSecret | None | _Unset = _UNSET,
+        queue_without_peer: bool = False,
     ) -> None:
         self.timeout_s = timeout_s
+        self.queue_without_peer = queue_without_peer
         self._pool = BufferPool()
         super().__init__(zmq.PUSH, endpoint, bind, context, linger_s, secret)
 
     def _configure(self, socket: zmq.Socket) -> None:
-        socket.setsockopt(zmq.IMMEDIATE, 1)  # no peer => block (and time out), don't queue blindly
+        if not self.queue_without_peer:
+            socket.setsockopt(zmq.IMMEDIATE, 1)  # no peer => block (and time out), don't queue blindly
 
     def send(
         self,

@@ -30,13 +30,6 @@ from prime_rl.common.wire import WeightsPublished
 logger = logging.getLogger(__name__)
 
 
-class _QueueingSender(Sender):
-    """A ``Sender`` that queues while no peer is connected (no ZMQ_IMMEDIATE)."""
-
-    def _configure(self, socket: zmq.Socket) -> None:
-        pass
-
-
 class VersionAnnouncer:
     """Sends ``WeightsPublished`` to the orchestrator; ``endpoint=None`` announces nothing (benchmarks).
 
@@ -46,10 +39,12 @@ class VersionAnnouncer:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._context: zmq.Context | None = None
-        self._sender: _QueueingSender | None = None
+        self._sender: Sender | None = None
         if endpoint:
             self._context = zmq.Context()
-            self._sender = _QueueingSender(endpoint, timeout_s=timeout_s, linger_s=linger_s, context=self._context)
+            self._sender = Sender(
+                endpoint, timeout_s=timeout_s, linger_s=linger_s, context=self._context, queue_without_peer=True
+            )
 
     def announce(self, version: int, path: str | None = None, publish_s: float = 0.0, write_s: float = 0.0) -> None:
         """Tell the orchestrator ``version`` exists: at ``path`` (to load), or already served (``path=None``)."""
