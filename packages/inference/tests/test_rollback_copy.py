@@ -15,6 +15,8 @@ from prime_rl.common.weight_sync.broadcast import Spec, pack_bucket, plan_bucket
 from prime_rl.inference.worker import broadcast  # noqa: E402
 from prime_rl.inference.worker.broadcast import BroadcastUpdateError, load_buckets  # noqa: E402
 
+NAN, INF = float("nan"), float("inf")
+
 
 class _Reload:
     def __init__(self, worker, copy: bool) -> None:
@@ -71,3 +73,20 @@ def test_a_failed_update_rolls_back_from_the_copy_and_frees_the_buffers_it_took(
     assert torch.equal(worker.loaded["a"], torch.full((300_000,), 1.0))  # version 1 serves again
     assert worker._prime_bcast_copy.version == 1
     assert len(worker._prime_bcast_spares) == 2  # the NaN update's two copies, ready for the next one
+
+
+@pytest.mark.parametrize(
+    "dtype, bad",
+    [(dtype, bad) for dtype in (torch.bfloat16, torch.float16, torch.float32) for bad in (NAN, INF, -INF)]
+    + [(torch.float8_e4m3fn, NAN)],  # e4m3fn holds no Inf (a cast saturates at +-448)
+)
+def test_a_nan_or_inf_anywhere_in_a_streamed_tensor_is_named(dtype, bad):
+    """What decides a rollback: every float tensor holding a NaN or an Inf, at any position, of any dtype a
+    publish sends (and fp8), is named; finite, integer and empty tensors are not."""
+    batch = [("ok", torch.randn(1000).to(dtype)), ("ids", torch.arange(5)), ("empty", torch.empty(0, dtype=dtype))]
+    for i, pos in enumerate((0, 517, 99_999)):
+        t = torch.randn(100_000, 2)
+        t.view(-1)[pos] = bad
+        batch.append((f"bad{i}", t.to(dtype)))
+    assert broadcast._nonfinite(batch) == ["bad0", "bad1", "bad2"]
+    assert broadcast._nonfinite(batch[:3]) == []
