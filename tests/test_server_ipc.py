@@ -169,9 +169,9 @@ def test_update_without_a_copy_restores_the_weights_on_disk(server, sender, tmp_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_device_memory_update_matches_transformers(server):
+def test_device_memory_update_matches_transformers_and_a_non_finite_one_is_rolled_back(server):
     """``memory = "device"``: the slots live on this process's GPU and vLLM's worker (on the same GPU) opens
-    them through CUDA IPC handles."""
+    them through CUDA IPC handles; a NaN among them is rolled back as on the host."""
     lease = reserve_ports(1, f"test_server_ipc-device-{server.control}")
     sender = IpcWeightSender(
         [server.control], host="127.0.0.1", port=lease.base, memory="device", device=torch.device("cuda", 0),
@@ -188,6 +188,14 @@ def test_device_memory_update_matches_transformers(server):
         new = max_diff(served, hf_logprobs(server.model_dir, sd))
         assert new < GPU_TOL
         assert max_diff(served, hf_logprobs(server.model_dir, perturbed(server.model_dir, seed=31))) > 10 * new
+        # a NaN in device memory is found by the workers' check on the GPU and rolled back from their pinned copy
+        sd = perturbed(server.model_dir, seed=32)
+        sd["model.norm.weight"][3] = float("nan")
+        sd["model.norm.weight"] = sd.pop("model.norm.weight")  # sent last: the rest reached the model first
+        with pytest.raises(IpcWeightError, match="rolled back to version 30, which is still served"):
+            sender.push(32, ((n, t.cuda()) for n, t in sd.items()))
+        assert health(server).weight_version == 30
+        assert max_diff(server_logprobs(server), served) < 1e-3  # NaN, or version 32's weights, would fail it
     finally:
         sender.close()
         lease.release()
