@@ -323,6 +323,29 @@ def test_bad_config_exits_2_with_one_line(
     assert needle in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("replica_port", "needle"),
+    [
+        ("65535", "slurm.replica_port=65535 puts inference node 1 on port 65536, above 65535; lower "
+                  "slurm.replica_port by at least 1"),
+        ("65436", "slurm.replica_port=65436 puts inference node 1 on port 65437, where server.port=65437 "
+                  "(server.control_port=None) puts the control port at 65537, above 65535"),
+        ("65434", None),  # node 1's control port is 65535: the last that fits
+    ],
+)  # fmt: skip
+def test_a_replica_port_whose_last_node_passes_65535_is_refused_before_submitting(
+    tmp_path: Path, capsys, replica_port: str, needle: str | None
+) -> None:
+    """Node i serves on replica_port + i and its control plane on + 100: refused at submission, not on the node."""
+    cfg = write_rl_job(tmp_path, {"num_infer_nodes": 2, "num_train_nodes": 1, "gpus_per_node": 1})
+    code = main(["rl", "@", str(cfg), "--slurm.replica-port", replica_port, "--dry-run"])
+    err = capsys.readouterr().err
+    if needle is None:
+        assert code == 0, err
+    else:
+        assert code == 2 and needle in err and err.count("\n") == 1, err
+
+
 def test_missing_slurm_table_is_an_error(tmp_path: Path, capsys) -> None:
     cfg = tmp_path / "sft.toml"
     cfg.write_text('[model]\nname = "/m"\n[data]\ntype = "fake"\n')

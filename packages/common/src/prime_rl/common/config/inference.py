@@ -276,6 +276,12 @@ class InferenceConfig(BaseConfig):
     def _derived_ports_fit(self) -> InferenceConfig:
         # Checked here, at start-up, not by the replica that is handed the port: a server.port near 65535 made
         # each replica fail its own --server.control-port check after the run had started (CI, issue 29).
+        self.check_derived_ports()
+        return self
+
+    def check_derived_ports(self) -> None:
+        """Raise ValueError, naming the port and the fix, when a port derived from ``server.port`` passes 65535
+        (also asked by the SLURM job for its last node's port, which only the node's own config is given)."""
         derived = {"the control port" + ("s" if self.num_instances > 1 else ""): max(self.instance_control_ports)}
         if self.fronted_by_router:
             derived["the replicas' HTTP ports"] = max(self.instance_http_ports)
@@ -288,7 +294,6 @@ class InferenceConfig(BaseConfig):
                     f"server.port={self.server.port} (server.control_port={self.server.control_port}) puts {what} "
                     f"at {port}, above {MAX_PORT}; lower server.port (or server.control_port) by at least {room}"
                 )
-        return self
 
     @model_validator(mode="after")
     def _ports_do_not_collide(self) -> InferenceConfig:

@@ -27,6 +27,7 @@ from prime_rl.common.config.deployment import (
     SlurmConfig,
     unknown_kv_connector,
 )
+from prime_rl.common.config.inference import MAX_PORT
 from prime_rl.common.rundir import RunDir
 from prime_rl.launcher.host_facts import HostFacts
 
@@ -202,7 +203,25 @@ def load_job(kind: str, argv: list[str], host: HostFacts | None = None) -> Slurm
         _place_disaggregated(job)
     if KINDS[kind].places_inference and job.num_infer_nodes == 0:
         raise ConfigError(f"{kind}: deployment.num_infer_nodes=0 leaves inference nowhere to run; set it to >= 1")
+    if KINDS[kind].places_inference and inference is not None and job.disaggregated is None:
+        _check_replica_ports(job, inference, extra.get("replica_port_stride", 1))
     return job
+
+
+def _check_replica_ports(job: SlurmJob, inference: Any, stride: int) -> None:
+    """Inference node i serves on ``slurm.replica_port + i * stride`` and derives its control ports from that
+    (``InferenceConfig``): the last node's must fit below 65536 before the job is submitted, not fail on the
+    node once the job runs."""
+    n = job.num_infer_nodes - 1
+    last = job.slurm.replica_port + n * stride
+    where = f"slurm.replica_port={job.slurm.replica_port} puts inference node {n} on port {last}"
+    if last > MAX_PORT:
+        raise ConfigError(f"{where}, above {MAX_PORT}; lower slurm.replica_port by at least {last - MAX_PORT}")
+    node = inference.model_copy(update={"server": inference.server.model_copy(update={"port": last})})
+    try:
+        node.check_derived_ports()
+    except ValueError as e:
+        raise ConfigError(f"{where}, where {e} (lower slurm.replica_port by as much)") from None
 
 
 def _place_disaggregated(job: SlurmJob) -> None:
