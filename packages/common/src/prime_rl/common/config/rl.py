@@ -23,7 +23,7 @@ from prime_rl.common.config.deployment import (
     SingleNodeDeployment,
     SlurmConfig,
 )
-from prime_rl.common.config.inference import LORA_RANKS, InferenceConfig
+from prime_rl.common.config.inference import LORA_RANKS, MAX_PORT, InferenceConfig
 from prime_rl.common.config.layout import read_model_shape
 from prime_rl.common.config.monitor import MonitorConfig
 from prime_rl.common.config.orchestrator import OrchestratorConfig
@@ -443,11 +443,11 @@ class RLConfig(BaseConfig):
                 "inference on different nodes; use weight_broadcast.type='nccl' or 'nixl'"
             )
         last_channel = wb.port + self.deployment.num_nodes - 1 if colocated else wb.port
-        if last_channel > 65535:  # node i's leader hosts its bucket channel at port + i (publish_ipc.node_channel)
+        if last_channel > MAX_PORT:  # node i's leader hosts its bucket channel at port + i (publish_ipc.node_channel)
             raise ValueError(
                 f"weight_broadcast.port={wb.port} with deployment.num_nodes={self.deployment.num_nodes}: node i's "
-                f"bucket channel listens on port + i, up to {last_channel}, above 65535; set weight_broadcast.port "
-                f"to at most {65535 - self.deployment.num_nodes + 1}"
+                f"bucket channel listens on port + i, up to {last_channel}, above {MAX_PORT}; set "
+                f"weight_broadcast.port to at most {MAX_PORT - self.deployment.num_nodes + 1}"
             )
         if wb.memory == "device" and not colocated and self.deployment.num_infer_gpus > 0:
             raise ValueError(
