@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from prime_rl.common.weight_sync.broadcast import BucketLayout, WeightGroup, unpack_bucket
+from prime_rl.common.weight_sync.pinned import pinned_empty
 from prime_rl.inference.weights.broadcast_receiver import receive_batches
 from prime_rl.inference.weights.manifest import STILL_SERVED
 from prime_rl.inference.worker.reload import LayerwiseReload
@@ -63,7 +64,7 @@ class HostBuffers:
         if fits:
             base = self.spares.pop(fits[0])
         else:
-            base = torch.empty(n, dtype=buffer.dtype, pin_memory=buffer.is_cuda)
+            base = pinned_empty(n, buffer.dtype, pin=buffer.is_cuda)  # not rounded up to a power of two
         self.taken.append(base)
         view = base[:n]
         view.copy_(buffer)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from prime_rl.common.config.trainer import AdamWConfig, SignSGDConfig
+from prime_rl.common.weight_sync.pinned import pinned_empty
 from prime_rl.trainer.optim.optimizer import build_optimizer
 
 CHUNK_NUMEL = 1 << 26  # parameters per CPU optimizer call: bounds the temporaries of foreach ops
@@ -33,9 +34,10 @@ class FullOffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[torch.nn.Parameter], cfg: AdamWConfig | SignSGDConfig):
         self.params = [p for p in params if p.requires_grad]
         pin = torch.cuda.is_available()
-        self.masters = [_local(p).detach().to("cpu", torch.float32, copy=True) for p in self.params]
-        if pin:
-            self.masters = [m.pin_memory() for m in self.masters]
+        # exact-size pinned masters (`pinned_empty`): `pin_memory()` rounds each up to a power of two
+        self.masters = [pinned_empty(_local(p).shape, torch.float32, pin=pin) for p in self.params]
+        for m, p in zip(self.masters, self.params, strict=True):
+            m.copy_(_local(p).detach())
         for m in self.masters:
             m.grad = torch.zeros_like(m)
         self.inner = build_optimizer(cfg, self.masters)

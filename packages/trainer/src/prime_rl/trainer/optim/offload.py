@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
+from prime_rl.common.weight_sync.pinned import pinned_empty
+
 BUCKET_BYTES = 512 << 20
 """Bytes of optimizer state per bucket: one H2D / D2H copy each."""
 
@@ -97,7 +99,7 @@ class OptimizerOffload:
                 b.numel += t.numel()
                 self.bucket_of.setdefault(id(p), i)
         for b in self.buckets:
-            b.host = torch.empty(b.numel, dtype=b.tensors[0].dtype, pin_memory=True)
+            b.host = pinned_empty(b.numel, b.tensors[0].dtype)  # exact size: see pinned_empty
 
     def arm(self) -> None:
         """Prefetch each bucket as backward produces its parameters' gradients (before the last backward)."""

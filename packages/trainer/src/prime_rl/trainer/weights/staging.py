@@ -28,6 +28,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from prime_rl.common.weight_sync.pinned import pinned_empty
+
 ALIGN = 64
 """Byte alignment of every tensor inside the host buffer."""
 
@@ -99,7 +101,7 @@ class HostStaging:
             offset = _align(offset + num_bytes)
         if self.entries != entries or self.dtype != dtype:
             self.entries, self.dtype = entries, dtype
-            self.buffer = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=self._cuda)
+            self.buffer = pinned_empty(max(offset, 1), torch.uint8, pin=self._cuda)  # not rounded up
 
     def capture(
         self, state: dict[str, torch.Tensor], tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype

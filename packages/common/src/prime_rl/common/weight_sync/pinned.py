@@ -1,0 +1,51 @@
+"""Page-locked (pinned) host buffers of exactly the size asked for: ``pinned_empty``.
+
+Why: torch's pinned allocator (``torch.empty(..., pin_memory=True)``, ``Tensor.pin_memory()``) rounds every
+allocation up to the next power of two and page-locks all of it (`CachingHostAllocator`; the threshold that
+turns the rounding off is newer than torch 2.11). A 600 MiB bucket of optimizer state then holds 1 GiB of RAM,
+a 2.5 GB embedding moment 4 GiB. On one H200 machine with 128 GiB of RAM the optimizer offload of a Qwen3-8B
+shape (61 GiB of AdamW state in 512 MiB+ buckets) asked for ~108 GiB that way, and the host's OOM killer ended
+the trainer in its first step (2026-12-05, `benchmarks/results/colocated.md`).
+
+How: the buffer comes from the CPU allocator and is page-locked where it lies with ``cudaHostRegister``, what
+torch itself does under ``pinned_use_cuda_host_register`` (after rounding). ``Tensor.is_pinned()`` is true for
+it, and non-blocking copies to and from it are asynchronous. It is unregistered when the returned tensor is
+garbage-collected; the memory is freed only after that (the finalizer holds the storage), so a registered
+range is never returned to the OS. Views of the buffer that outlive it read pageable memory (still correct,
+only synchronous copies), so callers keep the returned tensor as long as its views: the long-lived buffers
+that use it (optimizer offload, full offload masters, rollback copies, weight staging) do.
+
+Short-lived buffers that are allocated and freed every step (activation offloading) keep torch's caching
+allocator: its reuse is what makes them cheap, and its rounding costs them little.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_PORTABLE = 1
+"""``cudaHostRegisterPortable``: pinned for every CUDA context of the process, as torch's own pinned memory is."""
+
+
+def _unregister(ptr: int, storage: torch.UntypedStorage) -> None:
+    """Unpin ``ptr``; ``storage`` (the buffer's memory) is released only after, when this frame drops it."""
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
+    del storage
+
+
+def pinned_empty(shape: int | tuple[int, ...], dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
+    """An uninitialised host tensor of ``shape``, page-locked when ``pin`` (and CUDA is there).
+
+    Exactly ``numel * itemsize`` bytes are locked, never the power of two above. ``pin=False`` or no CUDA:
+    a plain pageable tensor (callers pass ``pin=buffer.is_cuda``: pinning only speeds up device copies)."""
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if not pin or nbytes == 0 or not torch.cuda.is_available():
+        return t
+    ptr = t.data_ptr()
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE))
+    # not at interpreter exit: the process's end releases the memory, and CUDA may be gone by then
+    weakref.finalize(t, _unregister, ptr, t.untyped_storage()).atexit = False
+    return t
