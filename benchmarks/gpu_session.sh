@@ -44,6 +44,8 @@ ITEMS=(
   "anchors|120|$PY -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .bench_anchor/whl/*.whl && $PY -c 'import prime_rl.launcher.rl, prime_rl.orchestrator.entrypoint, prime_rl.inference.server, prime_rl.trainer.rl.train, prime_rl.trainer.sft.train'"
   "kernels|240|$PYTEST packages/kernels/tests/test_lm_head_triton_gpu.py packages/kernels/tests/test_lm_head_ce.py packages/kernels/tests/test_grouped_gemm_gpu.py packages/trainer/tests/models/test_dense_attention.py packages/trainer/tests/models/test_gpu_attention.py packages/trainer/tests/models/test_gpu_nemotron_h.py packages/trainer/tests/test_colocate.py packages/trainer/tests/test_offload_gpu.py"
   "gputests|300|$PYTEST tests/test_weight_ipc.py tests/test_server_ipc.py tests/test_logprob_parity.py"
+  # the ipc half of gputests alone, for a session whose changes touch only the weight update
+  "ipctests|200|$PYTEST tests/test_weight_ipc.py tests/test_server_ipc.py"
   "gpue2e|580|$PYTEST tests/test_rl_e2e.py"
   "gputests_more|300|$PYTEST packages/trainer/tests/test_lora_rl.py packages/trainer/tests/parallel/test_scaling.py tests/test_router_replay_gpu.py"
   "rlsystem|560|$PY benchmarks/rl_system.py --colocated both --steps 3 --warmup 1 --baseline-timeout 120"
@@ -53,6 +55,8 @@ ITEMS=(
   "liger|240|$PY .bench_anchor/anchor_liger.py qwen3-1.7b"
   "lmhead|200|$PY benchmarks/lm_head.py --anchor .bench_anchor/anchor_hf_train.py"
   "respcost|300|$PY benchmarks/response_cost.py --shape qwen3-1.7b --concurrent 32 --gpu-memory-utilization 0.35"
+  # exact-size pinned host memory (no vLLM needed: a fresh machine runs it without staging the bundle)
+  "pinned|240|$PY -m pip install -q --no-index --no-deps --target /tmp/site .bench_anchor/whl/tomli_w-*.whl && $PYTEST packages/common/tests/test_weight_sync_pinned.py packages/trainer/tests/test_offload_gpu.py && $PY benchmarks/pinned_host_memory.py"
   "moe|240|$PY benchmarks/grouped_gemm.py && $PY benchmarks/grouped_gemm.py --experts 16 --tokens 2048"
 )
 
@@ -87,7 +91,7 @@ save_bench_files() {
   return 0
 }
 
-needs_vllm() { case "$1" in gputests | gpue2e | gputests_more | rlsystem | rl8b | respcost) return 0 ;; *) return 1 ;; esac; }
+needs_vllm() { case "$1" in gputests | ipctests | gpue2e | gputests_more | rlsystem | rl8b | respcost) return 0 ;; *) return 1 ;; esac; }
 
 status=0
 for name in "$@"; do
