@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 # by path: the package's __init__ imports the config (pydantic), which the GPU machine has only with the vLLM bundle
-_spec = importlib.util.spec_from_file_location("offload", Path(__file__).parents[1] / "packages/trainer/src/prime_rl/trainer/optim/offload.py")
+_spec = importlib.util.spec_from_file_location(
+    "offload", Path(__file__).parents[1] / "packages/trainer/src/prime_rl/trainer/optim/offload.py"
+)
 _offload = sys.modules["offload"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_offload)
 OptimizerOffload = _offload.OptimizerOffload
