@@ -6,6 +6,8 @@ lives here, below both; the ends themselves do not:
 
 - ``broadcast``: the broadcast group (NCCL on GPU, gloo on CPU) both ends build, the tensor specs and the
   bucket layout (``plan_buckets``, ``pack_bucket`` / ``unpack_bucket``);
+- ``pinned``: ``pinned_empty``, exact-size page-locked host buffers for the long-lived host copies on both
+  sides (rollback copies; optimizer offload, staging), where torch's pinned allocator rounds up to a power of two;
 - ``nixl_agent``: the agent, buffer and polling set-up both ends of the NIXL transport build (the
   torch-free arithmetic and notifications are ``prime_rl.common.nixl_layout``, the metadata service
   ``prime_rl.common.nixl_metadata``);
