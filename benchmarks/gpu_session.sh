@@ -87,6 +87,7 @@ save_bench_files() {
   mkdir -p "$OUT/bench"
   cp "$BENCH"/*.svg "$OUT/bench/" 2>/dev/null
   local f
+  cp "$BENCH"/*.metrics.jsonl "$OUT/bench/" 2>/dev/null
   for f in "$BENCH"/*.log; do [ -f "$f" ] && tail -c 300000 "$f" > "$OUT/bench/$(basename "$f")"; done
   return 0
 }

@@ -22,6 +22,7 @@ Prints one JSON line per round and a summary line.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -33,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prime_rl.common.net import free_port
+from prime_rl.common.vllm_compat import engine_env_defaults
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
 
 
@@ -66,7 +68,9 @@ def start_server(model: Path, port: int, args: argparse.Namespace, log: Path) ->
            "--max-model-len", str(args.max_tokens + 512), "--dtype", "bfloat16"]  # fmt: skip
     if args.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
+    # the engine settings `inference` applies (without flashinfer vLLM 0.26's sampler import fails at start-up)
+    defaults = engine_env_defaults(importlib.util.find_spec("flashinfer") is not None)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **defaults, **os.environ}
     server = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline:

@@ -123,7 +123,7 @@ def run_baseline(args: argparse.Namespace, model_dir: Path) -> dict:
     script.write_text(BASELINE)
     cmd = [sys.executable, str(script), str(model_dir), str(args.gpu_memory_utilization), str(args.seq_len),
            str(args.group_size), str(args.temperature), str(args.max_tokens), str(prompts_file)]  # fmt: skip
-    env = {**os.environ, **engine_env_defaults(importlib.util.find_spec("flashinfer") is not None)}
+    env = {**engine_env_defaults(importlib.util.find_spec("flashinfer") is not None), **os.environ}
     log = args.workdir / "vllm_alone.log"
     with open(log, "w") as f:
         try:
@@ -207,8 +207,12 @@ def run_rl(
     total = time.perf_counter() - start
     if proc.returncode != 0:
         return [], dict(error=f"rl exited {proc.returncode}", run_dir=str(run_dir))
+    metrics = run_dir / "monitors/file/metrics.jsonl"
+    # every metric of every step (orchestrator and trainer), beside the log: gpu_session.sh brings it back, so a
+    # step's time can be split further after the device call
+    shutil.copy(metrics, args.workdir / f"{name}.metrics.jsonl")
     rows: dict[int, dict] = {}
-    for line in (run_dir / "monitors/file/metrics.jsonl").read_text().splitlines():
+    for line in metrics.read_text().splitlines():
         row = json.loads(line)
         rows.setdefault(row["step"], {}).update(row)
     loads = {}
