@@ -10,6 +10,8 @@ from prime_rl.common.config.trainer import ACConfig, TrainerModelConfig
 from prime_rl.trainer.memory_plan import (
     Footprint,
     GiB,
+    check_host_memory,
+    host_bytes,
     peak_bytes,
     plan_memory,
     plannable_bytes,
@@ -26,6 +28,8 @@ def _qwen3(layers: int, hidden: int, heads: int, kv: int, intermediate: int, voc
 
 QWEN3_1_7B = _qwen3(28, 2048, 16, 8, 6144)
 QWEN3_4B = _qwen3(36, 2560, 32, 8, 9728)
+_TIED_8B = _qwen3(36, 4096, 32, 8, 12288)
+QWEN3_8B = Footprint(*[_TIED_8B.num_params + 151936 * 4096] * 2, 36, 4096, 12288, 151936, tied=False)  # untied head
 
 
 def _levers(plan) -> tuple:
@@ -103,3 +107,31 @@ def test_resolve_on_cpu_turns_auto_into_none(tiny_model_dir, caplog):
     explicit = TrainerModelConfig(name=str(tiny_model_dir), offload="optimizer", ac=ACConfig(mode="selective"))
     out = resolve_memory(explicit, 2048, torch.device("cpu"))
     assert out.offload == "optimizer" and out.ac.mode == "selective" and out.ac_offloading is None
+
+
+def test_host_memory_an_offload_plan_pins_is_its_state_per_rank():
+    n = QWEN3_8B.num_trainable
+    assert host_bytes(QWEN3_8B, "none", False, 8192) == 0
+    assert host_bytes(QWEN3_8B, "optimizer", False, 8192) == 8 * n  # AdamW's two fp32 moments
+    assert host_bytes(QWEN3_8B, "optimizer", False, 8192, shard=4) == 2 * n
+    assert host_bytes(QWEN3_8B, "optimizer", False, 8192, optimizer_bytes=0) == 0  # SignSGD: no state
+    assert host_bytes(QWEN3_8B, "full", False, 8192) == 16 * n  # + fp32 masters and gradient accumulators
+    assert host_bytes(QWEN3_8B, "full", True, 8192) == 16 * n + 2 * 8192 * 36 * 4096  # + bf16 block inputs
+
+
+def test_a_plan_the_host_cannot_pin_is_refused_before_the_run_starts():
+    """H200 machine, 128 GiB of RAM, 2026-12-05: the colocated Qwen3-8B trainer planned optimizer offload
+    (61 GiB of state) and was SIGKILLed by the OOM killer in its first step. With too little host memory the
+    plan now fails at start-up, naming what to change; with enough it passes."""
+    check_host_memory(QWEN3_8B, "optimizer", False, 8192, available=100 * GiB)
+    check_host_memory(QWEN3_8B, "optimizer", False, 8192, available=None)  # unknown (not Linux): no check
+    check_host_memory(QWEN3_8B, "none", False, 8192, available=1 * GiB)  # nothing offloaded
+    with pytest.raises(ValueError) as e:
+        check_host_memory(QWEN3_8B, "optimizer", False, 8192, available=50 * GiB)
+    msg = str(e.value)
+    assert "model.offload='optimizer' needs 61.0 GiB of pinned host memory" in msg
+    assert "50.0 GiB the host has available" in msg and "add GPUs" in msg
+    # eight ranks of one node share the host: each pins its shard
+    check_host_memory(QWEN3_8B, "optimizer", False, 8192, available=100 * GiB, shard=8, local_ranks=8)
+    with pytest.raises(ValueError, match="8 rank"):
+        check_host_memory(QWEN3_8B, "full", False, 8192, available=100 * GiB, shard=8, local_ranks=8)

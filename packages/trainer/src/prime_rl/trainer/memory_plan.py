@@ -31,11 +31,20 @@ CPU); `resolve_memory` measures the free memory (the minimum over ranks, so ever
 and returns the config with "auto" replaced. On CPU every lever only costs time, so "auto" is none / none.
 Left out: the allocator's fragmentation (covered by `HEADROOM`), NCCL buffers, and shrinking the token budget
 when even the last plan does not fit (the plan then logs a warning naming `data.micro_batch_tokens`).
+
+Host memory: what a plan offloads lives in pinned host memory, which cannot be swapped. `host_bytes` is that
+per rank (the optimizer state; with "full" also the fp32 masters and gradient accumulators; the AC-offloaded
+block inputs), times the node's ranks; `check_host_memory` refuses at start-up a plan that needs more than the
+node's available memory (MemAvailable). Before, a Qwen3-8B shape colocated on one H200 (61 GiB of AdamW state,
+then pinned with a power-of-two round-up: ~108 GiB) was ended by the host's OOM killer minutes into its first
+step. Left out there: the inference server's own host copies (rollback copies, level-1 sleep) when they come
+later than the trainer's start.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -180,6 +189,45 @@ def plan_memory(
     raise AssertionError("unreachable: LEVERS is not empty")
 
 
+def host_bytes(fp: Footprint, offload: Offload, ac_offloading: bool, tokens: int, *, shard: int = 1,
+               optimizer_bytes: int = 8) -> float:  # fmt: skip
+    """Pinned host memory one rank's plan holds: the optimizer state ("optimizer"), plus the fp32 masters and
+    gradient accumulators ("full"), plus the offloaded bf16 block inputs (AC offloading)."""
+    per_trainable = {"none": 0, "optimizer": optimizer_bytes, "full": 8 + optimizer_bytes}[offload]
+    activations = AC_BYTES * tokens * fp.num_layers * fp.hidden if ac_offloading else 0.0
+    return per_trainable * fp.num_trainable / shard + activations
+
+
+def check_host_memory(
+    fp: Footprint, offload: Offload, ac_offloading: bool, tokens: int, available: float | None, *,
+    shard: int = 1, optimizer_bytes: int = 8, local_ranks: int = 1,
+) -> None:  # fmt: skip
+    """Raise if the node's ``local_ranks`` ranks need more pinned host memory than ``available`` (None: unknown,
+    no check): the run would otherwise be killed by the OOM killer once the state is first offloaded."""
+    need = local_ranks * host_bytes(fp, offload, ac_offloading, tokens, shard=shard, optimizer_bytes=optimizer_bytes)
+    if available is None or need <= HEADROOM * available:
+        return
+    what = f"model.offload={offload!r}" + (" with AC offloading" if ac_offloading else "")
+    raise ValueError(
+        f"{what} needs {need / GiB:.1f} GiB of pinned host memory on this node ({local_ranks} rank(s) x "
+        f"{fp.num_trainable / 1e9:.2f}B trainable params / {shard} FSDP shard(s)), above {HEADROOM:.0%} of the "
+        f"{available / GiB:.1f} GiB the host has available (MemAvailable): add GPUs (FSDP shards the state "
+        "over them), train fewer parameters (LoRA), use optim.type = 'sign_sgd' (no state), or free host memory"
+    )
+
+
+def available_host_bytes() -> float | None:
+    """MemAvailable of /proc/meminfo (Linux); None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def footprint(cfg: TrainerModelConfig) -> Footprint:
     """Parameter counts from a meta-device copy (LoRA adapters applied), widths from the model's config."""
     from prime_rl.trainer.lora import apply_lora
@@ -275,11 +323,13 @@ def resolve_memory(
     Every rank must call it (the free memory is reduced over ranks); ``extra_bytes_per_param``: other copies of
     the weights per parameter before sharding (4 for the KL reference model's fp32 copy); ``shares_gpu``: plan
     for the GPU as it is while colocated inference sleeps (`free_device_bytes`)."""
+    tokens = -(-tokens_per_forward // cp)  # each CP rank holds its slice's activations
     if is_resolved(cfg):
+        if device.type == "cuda" and (cfg.offload != "none" or cfg.ac_offloading is not None):
+            _check_host(footprint(cfg), cfg.offload, cfg.ac_offloading is not None, tokens, shard, optimizer_bytes)
         return cfg
     fp = footprint(cfg)
     extra_bytes = extra_bytes_per_param * fp.num_params / shard
-    tokens = -(-tokens_per_forward // cp)  # each CP rank holds its slice's activations
     chunk = None if cfg.fused_lm_head_token_chunk_size == "disabled" else cfg.fused_lm_head_token_chunk_size
     plan = plan_memory(
         fp, tokens, free_device_bytes(device, shares_gpu),
@@ -291,9 +341,19 @@ def resolve_memory(
     )  # fmt: skip
     if logger is not None:
         (logger.info if plan.fits else logger.warning)(describe(fp, plan, tokens))
+    if device.type == "cuda":
+        _check_host(fp, plan.offload, plan.ac_offloading, tokens, shard, optimizer_bytes)
     update: dict = {"offload": plan.offload}
     if cfg.ac == "auto":
         update["ac"] = ACConfig() if plan.ac else None
     if cfg.ac_offloading == "auto":
         update["ac_offloading"] = ACOffloadingConfig() if plan.ac_offloading else None
     return cfg.model_copy(update=update)
+
+
+def _check_host(fp: Footprint, offload: Offload, ac_offloading: bool, tokens: int, shard: int, opt: int) -> None:
+    """`check_host_memory` for this node: its ranks from torchrun's LOCAL_WORLD_SIZE, its MemAvailable now (on CPU
+    every lever is a no-op, so only CUDA runs call it)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    check_host_memory(fp, offload, ac_offloading, tokens, available_host_bytes(), shard=shard, optimizer_bytes=opt,
+                      local_ranks=local_ranks)  # fmt: skip
