@@ -47,6 +47,8 @@ from pydantic.fields import PydanticUndefined
 from prime_rl.common.help_cache import asks_for_help, help_section, help_width, store_help
 
 CLI = "command line"
+MAX_PORT = 65535
+"""The highest TCP port: every port field's bound, and the limit the derived-port checks hold ports to."""
 T = TypeVar("T", bound=BaseModel)
 
 

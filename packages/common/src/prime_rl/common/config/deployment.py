@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.common.config.base import BaseConfig
+from prime_rl.common.config.base import MAX_PORT, BaseConfig
 
 
 class SingleNodeDeployment(BaseConfig):
@@ -219,13 +219,13 @@ class SlurmConfig(BaseConfig):
     """start a job-scoped weight-transfer metadata service on the trainer head node (nixl transport)"""
     install_command: str = "uv sync --all-extras --all-packages"
     """run once on the batch node before anything starts; skipped when the venv exists or PRIME_RL_SKIP_INSTALL=1"""
-    rdzv_port: int = Field(29500, ge=1, le=65535)
+    rdzv_port: int = Field(29500, ge=1, le=MAX_PORT)
     """torchrun rendezvous port on the head trainer node"""
-    router_port: int = Field(8000, ge=1, le=65534)
+    router_port: int = Field(8000, ge=1, le=MAX_PORT - 1)
     """port of the global router on the first inference node (the URL clients and the orchestrator use); its
     Prometheus metrics listen on router_port + 1, loopback only (vllm-router's own default, 29000, is one port
     for every router: two jobs sharing a node collided there and the second router died)"""
-    replica_port: int = Field(8100, ge=1, le=65535)
+    replica_port: int = Field(8100, ge=1, le=MAX_PORT)
     """HTTP port of the inference replica on inference node i is replica_port + i (distinct ports keep
     nodes that share one network, like a test cluster on one machine, apart)"""
 

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from prime_rl.common.auth import is_loopback
-from prime_rl.common.config.base import BaseConfig
+from prime_rl.common.config.base import MAX_PORT, BaseConfig
 from prime_rl.common.config.deployment import DisaggregatedDeployment, InferenceDeployment, LocalInferenceDeployment
 from prime_rl.common.rundir import BROADCAST_MARKER
 from prime_rl.common.vllm_compat import PROCESSED_LOGPROBS
@@ -49,7 +49,6 @@ class InferenceModelConfig(BaseConfig):
     """Model name clients send in requests; None uses ``name``."""
 
 
-MAX_PORT = 65535
 INFERENCE_PORT_HEADROOM = 200
 """Ports an inference deployment may derive above ``server.port`` at default settings: the control ports at
 +100 (one per instance), the router's metrics port and the NIXL side channel after them (tests pick a
@@ -178,7 +177,7 @@ class RouterConfig(BaseConfig):
         "consistent_hash", "sticky_least_loaded", "cache_aware", "round_robin", "power_of_two", "random"
     ] = "consistent_hash"
     """vllm-router policy; consistent_hash / sticky_least_loaded keep one ``x-session-id`` header on one replica."""
-    metrics_port: int | None = Field(None, ge=1, le=65535)
+    metrics_port: int | None = Field(None, ge=1, le=MAX_PORT)
     """Port of the router's Prometheus metrics; None means the port after the replicas' control ports."""
     startup_timeout: float = Field(900.0, gt=0)
     """Seconds to wait for every replica to serve before the router starts (and the run fails)."""

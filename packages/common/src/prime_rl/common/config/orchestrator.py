@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from prime_rl.common.config.base import BaseConfig
+from prime_rl.common.config.base import MAX_PORT, BaseConfig
 from prime_rl.common.config.monitor import MonitorConfig
 from prime_rl.common.config.run_section import RunSectionConfig
 
@@ -297,11 +297,11 @@ class TrainerEndpointConfig(BaseConfig):
 
     address: str = "127.0.0.1"
     """Interface the orchestrator binds its ZeroMQ senders on ("0.0.0.0" when trainers are on other nodes)."""
-    port: int = Field(default=29600, ge=1, le=65535)
+    port: int = Field(default=29600, ge=1, le=MAX_PORT)
     """Port for trainer rank 0; rank r uses port + r (the trainer's data.port)."""
     send_timeout: float = Field(default=3600.0, gt=0)
     """Seconds to wait for a trainer rank to take a batch before failing."""
-    weights_port: int = Field(default=29599, ge=1, le=65535)
+    weights_port: int = Field(default=29599, ge=1, le=MAX_PORT)
     """Port the orchestrator binds (on `address`) for the trainer's WeightsPublished announcements (the
     trainer's weight_broadcast.announce); the only way it learns of new policy versions."""
 

@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
-from prime_rl.common.config.base import BaseConfig
+from prime_rl.common.config.base import MAX_PORT, BaseConfig
 from prime_rl.common.config.deployment import (
     COLOCATED_TRANSPORTS,
     ColocatedDeployment,
@@ -23,7 +23,7 @@ from prime_rl.common.config.deployment import (
     SingleNodeDeployment,
     SlurmConfig,
 )
-from prime_rl.common.config.inference import LORA_RANKS, MAX_PORT, InferenceConfig
+from prime_rl.common.config.inference import LORA_RANKS, InferenceConfig
 from prime_rl.common.config.layout import read_model_shape
 from prime_rl.common.config.monitor import MonitorConfig
 from prime_rl.common.config.orchestrator import OrchestratorConfig

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from prime_rl.common.config.base import BaseConfig
+from prime_rl.common.config.base import MAX_PORT, BaseConfig
 from prime_rl.common.config.trainer import CheckpointConfig, TrainerRunConfig
 
 AUTO_MICRO_BATCH_TOKENS = 8192
@@ -43,7 +43,7 @@ class RLDataConfig(BaseConfig):
     max(seq_len, 8192); None = one forward per received row, untrimmed."""
     host: str = "127.0.0.1"
     """Host of the orchestrator's ZeroMQ batch socket."""
-    port: int = Field(29600, ge=1, le=65535)
+    port: int = Field(29600, ge=1, le=MAX_PORT)
     """Port of the orchestrator's ZeroMQ batch socket (rank r connects to port + r)."""
     timeout: float = Field(3600.0, gt=0)
     """Seconds to wait for the next batch before failing."""
@@ -146,7 +146,7 @@ class _PushConfig(_PublishConfig):
     host: str = "127.0.0.1"
     """Where inference reaches the trainer: the NCCL group's rendezvous (trainer rank 0), or the NIXL metadata
     service (the trainer head node; started there by the SLURM job)."""
-    port: int = Field(ge=1, le=65535)
+    port: int = Field(ge=1, le=MAX_PORT)
     """Port on `host`; each transport sets its default."""
     timeout: float = Field(600.0, gt=0)
     """Seconds to wait for inference: to join the NCCL group, or for a NIXL peer (metadata, a readiness
@@ -164,7 +164,7 @@ class NCCLBroadcastConfig(_PushConfig):
     """Broadcast weights from trainer rank 0 into the inference workers (NCCL on GPU, gloo on CPU)."""
 
     type: Literal["nccl"] = "nccl"
-    port: int = Field(29700, ge=1, le=65535)
+    port: int = Field(29700, ge=1, le=MAX_PORT)
     """Rendezvous port of the broadcast group."""
 
 
@@ -172,7 +172,7 @@ class NixlBroadcastConfig(_PushConfig):
     """Inference workers read the weights from every trainer rank over NIXL (UCX), group by group."""
 
     type: Literal["nixl"] = "nixl"
-    port: int = Field(29710, ge=1, le=65535)
+    port: int = Field(29710, ge=1, le=MAX_PORT)
     """Port of the NIXL metadata service; trainer rank 0 starts one in process if none answers there."""
     group_bytes: int = Field(256 << 20, ge=1 << 10)
     """Bytes per transfer group: the size of one transfer arena (a bigger tensor gets a group of its own)."""
@@ -186,7 +186,7 @@ class IpcBroadcastConfig(_PushConfig):
     (SLURM): each node's local rank 0 fills its own node's servers' buckets."""
 
     type: Literal["ipc"] = "ipc"
-    port: int = Field(29720, ge=1, le=65535)
+    port: int = Field(29720, ge=1, le=MAX_PORT)
     """Port of the bucket channel (a TCP store on trainer rank 0: buckets ready, buckets read); on several nodes,
     node i's leader listens on 127.0.0.1, port + i (nodes that are one machine do not collide)."""
     memory: Literal["device", "host"] = "device"

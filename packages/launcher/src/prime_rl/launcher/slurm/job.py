@@ -20,6 +20,7 @@ import pydantic
 from pydantic import BaseModel
 
 from prime_rl.common.config import ConfigError, load_config
+from prime_rl.common.config.base import MAX_PORT
 from prime_rl.common.config.deployment import (
     ColocatedDeployment,
     DisaggregatedDeployment,
@@ -27,7 +28,6 @@ from prime_rl.common.config.deployment import (
     SlurmConfig,
     unknown_kv_connector,
 )
-from prime_rl.common.config.inference import MAX_PORT
 from prime_rl.common.rundir import RunDir
 from prime_rl.launcher.host_facts import HostFacts
 
