@@ -135,3 +135,28 @@ def test_a_plan_the_host_cannot_pin_is_refused_before_the_run_starts():
     check_host_memory(QWEN3_8B, "optimizer", False, 8192, available=100 * GiB, shard=8, local_ranks=8)
     with pytest.raises(ValueError, match="8 rank"):
         check_host_memory(QWEN3_8B, "full", False, 8192, available=100 * GiB, shard=8, local_ranks=8)
+
+
+def test_a_colocated_inference_s_rollback_copies_count_against_the_host():
+    """Colocated on one GPU, the vLLM worker later pins two bf16 copies of the pushed weights (4 bytes a param):
+    the trainer's plan counts them, and the message says which setting drops them."""
+    from prime_rl.common.config.rl_trainer import IpcBroadcastConfig, NCCLBroadcastConfig, RLTrainerConfig
+    from prime_rl.trainer.rl.train import colocated_rollback_bytes_per_param
+
+    def cfg(**kw) -> RLTrainerConfig:
+        return RLTrainerConfig(model=TrainerModelConfig(name="unused"), **kw)
+
+    assert (
+        colocated_rollback_bytes_per_param(cfg(offload_between_steps=True, weight_broadcast=IpcBroadcastConfig())) == 4
+    )
+    assert colocated_rollback_bytes_per_param(cfg(weight_broadcast=NCCLBroadcastConfig())) == 0  # split: other hosts
+    no_copy = IpcBroadcastConfig(keep_rollback_copy=False)
+    assert colocated_rollback_bytes_per_param(cfg(offload_between_steps=True, weight_broadcast=no_copy)) == 0
+    assert colocated_rollback_bytes_per_param(cfg(offload_between_steps=True)) == 0  # filesystem: no copies
+
+    rollback = 4 * QWEN3_8B.num_params  # 30.5 GiB beside the trainer's 61.0
+    check_host_memory(QWEN3_8B, "optimizer", False, 8192, available=110 * GiB, reserved=rollback)
+    with pytest.raises(ValueError) as e:
+        check_host_memory(QWEN3_8B, "optimizer", False, 8192, available=90 * GiB, reserved=rollback)
+    assert "plus 30.5 GiB for the colocated inference's rollback copies" in str(e.value)
+    assert "weight_broadcast.keep_rollback_copy = false" in str(e.value)

@@ -200,18 +200,25 @@ def host_bytes(fp: Footprint, offload: Offload, ac_offloading: bool, tokens: int
 
 def check_host_memory(
     fp: Footprint, offload: Offload, ac_offloading: bool, tokens: int, available: float | None, *,
-    shard: int = 1, optimizer_bytes: int = 8, local_ranks: int = 1,
+    shard: int = 1, optimizer_bytes: int = 8, local_ranks: int = 1, reserved: float = 0.0,
 ) -> None:  # fmt: skip
-    """Raise if the node's ``local_ranks`` ranks need more pinned host memory than ``available`` (None: unknown,
-    no check): the run would otherwise be killed by the OOM killer once the state is first offloaded."""
+    """Raise if the node's ``local_ranks`` ranks, plus ``reserved`` bytes other processes of the run pin later on
+    this node (a colocated inference's rollback copies), need more pinned host memory than ``available`` (None:
+    unknown, no check): the run would otherwise be killed by the OOM killer once the state is first offloaded."""
     need = local_ranks * host_bytes(fp, offload, ac_offloading, tokens, shard=shard, optimizer_bytes=optimizer_bytes)
-    if available is None or need <= HEADROOM * available:
+    if available is None or need + reserved <= HEADROOM * available:
         return
     what = f"model.offload={offload!r}" + (" with AC offloading" if ac_offloading else "")
+    others = (
+        f", plus {reserved / GiB:.1f} GiB for the colocated inference's rollback copies (two of the weights; "
+        "weight_broadcast.keep_rollback_copy = false drops them)"
+        if reserved
+        else ""
+    )
     raise ValueError(
         f"{what} needs {need / GiB:.1f} GiB of pinned host memory on this node ({local_ranks} rank(s) x "
-        f"{fp.num_trainable / 1e9:.2f}B trainable params / {shard} FSDP shard(s)), above {HEADROOM:.0%} of the "
-        f"{available / GiB:.1f} GiB the host has available (MemAvailable): add GPUs (FSDP shards the state "
+        f"{fp.num_trainable / 1e9:.2f}B trainable params / {shard} FSDP shard(s)){others}, above {HEADROOM:.0%} of "
+        f"the {available / GiB:.1f} GiB the host has available (MemAvailable): add GPUs (FSDP shards the state "
         "over them), train fewer parameters (LoRA), use optim.type = 'sign_sgd' (no state), or free host memory"
     )
 
@@ -317,16 +324,21 @@ def resolve_memory(
     optimizer_bytes: int = 8,
     extra_bytes_per_param: float = 0.0,
     shares_gpu: bool = False,
+    host_reserved_bytes_per_param: float = 0.0,
     logger: logging.Logger | None = None,
 ) -> TrainerModelConfig:
     """``cfg`` with "auto" offload / ac / ac_offloading replaced by the plan (unchanged if none is "auto").
     Every rank must call it (the free memory is reduced over ranks); ``extra_bytes_per_param``: other copies of
     the weights per parameter before sharding (4 for the KL reference model's fp32 copy); ``shares_gpu``: plan
-    for the GPU as it is while colocated inference sleeps (`free_device_bytes`)."""
+    for the GPU as it is while colocated inference sleeps (`free_device_bytes`); ``host_reserved_bytes_per_param``:
+    pinned host bytes per parameter other processes of the run hold on this node later (`check_host_memory`)."""
     tokens = -(-tokens_per_forward // cp)  # each CP rank holds its slice's activations
     if is_resolved(cfg):
-        if device.type == "cuda" and (cfg.offload != "none" or cfg.ac_offloading is not None):
-            _check_host(footprint(cfg), cfg.offload, cfg.ac_offloading is not None, tokens, shard, optimizer_bytes)
+        pins = cfg.offload != "none" or cfg.ac_offloading is not None or host_reserved_bytes_per_param > 0
+        if device.type == "cuda" and pins:
+            fp = footprint(cfg)
+            reserved = host_reserved_bytes_per_param * fp.num_params
+            _check_host(fp, cfg.offload, cfg.ac_offloading is not None, tokens, shard, optimizer_bytes, reserved)
         return cfg
     fp = footprint(cfg)
     extra_bytes = extra_bytes_per_param * fp.num_params / shard
@@ -342,7 +354,8 @@ def resolve_memory(
     if logger is not None:
         (logger.info if plan.fits else logger.warning)(describe(fp, plan, tokens))
     if device.type == "cuda":
-        _check_host(fp, plan.offload, plan.ac_offloading, tokens, shard, optimizer_bytes)
+        reserved = host_reserved_bytes_per_param * fp.num_params
+        _check_host(fp, plan.offload, plan.ac_offloading, tokens, shard, optimizer_bytes, reserved)
     update: dict = {"offload": plan.offload}
     if cfg.ac == "auto":
         update["ac"] = ACConfig() if plan.ac else None
@@ -351,9 +364,11 @@ def resolve_memory(
     return cfg.model_copy(update=update)
 
 
-def _check_host(fp: Footprint, offload: Offload, ac_offloading: bool, tokens: int, shard: int, opt: int) -> None:
+def _check_host(
+    fp: Footprint, offload: Offload, ac_offloading: bool, tokens: int, shard: int, opt: int, reserved: float
+) -> None:
     """`check_host_memory` for this node: its ranks from torchrun's LOCAL_WORLD_SIZE, its MemAvailable now (on CPU
     every lever is a no-op, so only CUDA runs call it)."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     check_host_memory(fp, offload, ac_offloading, tokens, available_host_bytes(), shard=shard, optimizer_bytes=opt,
-                      local_ranks=local_ranks)  # fmt: skip
+                      local_ranks=local_ranks, reserved=reserved)  # fmt: skip

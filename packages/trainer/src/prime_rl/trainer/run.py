@@ -102,14 +102,17 @@ def build_trainer(
     seq_len: int,
     extra_bytes_per_param: float = 0.0,
     shares_gpu: bool = False,
+    host_reserved_bytes_per_param: float = 0.0,
 ) -> tuple[Config, object, CausalLM, Trainer]:
     """Resolve the memory plan ("auto" offload / AC) for ``tokens_per_forward``, then build the sharded model,
     its optimizer and the `Trainer`. Returns the config with the plan filled in, the mesh, the model and the
-    trainer. ``shares_gpu``: a colocated RL trainer, which plans for the GPU as inference leaves it asleep."""
+    trainer. ``shares_gpu``: a colocated RL trainer, which plans for the GPU as inference leaves it asleep;
+    ``host_reserved_bytes_per_param``: host memory other processes on the node pin later (`resolve_memory`)."""
     model_cfg = resolve_memory(
         cfg.model, tokens_per_forward, world.device, shard=dims.dp_shard, cp=dims.cp,
         optimizer_bytes=8 if cfg.optim.type == "adamw" else 0, extra_bytes_per_param=extra_bytes_per_param,
-        shares_gpu=shares_gpu, logger=logger if world.is_main else None,
+        shares_gpu=shares_gpu, host_reserved_bytes_per_param=host_reserved_bytes_per_param,
+        logger=logger if world.is_main else None,
     )  # fmt: skip
     cfg = cfg.model_copy(update={"model": model_cfg})
     torch.manual_seed(cfg.seed)

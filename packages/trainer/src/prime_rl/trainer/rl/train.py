@@ -35,6 +35,7 @@ from prime_rl.common.config.layout import LayoutError, check_layout, read_model_
 from prime_rl.common.config.rl_trainer import RLTrainerConfig, SequenceLossConfig, TokenLossConfig
 from prime_rl.common.config.trainer import TrainerModelConfig
 from prime_rl.common.rundir import RunDir
+from prime_rl.common.wire import DTYPE_ITEMSIZE
 from prime_rl.trainer.colocate import StepOffload
 from prime_rl.trainer.dispatch_kernels import exit_if_dispatch_kernels_missing
 from prime_rl.trainer.loop import train_loop
@@ -230,6 +231,17 @@ def apply_env_vars(env_vars: dict[str, str]) -> None:
         os.environ[key] = os.path.expandvars(value)
 
 
+def colocated_rollback_bytes_per_param(cfg: RLTrainerConfig) -> float:
+    """Host bytes per parameter a colocated inference on this node pins for rollback: two copies of the pushed
+    weights (the served version's and the one streaming in, `prime_rl.inference.worker.broadcast.HostBuffers`);
+    0 for split runs (inference has its own hosts) or without rollback copies. One replica's worth: more data-
+    parallel replicas on the node each keep their own, which this lower bound leaves out."""
+    wb = cfg.weight_broadcast
+    if not cfg.offload_between_steps or not getattr(wb, "keep_rollback_copy", False):
+        return 0.0
+    return 2.0 * DTYPE_ITEMSIZE[wb.dtype]
+
+
 def train(cfg: RLTrainerConfig) -> None:
     apply_env_vars(cfg.env_vars)
     run_dir, world, logger = start_rank(cfg.output_dir, cfg.run_name, cfg.log_level)
@@ -256,6 +268,7 @@ def train(cfg: RLTrainerConfig) -> None:
     cfg, mesh, model, trainer = build_trainer(
         cfg, dims, world, run_dir, logger, tokens, cfg.data.seq_len,
         extra_bytes_per_param=4.0 if reference else 0.0, shares_gpu=cfg.offload_between_steps,
+        host_reserved_bytes_per_param=colocated_rollback_bytes_per_param(cfg),
     )  # fmt: skip
     step_offload = StepOffload(world.device, trainer.optim.offload) if cfg.offload_between_steps else None
     if cfg.weight_broadcast.type == "ipc":  # shared buffers on one host (its own module: publish_ipc)
