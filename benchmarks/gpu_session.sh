@@ -8,11 +8,14 @@
 #   call 1  carry [".gpu/a"]                     mkdir -p /tmp/stage && cp .gpu/a/* /tmp/stage/
 #   call 2  carry [".gpu/b", ".bench_anchor"]    bash benchmarks/gpu_session.sh install anchors gputests torchtitan trainer
 #   call 3  (within 30 s of call 2)              bash benchmarks/gpu_session.sh rlsystem
-#   call 4  (within 30 s of call 3)              bash benchmarks/gpu_session.sh gpue2e
+#   call 4  (within 30 s of call 3)              bash benchmarks/gpu_session.sh vllmalone respcost
+#   call 5  (within 30 s of call 4)              bash benchmarks/gpu_session.sh gpue2e
 #
 # Measured on 2026-12-04 (one H200, warm machine): install 25 s, gputests ~240 s, torchtitan 33 s, trainer 74 s,
 # rlsystem 531 s (split, colocated and vLLM alone), gpue2e ~500 s (its two colocated runs 155 s each): with the
-# first call's start-up and the idle gaps the four calls take ~25 of the 30 minutes.
+# first call's start-up and the idle gaps the four calls take ~25 of the 30 minutes. On 2026-12-05: ipctests 102 s,
+# split + colocated 493 s (vLLM alone then ran out of the item's limit, hence its own item), rl8b 295 s (killed
+# early), and a machine taken back mid-call cost one restart (~2 minutes): plan for one lost call.
 #
 # The anchors (../shared/bench, which does not travel) go in .bench_anchor/ (git-ignored) with their wheels,
 # beside the pure-Python wheels the project needs that neither the machine nor the vLLM bundle has (tomli_w):
@@ -48,7 +51,9 @@ ITEMS=(
   "ipctests|200|$PYTEST tests/test_weight_ipc.py tests/test_server_ipc.py"
   "gpue2e|580|$PYTEST tests/test_rl_e2e.py"
   "gputests_more|300|$PYTEST packages/trainer/tests/test_lora_rl.py packages/trainer/tests/parallel/test_scaling.py tests/test_router_replay_gpu.py"
-  "rlsystem|560|$PY benchmarks/rl_system.py --colocated both --steps 3 --warmup 1 --baseline-timeout 120"
+  # split and colocated: ~500 s on 12-05, which left the vLLM-alone baseline no room in one item; it is its own item
+  "rlsystem|560|$PY benchmarks/rl_system.py --colocated both --steps 3 --warmup 1 --no-baseline"
+  "vllmalone|240|$PY benchmarks/rl_system.py --colocated none --baseline-timeout 200"
   "rl8b|560|$PY benchmarks/rl_system.py --shape qwen3-8b --colocated yes --steps 3 --warmup 1 --no-baseline --name rl8b"
   "trainer|300|$PY benchmarks/trainer.py --shape qwen3-1.7b && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b"
   "torchtitan|330|$PY .bench_anchor/anchor_torchtitan.py --config qwen3-1.7b"
@@ -92,7 +97,7 @@ save_bench_files() {
   return 0
 }
 
-needs_vllm() { case "$1" in gputests | ipctests | gpue2e | gputests_more | rlsystem | rl8b | respcost) return 0 ;; *) return 1 ;; esac; }
+needs_vllm() { case "$1" in gputests | ipctests | vllmalone | gpue2e | gputests_more | rlsystem | rl8b | respcost) return 0 ;; *) return 1 ;; esac; }
 
 status=0
 for name in "$@"; do

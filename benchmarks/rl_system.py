@@ -327,9 +327,10 @@ def main() -> None:
     )
     p.add_argument(
         "--colocated",
-        choices=("no", "yes", "both"),
+        choices=("no", "yes", "both", "none"),
         default="no",
-        help="split GPUs (no), colocated with sleep mode (yes), or split then colocated (both)",
+        help="split GPUs (no), colocated with sleep mode (yes), split then colocated (both), or no rl run (none: "
+        "only the vLLM-alone baseline, for a device call of its own)",
     )
     p.add_argument(
         "--transport",
@@ -348,7 +349,7 @@ def main() -> None:
     note(f"building the {args.shape} model")
     model_dir = build_model(args.shape, args.workdir)
     runs = []
-    modes = {"no": [False], "yes": [True], "both": [False, True]}[args.colocated]
+    modes = {"no": [False], "yes": [True], "both": [False, True], "none": []}[args.colocated]
     for colocated, transport in [(c, t) for c in modes for t in args.transport or [None]]:
         mode = f"{'colocated' if colocated else 'split'}" + (f", {transport}" if transport else "")
         note(f"rl ({mode}) for {args.steps} steps (logs in {args.workdir})")
