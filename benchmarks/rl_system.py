@@ -228,7 +228,8 @@ def run_rl(
         wall = r.get("time/wall", 0.0)
         steps.append(dict(
             step=step, rollout_s=rollout, train_s=train, wait_for_weights_s=r.get("time/wait_for_weights"),
-            data_wait_s=r.get("time/data_wait"), publish_s=r.get("time/publish_weights"),
+            data_wait_s=r.get("time/data_wait"), send_batch_s=r.get("time/send_batch"),
+            publish_s=r.get("time/publish_weights"),
             publish_write_s=r.get("time/publish_write"), verify_s=verify, load_s=load, wall_s=wall,
             gpu_busy=(rollout + train + load) / wall if wall else None,
             beyond_rollout_train_s=wall - rollout - train if wall else None,
