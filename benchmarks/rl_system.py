@@ -211,6 +211,8 @@ def run_rl(
     # every metric of every step (orchestrator and trainer), beside the log: gpu_session.sh brings it back, so a
     # step's time can be split further after the device call
     shutil.copy(metrics, args.workdir / f"{name}.metrics.jsonl")
+    for log in (run_dir / "logs/latest").glob("inference*.log"):  # the workers' update timings (not echoed)
+        shutil.copy(log, args.workdir / f"{name}.{log.name}")
     rows: dict[int, dict] = {}
     for line in metrics.read_text().splitlines():
         row = json.loads(line)
