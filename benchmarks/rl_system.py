@@ -205,14 +205,16 @@ def run_rl(
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         arrivals = watch_metrics(proc, run_dir / "monitors/file/metrics.jsonl")
     total = time.perf_counter() - start
+    metrics = run_dir / "monitors/file/metrics.jsonl"
+    # every metric of every step (orchestrator and trainer) and the inference logs (the workers' update timings,
+    # which the launcher does not echo), beside the run's log: gpu_session.sh brings them back, failed runs' too
+    if metrics.is_file():
+        shutil.copy(metrics, args.workdir / f"{name}.metrics.jsonl")
+    for log in (run_dir / "logs/latest").glob("*.log"):
+        if log.name.startswith(("inference", "trainer")):
+            shutil.copy(log, args.workdir / f"{name}.{log.name}")
     if proc.returncode != 0:
         return [], dict(error=f"rl exited {proc.returncode}", run_dir=str(run_dir))
-    metrics = run_dir / "monitors/file/metrics.jsonl"
-    # every metric of every step (orchestrator and trainer), beside the log: gpu_session.sh brings it back, so a
-    # step's time can be split further after the device call
-    shutil.copy(metrics, args.workdir / f"{name}.metrics.jsonl")
-    for log in (run_dir / "logs/latest").glob("inference*.log"):  # the workers' update timings (not echoed)
-        shutil.copy(log, args.workdir / f"{name}.{log.name}")
     rows: dict[int, dict] = {}
     for line in metrics.read_text().splitlines():
         row = json.loads(line)
