@@ -60,8 +60,8 @@ ITEMS=(
   "liger|240|$PY .bench_anchor/anchor_liger.py qwen3-1.7b"
   "lmhead|200|$PY benchmarks/lm_head.py --anchor .bench_anchor/anchor_hf_train.py"
   "respcost|300|$PY benchmarks/response_cost.py --shape qwen3-1.7b --concurrent 32 --gpu-memory-utilization 0.35"
-  # exact-size pinned host memory (no vLLM needed: a fresh machine runs it without staging the bundle)
-  "pinned|240|$PY -m pip install -q --no-index --no-deps --target /tmp/site .bench_anchor/whl/tomli_w-*.whl && $PYTEST packages/common/tests/test_weight_sync_pinned.py packages/trainer/tests/test_offload_gpu.py && $PY benchmarks/pinned_host_memory.py"
+  # exact-size pinned host memory; the offload test's sft runs need pydantic and tomli_w (install, anchors)
+  "pinned|240|$PYTEST packages/common/tests/test_weight_sync_pinned.py packages/trainer/tests/test_offload_gpu.py && $PY benchmarks/pinned_host_memory.py"
   "moe|240|$PY benchmarks/grouped_gemm.py && $PY benchmarks/grouped_gemm.py --experts 16 --tokens 2048"
 )
 
@@ -97,7 +97,7 @@ save_bench_files() {
   return 0
 }
 
-needs_vllm() { case "$1" in gputests | ipctests | vllmalone | gpue2e | gputests_more | rlsystem | rl8b | respcost) return 0 ;; *) return 1 ;; esac; }
+needs_vllm() { case "$1" in gputests | ipctests | vllmalone | pinned | gpue2e | gputests_more | rlsystem | rl8b | respcost) return 0 ;; *) return 1 ;; esac; }
 
 status=0
 for name in "$@"; do
