@@ -37,6 +37,7 @@ Prints one JSON line per step and a summary line per mode last (rollout tok/s ag
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 import os
@@ -56,6 +57,8 @@ from prime_rl.common.vllm_compat import engine_env_defaults  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOAD_LINE = re.compile(r"loaded weights version (\d+) from .*: verify ([0-9.]+) s, load ([0-9.]+) s")
+PUSH_LINE = re.compile(r"received weights version (\d+) pushed by the trainer: (\[.*\])")
+"""A pushed version's worker statistics (`prime_rl.inference.worker.broadcast.load_buckets`), one dict a worker."""
 
 BASELINE = r"""
 import json, sys, time
@@ -219,10 +222,16 @@ def run_rl(
     for line in metrics.read_text().splitlines():
         row = json.loads(line)
         rows.setdefault(row["step"], {}).update(row)
-    loads = {}
+    loads, pushes = {}, {}
     for log in (run_dir / "logs/latest").glob("inference*.log"):
-        for m in LOAD_LINE.finditer(log.read_text(errors="replace")):
+        text = log.read_text(errors="replace")
+        for m in LOAD_LINE.finditer(text):
             loads[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
+        for m in PUSH_LINE.finditer(text):
+            try:
+                pushes[int(m.group(1))] = ast.literal_eval(m.group(2))
+            except (SyntaxError, ValueError):  # a line cut short: the split is missing, not the run
+                pass
     steps = []
     for step in sorted(rows):
         r = rows[step]
@@ -248,6 +257,9 @@ def run_rl(
             steps[-1]["publish_phases_s"] = {
                 k.removeprefix("time/publish/"): v for k, v in r.items() if k.startswith("time/publish/")
             }
+            # the workers' side of the same push (receive, rollback_copy, check, reload, finish; first worker)
+            workers = pushes.get(step) or [{}]
+            steps[-1]["worker_phases_s"] = {k: v for k, v in workers[0].items() if k.endswith("_s") or k == "seconds"}
     mode = "colocated" if colocated else "split"
     run = dict(
         total_s=total, run_dir=str(run_dir), mode=mode, transport=transport or ("ipc" if colocated else "filesystem")
