@@ -35,10 +35,10 @@ when even the last plan does not fit (the plan then logs a warning naming `data.
 Host memory: what a plan offloads lives in pinned host memory, which cannot be swapped. `host_bytes` is that
 per rank (the optimizer state; with "full" also the fp32 masters and gradient accumulators; the AC-offloaded
 block inputs), times the node's ranks; `check_host_memory` refuses at start-up a plan that needs more than the
-node's available memory (MemAvailable). Before, a Qwen3-8B shape colocated on one H200 (61 GiB of AdamW state,
-then pinned with a power-of-two round-up: ~108 GiB) was ended by the host's OOM killer minutes into its first
-step. Left out there: the inference server's own host copies (rollback copies, level-1 sleep) when they come
-later than the trainer's start.
+node's available memory (MemAvailable), counting a colocated inference's two rollback copies, which it pins
+only later. Before, a Qwen3-8B shape colocated on one H200 (61 GiB of AdamW state, then pinned with a
+power-of-two round-up: ~108 GiB) was ended by the host's OOM killer minutes into its first step. Left out there:
+vLLM's level-1 sleep (weights kept on the host) and the rollback copies of more than one replica per node.
 """
 
 from __future__ import annotations
@@ -336,9 +336,8 @@ def resolve_memory(
     if is_resolved(cfg):
         pins = cfg.offload != "none" or cfg.ac_offloading is not None or host_reserved_bytes_per_param > 0
         if device.type == "cuda" and pins:
-            fp = footprint(cfg)
-            reserved = host_reserved_bytes_per_param * fp.num_params
-            _check_host(fp, cfg.offload, cfg.ac_offloading is not None, tokens, shard, optimizer_bytes, reserved)
+            _check_host(footprint(cfg), cfg.offload, cfg.ac_offloading is not None, tokens, shard, optimizer_bytes,
+                        host_reserved_bytes_per_param)  # fmt: skip
         return cfg
     fp = footprint(cfg)
     extra_bytes = extra_bytes_per_param * fp.num_params / shard
@@ -354,8 +353,7 @@ def resolve_memory(
     if logger is not None:
         (logger.info if plan.fits else logger.warning)(describe(fp, plan, tokens))
     if device.type == "cuda":
-        reserved = host_reserved_bytes_per_param * fp.num_params
-        _check_host(fp, plan.offload, plan.ac_offloading, tokens, shard, optimizer_bytes, reserved)
+        _check_host(fp, plan.offload, plan.ac_offloading, tokens, shard, optimizer_bytes, host_reserved_bytes_per_param)
     update: dict = {"offload": plan.offload}
     if cfg.ac == "auto":
         update["ac"] = ACConfig() if plan.ac else None
@@ -365,10 +363,10 @@ def resolve_memory(
 
 
 def _check_host(
-    fp: Footprint, offload: Offload, ac_offloading: bool, tokens: int, shard: int, opt: int, reserved: float
+    fp: Footprint, offload: Offload, ac_offloading: bool, tokens: int, shard: int, opt: int, reserved_per_param: float
 ) -> None:
     """`check_host_memory` for this node: its ranks from torchrun's LOCAL_WORLD_SIZE, its MemAvailable now (on CPU
-    every lever is a no-op, so only CUDA runs call it)."""
+    every lever is a no-op, so only CUDA runs call it), others' pinned bytes from ``reserved_per_param``."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     check_host_memory(fp, offload, ac_offloading, tokens, available_host_bytes(), shard=shard, optimizer_bytes=opt,
-                      local_ranks=local_ranks, reserved=reserved)  # fmt: skip
+                      local_ranks=local_ranks, reserved=reserved_per_param * fp.num_params)  # fmt: skip

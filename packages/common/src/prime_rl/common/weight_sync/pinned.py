@@ -7,8 +7,9 @@ a 2.5 GB embedding moment 4 GiB. On one H200 machine with 128 GiB of RAM the opt
 shape (61 GiB of AdamW state in 512 MiB+ buckets) asked for ~108 GiB that way, and the host's OOM killer ended
 the trainer in its first step (2026-12-05, `benchmarks/results/colocated.md`).
 
-How: the buffer comes from the CPU allocator and is page-locked where it lies with ``cudaHostRegister``, what
-torch itself does under ``pinned_use_cuda_host_register`` (after rounding). ``Tensor.is_pinned()`` is true for
+How: the buffer is an anonymous mapping of its own (``mmap``, whole pages), page-locked where it lies with
+``cudaHostRegister``, as torch itself does under ``pinned_use_cuda_host_register`` (after rounding), with a
+logged fallback to torch's allocator if the driver refuses. ``Tensor.is_pinned()`` is true for
 it, and non-blocking copies to and from it are asynchronous. It is unregistered when the returned tensor is
 garbage-collected; the memory is freed only after that (the finalizer holds the storage), so a registered range
 is never returned to the OS. A view does not keep its base's Python object alive: one that outlives it reads
