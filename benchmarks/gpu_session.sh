@@ -16,6 +16,8 @@
 # first call's start-up and the idle gaps the four calls take ~25 of the 30 minutes. On 2026-12-05: ipctests 102 s,
 # split + colocated 493 s (vLLM alone then ran out of the item's limit, hence its own item), rl8b 295 s (killed
 # early), and a machine taken back mid-call cost one restart (~2 minutes): plan for one lost call.
+# Later on 12-05: install+anchors+ipctests+pinned 268 s, rlsystem 505 s, rl8b 395 s (ran to the end), vllmalone 100 s,
+# respcost > 270 s (4 of its 5 rounds): with a failed first start (~90 s) the session used 1,778 s.
 #
 # The anchors (../shared/bench, which does not travel) go in .bench_anchor/ (git-ignored) with their wheels,
 # beside the pure-Python wheels the project needs that neither the machine nor the vLLM bundle has (tomli_w):
