@@ -260,7 +260,9 @@ def run_rl(
             # the workers' side of the same push (receive, rollback_copy, check, reload, finish; first worker), and
             # whether it loaded directly into the served parameters (worker.reload.direct_load_reason)
             workers = pushes.get(step) or [{}]
-            steps[-1]["worker_phases_s"] = {k: v for k, v in workers[0].items() if k.endswith("_s") or k in ("seconds", "direct")}
+            steps[-1]["worker_phases_s"] = {
+                k: v for k, v in workers[0].items() if k.endswith("_s") or k in ("seconds", "direct")
+            }
     mode = "colocated" if colocated else "split"
     run = dict(
         total_s=total, run_dir=str(run_dir), mode=mode, transport=transport or ("ipc" if colocated else "filesystem")
