@@ -57,8 +57,24 @@ from prime_rl.common.vllm_compat import engine_env_defaults  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOAD_LINE = re.compile(r"loaded weights version (\d+) from .*: verify ([0-9.]+) s, load ([0-9.]+) s")
-PUSH_LINE = re.compile(r"received weights version (\d+) pushed by the trainer: (\[.*\])")
+PUSH_LINE = re.compile(r"received weights version (\d+) pushed by the trainer: (\[.*\])(?:; engine (\{.*\}))?")
 """A pushed version's worker statistics (`prime_rl.inference.worker.broadcast.load_buckets`), one dict a worker."""
+
+
+def parse_pushes(text: str) -> dict[int, list[dict]]:
+    """Each pushed version's worker statistics from an inference log, the first worker's with the engine's steps
+    around the load (`engine`: pause, workers, reset_cache, label, resume, awaited; `weights.apply`)."""
+    pushes = {}
+    for m in PUSH_LINE.finditer(text):
+        try:
+            workers = ast.literal_eval(m.group(2))
+            if m.group(3) and workers:
+                workers[0] = {**workers[0], "engine": ast.literal_eval(m.group(3))}
+            pushes[int(m.group(1))] = workers
+        except (SyntaxError, ValueError):  # a line cut short: the split is missing, not the run
+            pass
+    return pushes
+
 
 BASELINE = r"""
 import json, sys, time
@@ -227,11 +243,7 @@ def run_rl(
         text = log.read_text(errors="replace")
         for m in LOAD_LINE.finditer(text):
             loads[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
-        for m in PUSH_LINE.finditer(text):
-            try:
-                pushes[int(m.group(1))] = ast.literal_eval(m.group(2))
-            except (SyntaxError, ValueError):  # a line cut short: the split is missing, not the run
-                pass
+        pushes.update(parse_pushes(text))
     steps = []
     for step in sorted(rows):
         r = rows[step]
@@ -261,7 +273,7 @@ def run_rl(
             # whether it loaded directly into the served parameters (worker.reload.direct_load_reason)
             workers = pushes.get(step) or [{}]
             steps[-1]["worker_phases_s"] = {
-                k: v for k, v in workers[0].items() if k.endswith("_s") or k in ("seconds", "direct")
+                k: v for k, v in workers[0].items() if k.endswith("_s") or k in ("seconds", "direct", "engine")
             }
     mode = "colocated" if colocated else "split"
     run = dict(

@@ -87,6 +87,8 @@ def test_a_push_transport_runs_its_requests_in_the_workers_and_tags_the_version(
     # Set-up runs in the workers without pausing; the update pauses, loads, drops stale KV, tags, resumes.
     assert methods == [setup_rpc, "pause", receive_rpc, "reset_prefix_cache", "version", "resume"], methods
     assert engine.calls[-2] == ("version", "3")
+    # each of those steps is timed for the update's log line (what the trainer's wait for a push is made of)
+    assert list(controller.last_update_s) == ["pause_s", "workers_s", "reset_cache_s", "label_s", "resume_s"]
 
 
 @pytest.mark.parametrize("transport", PUSHED)

@@ -119,6 +119,8 @@ class Controller:
         self._client_paused = False
         self._lock = asyncio.Lock()
         self._broadcasts: dict[int, asyncio.Task] = {}
+        self.last_update_s: dict[str, float] = {}
+        """The engine's steps of the last update (``weights.apply.apply_update``): pause, workers, reset_cache, ..."""
         self.sleep_state = sleep.SleepState.of(engine)
         """Colocated runs: what of the engine is awake (``prime_rl.inference.sleep``)."""
         self.boot_id = uuid.uuid4().hex[:16]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from prime_rl.common.weight_transports import refuse_version
@@ -148,6 +149,7 @@ async def await_update(controller: Controller, request: AwaitWeightsRequest) -> 
     task = controller._broadcasts.pop(request.version, None)
     if task is None:
         return controller._reply(False, f"no broadcast of version {request.version} was started on this server")
+    start = time.perf_counter()
     try:
         results = await task
     except WeightUpdateError as e:  # already says what happened to the served weights
@@ -163,7 +165,13 @@ async def await_update(controller: Controller, request: AwaitWeightsRequest) -> 
         )
         return controller._reply(False, controller.failure)
     controller.failure = ""
-    logger.info("received weights version %d pushed by the trainer: %s", request.version, results)
+    # benchmarks/rl_system.py reads the workers' statistics and the engine's steps from this line (awaited_s: how
+    # long this request waited for the update; the rest of the trainer's wait is the round trip)
+    awaited = round(time.perf_counter() - start, 4)
+    logger.info(
+        "received weights version %d pushed by the trainer: %s; engine %s",
+        request.version, results, {**controller.last_update_s, "awaited_s": awaited},
+    )  # fmt: skip
     return controller._reply(True)
 
 
