@@ -56,6 +56,8 @@ ITEMS=(
   # split and colocated: ~500 s on 12-05, which left the vLLM-alone baseline no room in one item; it is its own item
   "rlsystem|560|$PY benchmarks/rl_system.py --colocated both --steps 3 --warmup 1 --no-baseline"
   "vllmalone|240|$PY benchmarks/rl_system.py --colocated none --baseline-timeout 200"
+  # colocated with the samples route (api = "samples": ids and logprobs as arrays) against rlsystem's chat rollouts
+  "rlsamples|330|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_samples --extra --orchestrator.model.client.api samples"
   "rl8b|560|$PY benchmarks/rl_system.py --shape qwen3-8b --colocated yes --steps 3 --warmup 1 --no-baseline --name rl8b"
   "trainer|300|$PY benchmarks/trainer.py --shape qwen3-1.7b && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b"
   "torchtitan|330|$PY .bench_anchor/anchor_torchtitan.py --config qwen3-1.7b"

@@ -14,7 +14,9 @@ How: one `vllm serve` (vLLM's OpenAI server, the handlers `prime_rl.inference.se
 with `ignore_eos` so every variant generates the same `n x max_tokens` tokens; `--concurrent` requests at once,
 variants alternating over `--reps` rounds after one warm-up round. Variants:
 - `ours`: the body `InferenceClient.build_request` sends (logprobs, top_logprobs 0, token ids, tokens as ids);
-- `plain`: the same without logprobs and token ids (what the response costs beyond generation).
+- `plain`: the same without logprobs and token ids (what the response costs beyond generation);
+- `samples`: what `api = "samples"` sends, prime-rl's samples route (`prime_rl.inference.samples`, mounted with
+  vLLM's `--middleware`): the same ids and logprobs, as arrays.
 Per variant: the median wall of a round, the median gap from its first to its last response (the tail), bytes.
 Prints one JSON line per round and a summary line.
 """
@@ -35,22 +37,35 @@ from pathlib import Path
 
 from prime_rl.common.net import free_port
 from prime_rl.common.vllm_compat import engine_env_defaults
+from prime_rl.common.wire import SAMPLES_PATH
+from prime_rl.inference.samples import MIDDLEWARE as SAMPLES_MIDDLEWARE
 from prime_rl.orchestrator.client import InferenceClient, SamplingArgs
 
+MESSAGES = [{"role": "user", "content": "What is 3 + 4?"}]
 
-def bodies(n: int, max_tokens: int) -> dict[str, dict]:
+
+def bodies(root: str, n: int, max_tokens: int) -> dict[str, tuple[str, dict]]:
+    """Each variant's (url, body); `root` is the server's http://host:port."""
     client = InferenceClient("http://unused", "m")
     sampling = SamplingArgs(max_tokens=max_tokens, temperature=1.0, seed=1)
-    ours = client.build_request([{"role": "user", "content": "What is 3 + 4?"}], n, sampling)
+    ours = client.build_request(MESSAGES, n, sampling)
     ours["ignore_eos"] = True  # every variant generates the same tokens
     plain = {k: v for k, v in ours.items() if k not in ("logprobs", "top_logprobs", "return_token_ids")}
     plain.pop("return_tokens_as_token_ids")
-    return {"ours": ours, "plain": plain}
+    tokenize = {"model": "m", "messages": MESSAGES, "add_generation_prompt": True, "add_special_tokens": False}
+    prompt_ids = json.loads(post_body(f"{root}/tokenize", tokenize))["tokens"]  # what api = "samples" sends first
+    samples = {**client.build_samples_request(prompt_ids, n, sampling), "ignore_eos": True}
+    chat = f"{root}/v1/chat/completions"
+    return {"ours": (chat, ours), "plain": (chat, plain), "samples": (f"{root}{SAMPLES_PATH}", samples)}
+
+
+def post_body(url: str, body: dict) -> bytes:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=1800).read()
 
 
 def post(url: str, body: dict) -> tuple[float, int]:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    data = urllib.request.urlopen(request, timeout=1800).read()
+    data = post_body(url, body)
     return time.perf_counter(), len(data)
 
 
@@ -65,7 +80,8 @@ def round_of(url: str, body: dict, concurrent: int) -> dict:
 def start_server(model: Path, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(args.max_tokens + 512), "--dtype", "bfloat16"]  # fmt: skip
+           "--max-model-len", str(args.max_tokens + 512), "--dtype", "bfloat16",
+           "--middleware", SAMPLES_MIDDLEWARE]  # fmt: skip
     if args.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     # the engine settings `inference` applies (without flashinfer vLLM 0.26's sampler import fails at start-up)
@@ -108,14 +124,13 @@ def main() -> None:
         model = build_model(args.shape, args.workdir)
     port = free_port()
     server = start_server(model, port, args, args.workdir / "response_cost.log")
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
-        variants = bodies(args.n, args.max_tokens)
-        for body in variants.values():  # warm-up: compile, CUDA graphs, caches
+        variants = bodies(f"http://127.0.0.1:{port}", args.n, args.max_tokens)
+        for url, body in variants.values():  # warm-up: compile, CUDA graphs, caches
             round_of(url, body, args.concurrent)
         rounds: dict[str, list[dict]] = {name: [] for name in variants}
         for rep in range(args.reps):
-            for name, body in variants.items():
+            for name, (url, body) in variants.items():
                 r = round_of(url, body, args.concurrent)
                 rounds[name].append(r)
                 print(json.dumps(dict(bench="response_cost_round", rep=rep, variant=name, **r)), flush=True)
@@ -132,9 +147,11 @@ def main() -> None:
         for name, rs in rounds.items()
     }
     extra = summary["ours"]["wall_s"] - summary["plain"]["wall_s"]
+    samples_extra = summary["samples"]["wall_s"] - summary["plain"]["wall_s"]
     print(json.dumps(dict(bench="response_cost", shape=args.shape or "tiny", tokens_per_round=tokens,
                           concurrent=args.concurrent, n=args.n, max_tokens=args.max_tokens, **summary,
-                          extra_s=extra, extra_us_per_token=extra / tokens * 1e6)), flush=True)  # fmt: skip
+                          extra_s=extra, extra_us_per_token=extra / tokens * 1e6,
+                          samples_extra_us_per_token=samples_extra / tokens * 1e6)), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

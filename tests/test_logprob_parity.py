@@ -33,7 +33,7 @@ from prime_rl.common.config.orchestrator import SamplingConfig  # noqa: E402
 from prime_rl.common.testing import make_tiny_model  # noqa: E402
 from prime_rl.common.wire import ControlReply, LoadWeightsRequest, build_training_batch, micro_batch_arrays  # noqa: E402
 from prime_rl.inference.testing import Server, start_server, stop_server  # noqa: E402
-from prime_rl.orchestrator.client import InferenceClient, SamplingArgs  # noqa: E402
+from prime_rl.orchestrator.client import ChatResult, InferenceClient, SamplingArgs  # noqa: E402
 from prime_rl.orchestrator.packing import pack_batch  # noqa: E402
 from prime_rl.orchestrator.rollout import Sample  # noqa: E402
 from prime_rl.trainer.model import CausalLM  # noqa: E402
@@ -81,20 +81,28 @@ def build_trainer_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype
     return CausalLM(model, chunk_size=64).eval()  # the fused LM head, in several chunks
 
 
-def sample(server: Server, sampling: SamplingArgs, strip: tuple[str, ...] = ()) -> list[Sample]:
+def sample(server: Server, sampling: SamplingArgs, strip: tuple[str, ...] = (), api: str = "chat") -> list[Sample]:
     """Rollouts through the orchestrator's client; `strip` drops request keys (an older client's request)."""
+    results = chat_results(server, sampling, strip, api)
+    return [Sample(r.prompt_ids, c.token_ids, c.logprobs, 1.0) for r in results for c in r.completions]
 
-    async def go() -> list[Sample]:
-        client = InferenceClient(f"{server.url}/v1", str(server.model_dir))
+
+def chat_results(
+    server: Server, sampling: SamplingArgs, strip: tuple[str, ...] = (), api: str = "chat", concurrent: bool = True
+) -> list[ChatResult]:
+    """What the orchestrator's client (`api`: "chat" or "samples") returns for every prompt of PROMPTS."""
+
+    async def go() -> list[ChatResult]:
+        client = InferenceClient(f"{server.url}/v1", str(server.model_dir), api=api)
         build = client.build_request
         client.build_request = lambda *a: {k: v for k, v in build(*a).items() if k not in strip}  # type: ignore[method-assign]
+        messages = [[{"role": "user", "content": p}] for p in PROMPTS]
         try:
-            results = await asyncio.gather(
-                *(client.sample([{"role": "user", "content": p}], SAMPLES_PER_PROMPT, sampling) for p in PROMPTS)
-            )
+            if concurrent:
+                return await asyncio.gather(*(client.sample(m, SAMPLES_PER_PROMPT, sampling) for m in messages))
+            return [await client.sample(m, SAMPLES_PER_PROMPT, sampling) for m in messages]
         finally:
             await client.aclose()
-        return [Sample(r.prompt_ids, c.token_ids, c.logprobs, 1.0) for r in results for c in r.completions]
 
     return asyncio.run(go())
 
@@ -123,16 +131,35 @@ def parity(model: CausalLM, samples: list[Sample], temperature: float) -> tuple[
     return kl_sum / max(num_tokens, 1), kl64_sum / max(num_tokens, 1), max_diff, num_tokens
 
 
+@pytest.mark.parametrize("api", ["chat", "samples"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampled_token_logprobs_match_the_trainer(served, temperature):
+def test_sampled_token_logprobs_match_the_trainer(served, temperature, api):
     name, server, model = served
-    samples = sample(server, SamplingArgs.from_config(SamplingConfig(temperature=temperature, max_tokens=MAX_TOKENS)))
+    sampling = SamplingArgs.from_config(SamplingConfig(temperature=temperature, max_tokens=MAX_TOKENS))
+    samples = sample(server, sampling, api=api)
     kl, kl64, max_diff, num_tokens = parity(model, samples, temperature)
-    print(f"\nparity {name} T={temperature}: mismatch_kl={kl:.3e} (float64 {kl64:.3e}) "
+    print(f"\nparity {name} {api} T={temperature}: mismatch_kl={kl:.3e} (float64 {kl64:.3e}) "
           f"max|dlogprob|={max_diff:.3e} over {num_tokens} tokens")  # fmt: skip
     assert num_tokens >= len(PROMPTS) * SAMPLES_PER_PROMPT
     assert max(kl, kl64) <= KL_GATE, f"mismatch_kl={max(kl, kl64):.3e} > {KL_GATE} at T={temperature}"
     assert max_diff <= LOGPROB_TOL, f"a sampled token's logprob differs by {max_diff:.3e} at T={temperature}"
+
+
+@pytest.mark.parametrize("stop", [(), ("</s>",)], ids=["text_decoded_at_the_end", "stop_strings"])
+def test_the_samples_route_returns_what_the_chat_api_returns(served, stop):
+    """prime-rl's samples route (`api = "samples"`: /tokenize, then token ids and logprobs as arrays) against vLLM's
+    chat API for the same seeded requests, one at a time (so batching cannot change a float): the same prompt ids,
+    sampled tokens, text and finish reasons, and the same logprobs. Without stop strings the route decodes each
+    sample's text once at the end; with them vLLM detokenizes as it generates, as for chat."""
+    _, server, _ = served
+    sampling = SamplingArgs(max_tokens=MAX_TOKENS, temperature=0.7, seed=11, stop=stop)
+    chat, compact = (chat_results(server, sampling, api=api, concurrent=False) for api in ("chat", "samples"))
+    for a, b in zip(chat, compact, strict=True):
+        assert a.prompt_ids == b.prompt_ids
+        assert len(a.completions) == len(b.completions) == SAMPLES_PER_PROMPT
+        for x, y in zip(a.completions, b.completions):
+            assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+            assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)), default=0.0) < 1e-6
 
 
 def test_control_unpinned_request_takes_the_checkpoints_sampling_and_fails_the_gate(served):

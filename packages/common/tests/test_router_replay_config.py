@@ -52,3 +52,17 @@ def test_replay_without_asking_for_experts_is_refused(models, monkeypatch):
     ]
     with pytest.raises(ConfigError, match="orchestrator.routed_experts=false does not ask"):
         load_config(RLConfig, argv)
+
+
+def test_the_samples_api_is_refused_where_it_would_lose_experts_or_replicas(models, monkeypatch):
+    """`orchestrator.model.client.api = "samples"` returns no routed experts, and a router sends its path to one
+    replica: both are refused before anything starts, naming the fix."""
+    _vllm(monkeypatch, "0.26.0", cpu=False)
+    moe, dense = str(models["qwen3_moe"]), str(models["qwen3"])
+    samples = ["--orchestrator.model.client.api", "samples"]
+    with pytest.raises(ConfigError, match="api='samples' does not return routed experts"):
+        load_config(RLConfig, ["--model.name", moe, "--trainer.model.moe.router-replay", *samples])
+    with pytest.raises(ConfigError, match="behind a router .* use api='chat' there"):
+        load_config(RLConfig, ["--model.name", dense, "--inference.router.replicas", "2", *samples])
+    cfg = load_config(RLConfig, ["--model.name", dense, *samples])
+    assert cfg.orchestrator.model.client.api == "samples"

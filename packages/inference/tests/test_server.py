@@ -8,6 +8,7 @@ version it checks, and the next one starts from there.
 
 from __future__ import annotations
 
+import array
 import json
 import struct
 import threading
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,12 +24,14 @@ from transformers import AutoModelForCausalLM
 
 from prime_rl.common.weight_checksum import write_checksums
 from prime_rl.common.wire import (
+    SAMPLES_PATH,
     ControlReply,
     HealthReply,
     HealthRequest,
     LoadWeightsRequest,
     PauseRequest,
     ResumeRequest,
+    SamplesResponse,
 )
 from prime_rl.inference.testing import server_logprobs as served_logprobs
 
@@ -116,6 +120,38 @@ def test_generation_returns_token_ids_logprobs_and_version(server):
     choice = g.json()["choices"][0]
     assert len(choice["token_ids"]) == 6
     assert choice["weight_versions"] == [{"version": str(health(server).weight_version), "start": 0, "end": 6}]
+
+
+SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                frequency_penalty=0.0)  # fmt: skip
+
+
+def test_samples_route_returns_ids_and_logprobs_as_arrays(server):
+    body = {"model": str(server.model_dir), "prompt_token_ids": PROMPT, "n": 3, "max_tokens": 5, "ignore_eos": True}
+    r = httpx.post(f"{server.url}{SAMPLES_PATH}", json={**body, **SAMPLING}, timeout=60)
+    r.raise_for_status()
+    answer = msgspec.json.decode(r.content, type=SamplesResponse)
+    assert answer.prompt_token_ids == PROMPT and len(answer.samples) == 3
+    for sample in answer.samples:
+        ids, logprobs = array.array("i", sample.token_ids), array.array("f", sample.logprobs)
+        assert len(ids) == len(logprobs) == 5 and sample.finish_reason == "length"
+        assert all(lp <= 0 for lp in logprobs)
+
+
+@pytest.mark.parametrize(
+    "change, status, says",
+    [
+        ({"prompt_token_ids": [5] * 300}, 400, "maximum context length"),  # the client's PromptTooLongError
+        ({"model": "not-served"}, 404, "'not-served' is not served here"),
+        ({"temperature": "hot"}, 400, "invalid /prime/v1/samples body"),
+        ({"stray": 1}, 400, "invalid /prime/v1/samples body"),
+        ({"temperature": -1.0}, 400, "temperature"),  # vLLM's own check of the sampling parameters
+    ],
+)
+def test_samples_route_refuses_bad_requests_with_the_reason(server, change, status, says):
+    body = {"model": str(server.model_dir), "prompt_token_ids": PROMPT, "n": 1, "max_tokens": 4, **SAMPLING}
+    r = httpx.post(f"{server.url}{SAMPLES_PATH}", json={**body, **change}, timeout=60)
+    assert r.status_code == status and says in r.json()["error"], r.text
 
 
 def test_base_weights_match_transformers(server):

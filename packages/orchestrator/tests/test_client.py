@@ -144,3 +144,51 @@ def test_routed_experts_are_decoded_from_vllms_base64_npy():
         parse_chat_response(
             {**data, "choices": [{**choice, "routed_experts": base64.b64encode(buffer.getvalue()).decode()}]}, 1
         )
+
+
+def test_the_samples_request_carries_every_sampling_parameter_and_decodes_as_the_servers_schema():
+    """api = "samples": the body the server decodes strictly (unknown fields refused), with every sampling parameter
+    pinned as in the chat request (the route takes none from generation_config.json)."""
+    import msgspec
+
+    from prime_rl.common.config.orchestrator import SamplingConfig
+    from prime_rl.common.wire import SamplesRequest
+
+    client = InferenceClient("http://127.0.0.1:1/v1", "tiny", api="samples")
+    sampling = SamplingArgs.from_config(SamplingConfig(temperature=0.7, max_tokens=12, stop=["\n\n"], seed=5))
+    body = client.build_samples_request([1, 2, 3], 4, sampling)
+    request = msgspec.json.decode(msgspec.json.encode(body), type=SamplesRequest)
+    chat = client.build_request(MESSAGES, 4, sampling)
+    for field in SamplesRequest.__struct_fields__:
+        if field in chat:
+            assert getattr(request, field) == chat[field], field
+    assert request.prompt_token_ids == [1, 2, 3] and request.n == 4
+    asyncio.run(client.aclose())
+
+
+def test_a_samples_response_is_checked_before_it_becomes_completions():
+    import array
+
+    import msgspec
+
+    from prime_rl.common.wire import Sample, SamplesResponse
+    from prime_rl.orchestrator.client import parse_samples_response
+
+    def body(*samples: Sample) -> bytes:
+        return msgspec.json.encode(SamplesResponse(prompt_token_ids=[7, 8], samples=list(samples)))
+
+    ok = Sample(array.array("i", [4, 5]).tobytes(), array.array("f", [-0.25, -1.5]).tobytes(), "hi", "stop")
+    (completion,) = parse_samples_response(body(ok), 1).completions
+    assert (completion.token_ids, completion.logprobs, completion.text) == ([4, 5], [-0.25, -1.5], "hi")
+    with pytest.raises(InferenceError, match="asked for n=2 samples, got 1"):
+        parse_samples_response(body(ok), 2)
+    short = Sample(ok.token_ids, array.array("f", [-0.25]).tobytes(), "hi", "stop")
+    with pytest.raises(InferenceError, match="2 token ids but 1 logprobs"):
+        parse_samples_response(body(short), 1)
+    with pytest.raises(InferenceError, match="malformed samples response"):
+        parse_samples_response(b'{"choices": []}', 1)
+
+
+def test_an_unknown_api_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="api='completions' is not one of 'chat', 'samples'"):
+        InferenceClient("http://127.0.0.1:1/v1", "tiny", api="completions")

@@ -743,3 +743,49 @@ def decode(data: bytes | memoryview, types: Sequence[type[Message]] = MESSAGE_TY
             f"message {type(envelope.message).__name__} carries {len(envelope.specs)} arrays; use the transport"
         )
     return envelope.message
+
+
+# -- the inference server's samples route (HTTP, JSON) -----------------------------------------------------------
+
+SAMPLES_PATH = "/prime/v1/samples"
+"""Token ids in, token ids + sampled logprobs + text out (``prime_rl.inference.samples``). On the H200 vLLM's chat
+API took 2.26x as long for the same 262k tokens when its response carried per-token logprobs and ids (a pydantic
+entry and ~93 bytes of JSON per token) as without them (benchmarks/results/rollout_path.md)."""
+
+
+class SamplesRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of ``POST SAMPLES_PATH``: ``n`` samples of ``prompt_token_ids``. Every sampling parameter is sent:
+    the route takes none from the model's generation_config.json (the chat API would)."""
+
+    model: str
+    """A served model name: the base model or a loaded LoRA adapter."""
+    prompt_token_ids: list[int]
+    n: int
+    max_tokens: int
+    """Capped at what the context leaves after the prompt, as the chat API caps it."""
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    stop: list[str] = []
+    seed: int | None = None
+    ignore_eos: bool = False
+    """Generate ``max_tokens`` whatever is sampled (benchmarks)."""
+
+
+class Sample(msgspec.Struct):
+    token_ids: bytes
+    """int32 little-endian, one per generated token (base64 in JSON)."""
+    logprobs: bytes
+    """float32 little-endian: the sampled token's logprob at each position (vLLM's processed logprobs)."""
+    text: str
+    finish_reason: str | None
+
+
+class SamplesResponse(msgspec.Struct):
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+    """In the order vLLM indexes them (0 .. n-1)."""

@@ -20,6 +20,7 @@ from prime_rl.common.vllm_compat import PROCESSED_LOGPROBS
 from prime_rl.inference.control import Controller, ControlThread, beat_forever
 from prime_rl.inference.http_auth import guard_every_route
 from prime_rl.inference.lora import AdapterLoader, apply_lora_args
+from prime_rl.inference.samples import MIDDLEWARE as SAMPLES_MIDDLEWARE
 from prime_rl.inference.vllm_api import VLLMLauncher, apply_engine_env, load_launcher
 from prime_rl.inference.weights.manifest import Manifest
 
@@ -41,6 +42,8 @@ def build_vllm_args(
     args.port = config.server.port if port is None else port
     if config.server.api_key is not None:
         args.api_key = [config.server.api_key]  # vLLM checks the Bearer token on every /v1 route
+    # the samples route (token ids and logprobs as arrays, prime_rl.inference.samples), inside the key check below
+    args.middleware = [*(args.middleware or []), SAMPLES_MIDDLEWARE]
     guard_every_route(args)  # ... and ours on every other route but /health, /ping and /metrics
     # /inference/v1/generate (token ids in, token ids + logprobs + weight-version spans out) is the
     # endpoint that says which weights produced each token; it is off in vLLM unless asked for.

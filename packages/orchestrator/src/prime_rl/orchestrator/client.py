@@ -41,6 +41,7 @@ import numpy as np
 
 from prime_rl.common.config.orchestrator import ClientModelConfig, SamplingConfig
 from prime_rl.common.vllm_compat import ROUTED_EXPERTS_FIELD
+from prime_rl.common.wire import SAMPLES_PATH, SamplesRequest, SamplesResponse
 from prime_rl.orchestrator.envs.base import Messages
 from prime_rl.orchestrator.http_pool import ShardedHTTP
 from prime_rl.orchestrator.responses import ChatResponse, ChatTokens, CompletionResponse
@@ -154,7 +155,12 @@ class InferenceClient:
         max_connections: int = 1024,
         metrics_urls: list[str] | None = None,
         watch: InferenceWatch | None = None,
+        api: str = "chat",
     ) -> None:
+        if api not in ("chat", "samples"):
+            raise ValueError(f"api={api!r} is not one of 'chat', 'samples' (orchestrator.model.client.api)")
+        self.api = api
+        """"chat": vLLM's chat completions; "samples": /tokenize, then prime-rl's samples route (``sample``)."""
         self.base_url = base_url.rstrip("/")
         self.metrics_roots = [url.rstrip("/") for url in metrics_urls or []] or [self.server_root]
         """Servers whose /metrics rollout concurrency follows: each one behind a router, else this one."""
@@ -179,7 +185,8 @@ class InferenceClient:
         """A client of `model.name` with the settings of its `[model.client]` table."""
         c = model.client
         return cls(c.base_url, model.name, api_key=c.api_key, timeout=c.timeout, max_retries=c.max_retries,
-                   retry_backoff=c.retry_backoff, max_backoff=c.max_backoff, metrics_urls=c.metrics_urls)  # fmt: skip
+                   retry_backoff=c.retry_backoff, max_backoff=c.max_backoff, metrics_urls=c.metrics_urls,
+                   api=c.api)  # fmt: skip
 
     def build_request(self, messages: Messages, n: int, sampling: SamplingArgs) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -210,7 +217,17 @@ class InferenceClient:
         return body
 
     async def sample(self, messages: Messages, n: int, sampling: SamplingArgs) -> ChatResult:
+        if self.api == "samples":  # the same prompt ids the chat API would render, then the compact route
+            prompt_ids = await self.tokenize_chat(messages, chat_template=sampling.chat_template)
+            body = self.build_samples_request(prompt_ids, n, sampling)
+            return parse_samples_response(await self._post_raw(body, url=f"{self.server_root}{SAMPLES_PATH}"), n)
         return parse_chat_response(await self._post_raw(self.build_request(messages, n, sampling)), n)
+
+    def build_samples_request(self, prompt_ids: list[int], n: int, sampling: SamplingArgs) -> dict[str, Any]:
+        """The samples route's body (``wire.SamplesRequest``): every sampling parameter, as for the chat API."""
+        body = self.build_request([], n, sampling)
+        fields = set(SamplesRequest.__struct_fields__)
+        return {**{k: v for k, v in body.items() if k in fields}, "prompt_token_ids": prompt_ids}
 
     # Token-level API (multi-turn rollouts, see multiturn.py): the server's own chat template renders
     # messages to ids (/tokenize), and generation takes ids in (/v1/completions with a token-id prompt).
@@ -390,6 +407,24 @@ def parse_chat_response(data: bytes | dict[str, Any], n: int) -> ChatResult:
         completion = Completion(token_ids, [entry.logprob for entry in content], text, choice.finish_reason)
         completion.routed_experts = decode_routed_experts(choice.routed_experts, choice.index)
         completions.append(completion)
+    return ChatResult(body.prompt_token_ids, completions)
+
+
+def parse_samples_response(data: bytes, n: int) -> ChatResult:
+    """Turn the samples route's body (``wire.SamplesResponse``) into prompt ids and completions."""
+    try:
+        body = msgspec.json.decode(data, type=SamplesResponse)
+    except msgspec.DecodeError as e:
+        raise InferenceError(f"malformed samples response ({e}); is the server a prime-rl inference server?") from e
+    if len(body.samples) != n:
+        raise InferenceError(f"asked for n={n} samples, got {len(body.samples)}")
+    completions = []
+    for sample in body.samples:
+        token_ids = np.frombuffer(sample.token_ids, dtype="<i4").tolist()
+        logprobs = np.frombuffer(sample.logprobs, dtype="<f4").tolist()
+        if len(logprobs) != len(token_ids):
+            raise InferenceError(f"a sample has {len(token_ids)} token ids but {len(logprobs)} logprobs")
+        completions.append(Completion(token_ids, logprobs, sample.text, sample.finish_reason))
     return ChatResult(body.prompt_token_ids, completions)
 
 

@@ -47,6 +47,12 @@ class ClientConfig(BaseConfig):
     """Seconds before the first retry; doubled after each failed attempt."""
     max_backoff: float = Field(default=10.0, gt=0)
     """Upper bound on the wait between two retries, in seconds."""
+    api: Literal["chat", "samples"] = "chat"
+    """How single-turn rollouts are asked for. "chat": vLLM's `/v1/chat/completions` (any OpenAI-compatible
+    server or router). "samples": the prompt is rendered by the server's `/tokenize`, then generated through
+    prime-rl's samples route, which returns token ids and logprobs as arrays instead of a JSON entry per token
+    (vLLM's server spent 2.26x as long on the chat API's per-token response on an H200). Needs a prime-rl
+    inference server (not a router in front of several: it would reach one of them) and no routed experts."""
     metrics_urls: list[str] = Field(default_factory=list)
     """Root URL (http://host:port) of every inference server behind a router: rollout concurrency follows the sum
     of their vLLM `/metrics` (vllm-router answers /metrics with one replica's). Empty: the server at `base_url`.
@@ -507,6 +513,15 @@ class OrchestratorConfig(RunSectionConfig):
             raise ValueError(
                 f"advantage.overlong_window={self.advantage.overlong_window} must be <= "
                 f"sampling.max_tokens={self.sampling.max_tokens} (the window ends at max_tokens); lower it"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_samples_api(self) -> OrchestratorConfig:
+        if self.model.client.api == "samples" and self.routed_experts:
+            raise ValueError(
+                "orchestrator.model.client.api='samples' does not return routed experts, which "
+                "orchestrator.routed_experts=true asks for; use api='chat' with routed experts (router replay)"
             )
         return self
 

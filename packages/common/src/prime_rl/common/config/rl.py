@@ -260,6 +260,12 @@ class RLConfig(BaseConfig):
                 f"trainer.model.dp_replicate={self.trainer.model.dp_replicate}"
             )
         self._check_routed_experts()
+        if self.orchestrator.model.client.api == "samples" and self.inference.fronted_by_router:
+            raise ValueError(
+                "orchestrator.model.client.api='samples' reaches one server, but inference runs several behind a "
+                "router (router.replicas > 1 or P/D), which sends prime-rl's samples route to one of them; use "
+                "api='chat' there"
+            )
         if self.trainer.data.fake is not None:
             raise ValueError("trainer.data.fake is for benchmarking the trainer alone; `rl` trains on rollouts")
         return self
