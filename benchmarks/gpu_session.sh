@@ -11,6 +11,10 @@
 #   call 4  (within 30 s of call 3)              bash benchmarks/gpu_session.sh vllmalone respcost
 #   call 5  (within 30 s of call 4)              bash benchmarks/gpu_session.sh gpue2e
 #
+# Next session (after 12-05): `install anchors gputests` (GPU parity through the samples route too), then
+# `rlsamples respcost` (the samples route against the chat rollouts of 12-05's rlsystem, 11.7k tok/s), then
+# `rlsystem` (the engine's steps of a push, `worker_phases_s.engine`, and step 2 without the buffer allocation).
+#
 # Measured on 2026-12-04 (one H200, warm machine): install 25 s, gputests ~240 s, torchtitan 33 s, trainer 74 s,
 # rlsystem 531 s (split, colocated and vLLM alone), gpue2e ~500 s (its two colocated runs 155 s each): with the
 # first call's start-up and the idle gaps the four calls take ~25 of the 30 minutes. On 2026-12-05: ipctests 102 s,

@@ -212,14 +212,16 @@ def test_gpu_server_completes(served_gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("api", ["chat", "samples"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_gpu_sampled_token_logprobs_match_the_trainer(served_gpu, temperature):
+def test_gpu_sampled_token_logprobs_match_the_trainer(served_gpu, temperature, api):
     server, model_dir = served_gpu
     model = build_trainer_model(model_dir, "cuda", torch.bfloat16)
-    samples = sample(server, SamplingArgs.from_config(SamplingConfig(temperature=temperature, max_tokens=MAX_TOKENS)))
+    sampling = SamplingArgs.from_config(SamplingConfig(temperature=temperature, max_tokens=MAX_TOKENS))
+    samples = sample(server, sampling, api=api)
     kl, kl64, max_diff, num_tokens = parity(model, samples, temperature)
-    print(f"\nGPU parity T={temperature}: mismatch_kl={kl:.3e} (float64 {kl64:.3e}) max|dlogprob|={max_diff:.3e} "
-          f"over {num_tokens} tokens")  # fmt: skip
+    print(f"\nGPU parity {api} T={temperature}: mismatch_kl={kl:.3e} (float64 {kl64:.3e}) "
+          f"max|dlogprob|={max_diff:.3e} over {num_tokens} tokens")  # fmt: skip
     assert num_tokens >= len(PROMPTS) * SAMPLES_PER_PROMPT
     assert max(kl, kl64) <= GPU_KL_GATE, f"GPU mismatch_kl={max(kl, kl64):.3e} > {GPU_KL_GATE} at T={temperature}"
 
