@@ -151,7 +151,9 @@ def test_the_samples_route_returns_what_the_chat_api_returns(served, stop):
     chat API for the same seeded requests, one at a time (so batching cannot change a float): the same prompt ids,
     sampled tokens, text and finish reasons, and the same logprobs. Without stop strings the route decodes each
     sample's text once at the end; with them vLLM detokenizes as it generates, as for chat."""
-    _, server, _ = served
+    name, server, _ = served
+    if name != "plain":  # the route does not depend on the architecture, and the three models share a tokenizer
+        pytest.skip("checked on the plain model (CI time)")
     sampling = SamplingArgs(max_tokens=MAX_TOKENS, temperature=0.7, seed=11, stop=stop)
     chat, compact = (chat_results(server, sampling, api=api, concurrent=False) for api in ("chat", "samples"))
     for a, b in zip(chat, compact, strict=True):
