@@ -6,7 +6,7 @@ tokens as the same generation without them (benchmarks/results/rollout_path.md):
 GPU, bounded the rollouts. Here the engine is asked directly (``EngineClient.generate``) with vLLM's flat
 logprobs (a few lists per request instead of a dict and a ``Logprob`` per token) and, unless stop strings need
 the text as it grows, no detokenization per token (which also decodes each sampled token for its logprob
-entry): each sample's text is decoded once at the end, as vLLM's detokenizer builds it (``final_text``; the
+entry): each sample's text is decoded once at the end, as vLLM's detokenizer builds it (``TextDecoder``; the
 tests compare it with the chat API's text). The answer carries the ids and logprobs as packed int32 / float32 bytes (``wire.Sample``).
 
 Served as an ASGI middleware given to vLLM's ``--middleware`` (so the server module keeps no app code, as for
@@ -135,9 +135,9 @@ async def generate(engine: Any, state: Any, request: SamplesRequest) -> SamplesR
         final = output
     if final is None:
         raise RuntimeError(f"vLLM returned no output for request {request_id}")
-    tokenizer = None if params.detokenize else await _tokenizer(engine)
     prompt_ids = list(final.prompt_token_ids or prompt)
-    samples = [_sample(c, tokenizer, prompt_ids) for c in sorted(final.outputs, key=lambda c: c.index)]
+    decode = None if params.detokenize else TextDecoder(await _tokenizer(engine), prompt_ids)
+    samples = [_sample(c, decode) for c in sorted(final.outputs, key=lambda c: c.index)]
     return SamplesResponse(prompt_token_ids=prompt_ids, samples=samples)
 
 
@@ -156,36 +156,41 @@ async def _tokenizer(engine: Any) -> Any:
     return await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
 
 
-def _sample(completion: Any, tokenizer: Any, prompt_ids: list[int]) -> Sample:
+def _sample(completion: Any, decode: TextDecoder | None) -> Sample:
     token_ids = list(completion.token_ids)
     return Sample(
         token_ids=array.array("i", token_ids).tobytes(),
         logprobs=array.array("f", sampled_logprobs(completion.logprobs, token_ids)).tobytes(),
-        text=completion.text if tokenizer is None else final_text(tokenizer, completion, prompt_ids),
+        text=completion.text if decode is None else decode(completion),
         finish_reason=completion.finish_reason,
     )
 
 
-def final_text(tokenizer: Any, completion: Any, prompt_ids: list[int]) -> str:
-    """The text vLLM's detokenizer builds as it generates (a ``tokenizers`` ``DecodeStream`` primed with the prompt),
-    from one decode at the end:
-    - decoded after the prompt and cut at the prompt's text, so a first token's leading space survives as it
-      does in the stream (SentencePiece decoders drop it at the start of a text);
+class TextDecoder:
+    """The text vLLM's detokenizer builds as it generates (a ``tokenizers`` ``DecodeStream`` primed with the
+    prompt), from one decode at the end of each sample of one prompt:
+    - decoded after the prompt and cut at the prompt's text (decoded once per request), so a first token's
+      leading space survives as it does in the stream (SentencePiece decoders drop it at the start of a text);
     - without the token that stopped generation (an EOS or a stop token id), which vLLM leaves out;
     - without trailing tokens that decode to an incomplete character ("\ufffd" at the end), which the stream
       holds back until a later token completes them, so a sample cut by max_tokens mid-character ends earlier.
     Special tokens are kept (``skip_special_tokens = False``, as the chat request asks)."""
-    token_ids = list(completion.token_ids)
-    if completion.finish_reason == "stop" and not isinstance(completion.stop_reason, str) and token_ids:
-        token_ids = token_ids[:-1]
-    head = tokenizer.decode(prompt_ids, skip_special_tokens=False)
-    while True:
-        text = tokenizer.decode(prompt_ids + token_ids, skip_special_tokens=False)
-        if not (token_ids and text.endswith("\ufffd")):
-            return (
-                text[len(head) :] if text.startswith(head) else tokenizer.decode(token_ids, skip_special_tokens=False)
-            )
-        token_ids = token_ids[:-1]
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
+        self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
+        self.head = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+
+    def __call__(self, completion: Any) -> str:
+        token_ids = list(completion.token_ids)
+        if completion.finish_reason == "stop" and not isinstance(completion.stop_reason, str) and token_ids:
+            token_ids = token_ids[:-1]
+        while True:
+            text = self.tokenizer.decode(self.prompt_ids + token_ids, skip_special_tokens=False)
+            if not (token_ids and text.endswith("\ufffd")):
+                if text.startswith(self.head):
+                    return text[len(self.head) :]
+                return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+            token_ids = token_ids[:-1]
 
 
 def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:

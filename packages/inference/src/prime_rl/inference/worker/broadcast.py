@@ -62,12 +62,8 @@ class HostBuffers:
     def copy(self, buffer: torch.Tensor) -> torch.Tensor:
         """A host copy of ``buffer`` (a view of a reused buffer when one is large enough)."""
         n = buffer.numel()
-        fits = [i for i, t in enumerate(self.spares) if t.numel() >= n and t.dtype == buffer.dtype]
         self.pin = self.pin or buffer.is_cuda
-        if fits:
-            base = self.spares.pop(fits[0])
-        else:
-            base = pinned_empty(n, buffer.dtype, pin=self.pin)  # not rounded up to a power of two
+        base = self._take(self.spares, n, buffer.dtype)
         self.taken.append(base)
         view = base[:n]
         view.copy_(buffer)
@@ -78,11 +74,14 @@ class HostBuffers:
         new ones otherwise. Made after the first update, so the second allocates nothing: it paid for pinning
         the whole set in its own step (1.6 s for the 1.7B shape on the H200, 6.9 s for the 8B shape)."""
         free = list(self.spares)
-        out = []
-        for t in self.taken:
-            fits = [i for i, s in enumerate(free) if s.numel() >= t.numel() and s.dtype == t.dtype]
-            out.append(free.pop(fits[0]) if fits else pinned_empty(t.numel(), t.dtype, pin=self.pin))
-        return out + free
+        return [self._take(free, t.numel(), t.dtype) for t in self.taken] + free
+
+    def _take(self, pool: list[torch.Tensor], n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first buffer of ``pool`` that holds ``n`` elements of ``dtype`` (removed from it), else a new one."""
+        for i, t in enumerate(pool):
+            if t.numel() >= n and t.dtype == dtype:
+                return pool.pop(i)
+        return pinned_empty(n, dtype, pin=self.pin)  # not rounded up to a power of two
 
 
 _MINMAX_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
