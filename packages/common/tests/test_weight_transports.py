@@ -5,7 +5,7 @@ import typing
 
 from prime_rl.common.config.rl_trainer import WeightBroadcastConfig
 from prime_rl.common.weight_transports import ANNOUNCER, TRANSPORTS, refuse_version
-from prime_rl.common.wire import AwaitWeightsRequest, LoadWeightsRequest, Message
+from prime_rl.common.wire import AwaitWeightsRequest, LoadWeightsRequest, Message, NixlWeightsRequest
 
 
 def _config_types() -> set[str]:
@@ -38,3 +38,17 @@ def test_version_rule():
     )
     assert refuse_version("nixl", 4, 3) is None
     assert refuse_version("nccl", 2, 3) is None and refuse_version("filesystem", 1, 3) is None
+
+
+def test_both_loading_sides_build_a_versions_requests_from_the_row():
+    # the orchestrator's filesystem load and the trainer's pushes send exactly the row's `update`, in order
+    assert TRANSPORTS["filesystem"].begin_request(3, path="/run/broadcasts/step_3") == LoadWeightsRequest(
+        path="/run/broadcasts/step_3", version=3
+    )
+    assert TRANSPORTS["filesystem"].finish_requests(3) == ()
+    assert TRANSPORTS["nixl"].begin_request(4) == NixlWeightsRequest(version=4)
+    for t in TRANSPORTS.values():
+        fields = {"specs": []} if t.name in ("nccl", "ipc") else {"path": "/p"} if t.name == "filesystem" else {}
+        sent = (t.begin_request(5, **fields), *t.finish_requests(5))
+        assert tuple(type(r) for r in sent) == t.update, t.name
+        assert all(r.version == 5 for r in sent), t.name

@@ -15,9 +15,12 @@ the controller and the orchestrator; here it is data, read by code:
 What every transport shares: a version ``n`` exists for the rest of the system only once the trainer's global
 rank 0 has sent ``WeightsPublished(n)`` to the orchestrator (``ANNOUNCER``), and only once it is whole.
 
-Left out on purpose: one component that drives loading for every transport. The filesystem transport is loaded
-by the orchestrator around its request gate (that keeps its version tags exact), the push transports by the
-trainer (the sender must take part in the transfer); unifying them is a behaviour change, not a table.
+Loading, for every transport, is this table's ``update`` requests (``Transport.begin_request`` /
+``finish_requests`` build them) sent to every server through one fan-out, ``prime_rl.common.servers.ServerSet``.
+Who sends them is the row's ``loads``: the orchestrator for the filesystem transport (it closes its request gate
+around the load, which keeps its version tags exact, and only it can close that gate), trainer rank 0 for the
+push transports (the begin request arms the workers, the sender's own transfer follows, then the wait; moving
+that to the orchestrator would add a round trip per version between the two processes).
 
 Torch-free (``prime_rl.common.wire`` only), beside the torch-level ``prime_rl.common.weight_sync`` package as
 ``weight_layout`` is, so the orchestrator, launcher and config checks may read it too.
@@ -67,6 +70,16 @@ class Transport:
     versions_increase: bool
     """The server refuses a version not above the one it serves (``refuse_version``). The filesystem
     transport reloads any version (a restore, a resumed run); a broadcast is not checked."""
+
+    def begin_request(self, version: int, **fields: object) -> Message:
+        """The first of ``update`` for ``version``, with what it carries (the filesystem path, a streamed layout):
+        the request that starts the load on every server. Both loading sides build it here."""
+        return self.update[0](version=version, **fields)
+
+    def finish_requests(self, version: int) -> tuple[Message, ...]:
+        """The rest of ``update`` for ``version``, sent once the bytes went out (push transports: the wait until
+        every server serves it); none for the filesystem transport, whose begin request answers once loaded."""
+        return tuple(request(version=version) for request in self.update[1:])
 
 
 TRANSPORTS: dict[str, Transport] = {

@@ -40,12 +40,13 @@ from typing import Protocol
 
 from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
+from prime_rl.common.servers import ServerSet
 from prime_rl.common.transport import ControlClient, PeerLostError, Receiver
+from prime_rl.common.weight_transports import TRANSPORTS
 from prime_rl.common.wire import (
     ControlReply,
     HealthReply,
     HealthRequest,
-    LoadWeightsRequest,
     Message,
     PauseRequest,
     ResumeRequest,
@@ -56,6 +57,10 @@ from prime_rl.common.wire import (
 from prime_rl.orchestrator.policy import PolicyState
 
 logger = logging.getLogger(__name__)
+
+
+FILESYSTEM = TRANSPORTS["filesystem"]
+"""This transport's row: the control requests that load a version."""
 
 
 class InferenceControl(Protocol):
@@ -127,7 +132,9 @@ class ServerGoneError(ConnectionError):
 
 
 class ZmqInferenceControl:
-    """Sends PauseRequest / LoadWeightsRequest / ResumeRequest to every server, in parallel threads."""
+    """Sends PauseRequest / LoadWeightsRequest / ResumeRequest (and a colocated run's sleep / wake) to every server
+    through one ``ServerSet``; tells a refusal from a server that went away (``ServerGoneError``, a lost connection,
+    a restart), which the orchestrator heals."""
 
     HEALTH_TIMEOUT_S = 3.0
 
@@ -136,12 +143,12 @@ class ZmqInferenceControl:
             raise ValueError("ZmqInferenceControl needs at least one control address (tcp://host:port)")
         # watch_peer: a server that dies while handling a request (a weight load) is known at once (PeerLostError),
         # not after `timeout`
-        self._clients = [ControlClient(address, timeout_s=timeout, watch_peer=True) for address in addresses]
-        self.endpoints = [client.endpoint for client in self._clients]
+        self.servers = ServerSet(addresses, timeout, watch_peer=True)
+        self.endpoints = self.servers.endpoints
         self.excluded: set[str] = set()
         # sockets of their own: health is polled while a weight update may be waiting on the others (REQ sockets
         # hold one request at a time)
-        self._health = [ControlClient(a, timeout_s=self.HEALTH_TIMEOUT_S, watch_peer=True) for a in addresses]
+        self._health = ServerSet(addresses, self.HEALTH_TIMEOUT_S, watch_peer=True)
         self._health_locks = [threading.Lock() for _ in addresses]  # a socket is used by one thread at a time
         self._gone: set[str] = set()
         """Servers that went away during this update: the restarted one was never paused, so it is not resumed
@@ -152,12 +159,14 @@ class ZmqInferenceControl:
 
     async def _broadcast(self, message: Message, clients: list[ControlClient] | None = None) -> None:
         everyone = clients is None
-        clients = [c for c in self._clients if c.endpoint not in self.excluded] if everyone else clients
-        # ZeroMQ REQ sockets are blocking: one thread per server keeps the event loop (and rollouts) moving. Every
-        # server's answer is awaited (not just the first failure) so none is left in the middle of an update.
-        replies = await asyncio.gather(
-            *(self._request(c, message, fail_fast=everyone) for c in clients), return_exceptions=True
-        )
+        clients = [c for c in self.servers.clients if c.endpoint not in self.excluded] if everyone else clients
+        # With several replicas, one known gone fails an update at once (its siblings serve on, heal.py), rather
+        # than waiting in ZeroMQ's queue for its restart; one server alone is waited for (the restart answers), and
+        # so is one addressed alone (`restore`: its health answered, this socket may not have reconnected yet).
+        fail_fast = everyone and len(self.servers.clients) > 1
+        indices = [self.servers.clients.index(c) for c in clients]
+        # off the event loop (rollouts go on); every server's answer is awaited, not just the first failure
+        replies = await asyncio.to_thread(self.servers.gather, message, indices, fail_fast)
         restarted = [c.endpoint for c, r in zip(clients, replies) if isinstance(r, Message) and self._new_boot(c, r)]
         failed = [(c, r) for c, r in zip(clients, replies) if not (isinstance(r, ControlReply) and r.ok)]
         dying: set[str] = set()  # answered with an error and not well afterwards (vLLM's engine died under it)
@@ -181,14 +190,6 @@ class ZmqInferenceControl:
                 "restarted since its last answer and serves weights this update did not give it"
             )
 
-    async def _request(self, client: ControlClient, message: Message, fail_fast: bool) -> Message:
-        # With several replicas, one known gone fails an update at once (its siblings serve on, heal.py), rather
-        # than waiting in ZeroMQ's queue for its restart; one server alone is waited for (the restart answers), and
-        # so is one addressed alone (`restore`: its health answered, this socket may not have reconnected yet).
-        if fail_fast and len(self._clients) > 1 and client.peer_gone:
-            raise PeerLostError(f"{client.endpoint} went away before {type(message).__name__}: its connection is down")
-        return await asyncio.to_thread(client.request, message)
-
     def _new_boot(self, client: ControlClient, reply: Message) -> bool:
         """Record the reply's boot id; True when it differs from the one the same address sent before."""
         boot_id = getattr(reply, "boot_id", "")
@@ -199,11 +200,11 @@ class ZmqInferenceControl:
         return before is not None and before != boot_id
 
     async def _well(self, client: ControlClient) -> bool:
-        reply = await asyncio.to_thread(self._ask_health, self._clients.index(client))
+        reply = await asyncio.to_thread(self._ask_health, self.servers.clients.index(client))
         return isinstance(reply, HealthReply) and reply.ok
 
     def _ask_health(self, index: int) -> HealthReply | None:
-        client = self._health[index]
+        client = self._health.clients[index]
         with self._health_locks[index]:
             if client.peer_gone:  # its server went away and none answers yet: no need to wait out the timeout
                 return None
@@ -222,11 +223,11 @@ class ZmqInferenceControl:
             raise
 
     async def load_weights(self, path: Path, version: int) -> None:
-        await self._broadcast(LoadWeightsRequest(path=str(path), version=version))
+        await self._broadcast(FILESYSTEM.begin_request(version, path=str(path)))
 
     async def resume(self) -> None:
         skip = self._gone | self.excluded
-        await self._broadcast(ResumeRequest(), [c for c in self._clients if c.endpoint not in skip])
+        await self._broadcast(ResumeRequest(), [c for c in self.servers.clients if c.endpoint not in skip])
 
     # colocated runs (prime_rl.orchestrator.colocate.HandOver): free the GPUs for the trainer, and take them back
     async def sleep(self, level: int) -> None:
@@ -236,27 +237,27 @@ class ZmqInferenceControl:
         await self._broadcast(WakeUpRequest(tags=tags, by="orchestrator"))
 
     async def restore(self, endpoint: str, path: Path | None, version: int, mode: str) -> None:
-        [client] = [c for c in self._clients if c.endpoint == endpoint]
+        [client] = [c for c in self.servers.clients if c.endpoint == endpoint]
         if path is not None:
             await self._broadcast(PauseRequest(mode=mode, by="orchestrator"), [client])
             try:
-                await self._broadcast(LoadWeightsRequest(path=str(path), version=version), [client])
+                await self._broadcast(FILESYSTEM.begin_request(version, path=str(path)), [client])
             finally:
                 await self._broadcast(ResumeRequest(), [client])
         self.excluded.discard(endpoint)
 
     async def health(self) -> list[HealthReply | None]:
         replies = list(
-            await asyncio.gather(*(asyncio.to_thread(self._ask_health, i) for i in range(len(self._health))))
+            await asyncio.gather(*(asyncio.to_thread(self._ask_health, i) for i in range(len(self._health.clients))))
         )
-        for client, reply in zip(self._health, replies):
+        for client, reply in zip(self._health.clients, replies):
             if reply is not None:  # a restart seen here is the one being waited out (heal.py): recorded, not raised
                 self._new_boot(client, reply)
         return replies
 
     def close(self) -> None:
-        for client in self._clients + self._health:
-            client.close()
+        self.servers.close()
+        self._health.close()
 
 
 class VersionListener:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from prime_rl.common.servers import ServerSet
 from prime_rl.common.weight_sync.broadcast import (
     DEFAULT_BUCKET_BYTES,
     BucketLayout,
@@ -23,9 +24,12 @@ from prime_rl.common.weight_sync.broadcast import (
     build_weight_group,
     pack_bucket,
 )
-from prime_rl.common.wire import AwaitWeightsRequest, BroadcastWeightsRequest, InitBroadcastRequest
-from prime_rl.trainer.weights.servers import InferenceServers
+from prime_rl.common.weight_transports import TRANSPORTS
+from prime_rl.common.wire import InitBroadcastRequest
 from prime_rl.trainer.weights.streamed_sender import StreamedSender
+
+NCCL = TRANSPORTS["nccl"]
+"""This transport's row: the control requests that load a version."""
 
 
 class WeightBroadcastError(RuntimeError):
@@ -75,7 +79,7 @@ class WeightBroadcaster(StreamedSender):
         self.host, self.port, self.backend = host, port, backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self.servers = InferenceServers(self.addresses, timeout_s, WeightBroadcastError)
+        self.servers = ServerSet(self.addresses, timeout_s, error=WeightBroadcastError)
         self.group: WeightGroup | None = None
 
     def connect(self) -> None:
@@ -100,9 +104,9 @@ class WeightBroadcaster(StreamedSender):
         """Phase 1: every server validates the layout and its workers wait for the buckets."""
         if self.group is None:
             raise WeightBroadcastError("call connect() before pushing weights")
-        request = BroadcastWeightsRequest(version=version, **layout.to_fields())
+        request = NCCL.begin_request(version, **layout.to_fields())
         # Servers validate identically (same checkpoint), so either all accept or all refuse.
-        self.servers.request(lambda i: request, "BroadcastWeightsRequest")
+        self.servers.request(request)
 
     def send(self, version: int, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
         """Phase 2: broadcast the buckets (``tensors`` indexed like ``layout.specs``)."""
@@ -111,7 +115,8 @@ class WeightBroadcaster(StreamedSender):
 
     def finish(self, version: int) -> None:
         """Phase 3: wait until every server has loaded ``version`` and serves it; raises if any failed."""
-        self.servers.request(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
+        for request in NCCL.finish_requests(version):
+            self.servers.request(request)
 
     def close(self) -> None:
         if self.group is not None:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from prime_rl.common.servers import ServerSet
 from prime_rl.common.weight_sync.broadcast import BucketLayout, pack_into
 from prime_rl.common.weight_sync.ipc import (
     DEFAULT_BUCKET_BYTES,
@@ -27,15 +28,16 @@ from prime_rl.common.weight_sync.ipc import (
     new_session,
     remove_slots,
 )
+from prime_rl.common.weight_transports import TRANSPORTS
 from prime_rl.common.wire import (
-    AwaitWeightsRequest,
     InitIpcRequest,
     IpcSlot,
-    IpcWeightsRequest,
     WakeUpRequest,
 )
-from prime_rl.trainer.weights.servers import InferenceServers
 from prime_rl.trainer.weights.streamed_sender import StreamedSender
+
+IPC = TRANSPORTS["ipc"]
+"""This transport's row: the control requests that load a version."""
 
 
 class IpcWeightError(RuntimeError):
@@ -64,7 +66,7 @@ class IpcWeightSender(StreamedSender):
         self.host, self.port, self.memory, self.device = host, port, memory, device
         self.bucket_bytes, self.num_slots, self.timeout_s = bucket_bytes, num_slots, timeout_s
         self.keep_rollback_copy = keep_rollback_copy
-        self.servers = InferenceServers(list(addresses), timeout_s, IpcWeightError)
+        self.servers = ServerSet(addresses, timeout_s, error=IpcWeightError)
         self.channel: IpcChannel | None = None
         self.buffers: list[torch.Tensor] = []
         self.slots: list[IpcSlot] = []
@@ -88,21 +90,21 @@ class IpcWeightSender(StreamedSender):
             keep_rollback_copy=self.keep_rollback_copy,
             timeout_s=self.timeout_s,
         )
-        self.servers.request(lambda i: request, "InitIpcRequest")
+        self.servers.request(request)
         self.num_workers = self.channel.num_workers()  # every worker registered before its server answered
 
     def wake_weights(self) -> None:
         """Colocated runs: every server wakes its weights (they sleep while the trainer steps), the buffers the
         push writes into; its KV cache stays asleep until the orchestrator learns the version is served."""
-        self.servers.request(lambda i: WakeUpRequest(tags=["weights"], by="trainer"), "WakeUpRequest")
+        self.servers.request(WakeUpRequest(tags=["weights"], by="trainer"))
 
     def begin(self, version: int, layout: BucketLayout) -> None:
         """Phase 1: (set up the session, then) every server validates the layout and its workers wait."""
         largest = max(layout.bucket_sizes, default=0)
         if not self.slots or self.slots[0].size < largest:
             self._open_session(max(largest, 1))
-        request = IpcWeightsRequest(version=version, **layout.to_fields())
-        self.servers.request(lambda i: request, "IpcWeightsRequest")
+        request = IPC.begin_request(version, **layout.to_fields())
+        self.servers.request(request)
         self.num_buckets[version] = len(layout.bucket_sizes)
 
     def send(self, version: int, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
@@ -127,7 +129,8 @@ class IpcWeightSender(StreamedSender):
     def finish(self, version: int) -> None:
         """Phase 3: wait until every server serves ``version``; raises if any failed."""
         try:
-            self.servers.request(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
+            for request in IPC.finish_requests(version):
+                self.servers.request(request)
         finally:
             if self.channel is not None:
                 self.channel.clear(version, self.num_buckets.pop(version, 0), self.num_workers)

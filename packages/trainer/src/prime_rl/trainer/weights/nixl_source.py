@@ -45,19 +45,22 @@ from prime_rl.common.nixl_layout import (
     source_slices,
 )
 from prime_rl.common.nixl_metadata import MetadataClient, MetadataService, is_serving
+from prime_rl.common.servers import ServerSet
 from prime_rl.common.weight_layout import dtype_name
 from prime_rl.common.weight_sync.nixl_agent import Backoff, allocate_buffers, make_agent, mem_type, release_agent
+from prime_rl.common.weight_transports import TRANSPORTS
 from prime_rl.common.wire import (
-    AwaitWeightsRequest,
     InitNixlRequest,
     NixlLayout,
     NixlPeer,
-    NixlWeightsRequest,
     TensorSpec,
 )
-from prime_rl.trainer.weights.servers import InferenceServers
 
 logger = logging.getLogger(__name__)
+
+
+NIXL = TRANSPORTS["nixl"]
+"""This transport's row: the control requests that load a version."""
 
 
 class NixlSendError(RuntimeError):
@@ -204,7 +207,7 @@ class NixlWeightSender:
             self.service = MetadataService("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, port).start()
             logger.info("started the NIXL metadata service on %s", self.service.endpoint)
         self.client = MetadataClient(host, port, timeout_s=timeout_s)
-        self.servers = InferenceServers(self.addresses if rank == 0 else [], timeout_s, NixlSendError)
+        self.servers = ServerSet(self.addresses if rank == 0 else [], timeout_s, error=NixlSendError)
         self.layout: NixlLayout | None = None
         self.source: NixlSource | None = None
 
@@ -280,12 +283,14 @@ class NixlWeightSender:
     def begin(self, version: int) -> None:
         """Rank 0: ask every server to start pulling ``version``."""
         if self.rank == 0:
-            self.servers.request(lambda i: NixlWeightsRequest(version=version), "NixlWeightsRequest")
+            request = NIXL.begin_request(version)
+            self.servers.request(request)
 
     def finish(self, version: int) -> None:
         """Rank 0: wait until every server serves ``version`` (raises with the server's reason otherwise)."""
         if self.rank == 0:
-            self.servers.request(lambda i: AwaitWeightsRequest(version=version), "AwaitWeightsRequest")
+            for request in NIXL.finish_requests(version):
+                self.servers.request(request)
 
     def stage(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every rank: start ``version`` (rank 0 asks the servers) and stage it until every receiver has
