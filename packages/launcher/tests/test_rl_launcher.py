@@ -461,3 +461,23 @@ def test_pd_bad_input_is_one_line_before_anything_starts(model_dir, tmp_path, fl
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert message in out.stderr
     assert not (tmp_path / "rl" / "configs").exists()
+
+
+@pytest.mark.parametrize("dispatch,needs", [("mega_moe", "deep_gemm.mega_moe_dispatch"), ("deepep", "`deep_ep`")])
+def test_missing_moe_dispatch_kernels_are_one_line_exit_2_before_anything_starts(
+    tmp_path, monkeypatch, capsys, dispatch, needs
+):
+    """As `sft` and `trainer` do: not a traceback from every trainer rank after inference has started."""
+    from prime_rl.launcher.rl import main
+
+    model_dir = make_tiny_model(tmp_path / "moe", kind="qwen3_moe", dtype="float32")
+    for module in ("deep_ep", "deep_gemm"):  # import -> ImportError, installed or not
+        monkeypatch.setitem(sys.modules, module, None)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(["--model.name", str(model_dir), "--output-dir", str(out), "--trainer.model.moe.dispatch.type", dispatch,
+              "--dry-run"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("rl: error: [trainer.model.moe.dispatch] type = "), err
+    assert err.count("\n") == 1 and needs in err and 'use type = "torch"' in err
+    assert not out.exists()  # no config written, nothing launched

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from prime_rl.trainer.dispatch_kernels import dispatch_kernels_error
+from prime_rl.common.dispatch_kernels import dispatch_kernels_error
 from prime_rl.trainer.rl.train import main as trainer_main
 from prime_rl.trainer.sft.entrypoint import main as sft_main
 

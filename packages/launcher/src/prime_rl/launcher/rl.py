@@ -47,6 +47,7 @@ from prime_rl.common.config.deployment import (
 )
 from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl import RLConfig
+from prime_rl.common.dispatch_kernels import exit_if_dispatch_kernels_missing
 from prime_rl.common.env import (
     HEARTBEAT_DIR_ENV,
     SECRET_FILE_ENV,
@@ -380,6 +381,8 @@ def main(argv: list[str] | None = None) -> None:
             "rl: error: deployment.type='multi_node' needs a [slurm] table (multi-node runs go through SLURM)\n"
         )
         sys.exit(2)
+    # here, not in the SLURM job's submit step above: that host need not have the GPU nodes' kernels
+    exit_if_dispatch_kernels_missing(cfg.trainer.model.moe.dispatch.type, "rl", "trainer.model.moe.dispatch")
     try:
         infer_gpus, train_gpus = place(cfg.deployment, visible_gpus())
         facts = gather_local(cfg, run_dir)

@@ -40,8 +40,8 @@ from prime_rl.common.config.trainer import (
     MoEDispatchConfig,
     TorchDispatchConfig,
 )
+from prime_rl.common.dispatch_kernels import dispatch_kernels_error
 from prime_rl.kernels.grouped_gemm import grouped_swiglu
-from prime_rl.trainer.dispatch_kernels import dispatch_kernels_error
 from prime_rl.trainer.models.nemotron_h import grouped_relu2
 from prime_rl.trainer.parallel.deepep import DeepEPDispatcher, apply_deepep_moe
 
@@ -81,7 +81,7 @@ def check_dispatch(moe: MoEConfig, ep: int) -> None:
                 f"[model.moe.dispatch] num_sms={dispatch.num_sms} must be even (DeepEP pairs send and receive "
                 f"SMs); use {dispatch.num_sms - 1} or {dispatch.num_sms + 1}"
             )
-    error = dispatch_kernels_error(dispatch.type)  # the same line sft / trainer print before torchrun
+    error = dispatch_kernels_error(dispatch.type)  # the same line sft / trainer / rl print before torchrun
     if error:
         raise ImportError(error)
 

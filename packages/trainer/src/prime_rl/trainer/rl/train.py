@@ -34,10 +34,10 @@ from prime_rl.common.config import ConfigError, parse_config
 from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl_trainer import RLTrainerConfig, SequenceLossConfig, TokenLossConfig
 from prime_rl.common.config.trainer import TrainerModelConfig
+from prime_rl.common.dispatch_kernels import exit_if_dispatch_kernels_missing
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.wire import DTYPE_ITEMSIZE
 from prime_rl.trainer.colocate import StepOffload
-from prime_rl.trainer.dispatch_kernels import exit_if_dispatch_kernels_missing
 from prime_rl.trainer.loop import train_loop
 from prime_rl.trainer.lora import BaseModelView
 from prime_rl.trainer.model import CausalLM, build_training_model

@@ -17,9 +17,9 @@ from prime_rl.common import commands
 from prime_rl.common.config import parse_config, write_toml
 from prime_rl.common.config.slurm_route import run_through_slurm, wants_slurm
 from prime_rl.common.config.trainer import SFTConfig
+from prime_rl.common.dispatch_kernels import exit_if_dispatch_kernels_missing
 from prime_rl.common.env import TRAINER_LOG_DIR_ENV
 from prime_rl.common.rundir import RunDir
-from prime_rl.trainer.dispatch_kernels import exit_if_dispatch_kernels_missing
 
 PROG = "sft"
 
