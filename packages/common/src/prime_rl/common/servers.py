@@ -47,10 +47,11 @@ class ServerSet:
     def begin(
         self, requests: Requests, indices: Sequence[int] | None = None, fail_fast: bool = False
     ) -> Callable[[], list[Reply]]:
-        """Send ``requests`` (``make_request(i)`` to server ``i``) to each server in ``indices`` (all by default) in the background; call the
-        result to wait for every answer (in ``indices`` order). None is lost: each server's answer is awaited, not
-        just the first failure, so none is left in the middle of an update. ``fail_fast``: a server whose connection
-        is known to be down (``watch_peer``) is not sent the request; its answer is a ``PeerLostError``."""
+        """Send ``requests`` (or ``make_request(i)`` to server ``i``) to each server in ``indices`` (all by default)
+        in the background; call the result to wait for every answer (in ``indices`` order). None is lost: each
+        server's answer is awaited, not just the first failure, so none is left in the middle of an update.
+        ``fail_fast``: a server whose connection is known to be down (``watch_peer``) is not sent the request; its
+        answer is a ``PeerLostError``."""
         indices = list(range(len(self.clients))) if indices is None else list(indices)
         make_request = requests if callable(requests) else lambda i: requests
         replies: list[Reply | None] = [None] * len(indices)
