@@ -14,6 +14,9 @@
 # Next session (after 12-05): `install anchors gputests` (GPU parity through the samples route too), then
 # `rlsamples respcost` (the samples route against the chat rollouts of 12-05's rlsystem, 11.7k tok/s), then
 # `rlsystem` (the engine's steps of a push, `worker_phases_s.engine`, and step 2 without the buffer allocation).
+# No device was lent on 12-05 (second session), so that plan stands; `rlsystem` (split: the orchestrator's
+# filesystem loads; colocated: the trainer's ipc pushes) also confirms #33's one fan-out (common.servers.ServerSet,
+# 4a94802) changed nothing: same step walls, publish and load times as 12-05's 05:44 run within its spread.
 #
 # Measured on 2026-12-04 (one H200, warm machine): install 25 s, gputests ~240 s, torchtitan 33 s, trainer 74 s,
 # rlsystem 531 s (split, colocated and vLLM alone), gpue2e ~500 s (its two colocated runs 155 s each): with the
