@@ -47,12 +47,46 @@ def test_bad_lora_input_exits_2_with_one_line(tiny_model_dir, tmp_path):
     assert len(errors) == 1 and "model.lora.rank=4096 exceeds" in errors[0], out.stdout + out.stderr
 
 
-@pytest.mark.gpu
-def test_adapter_tensors_reach_the_host_unchanged_through_one_flat_copy():
-    from prime_rl.trainer.rl.publish_lora import to_host_flat
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU")]),
+    ],
+)
+def test_a_published_adapter_holds_its_parameters_at_that_step(tiny_model_dir, tmp_path, device):
+    """The copy to the host is queued (on a GPU, a side stream: no sync on the loop) and written in the background:
+    the file holds the adapter of the step it was published at, not of the in-place update queued after it."""
+    from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig
+    from prime_rl.common.config.trainer import LoRAConfig
+    from prime_rl.common.rundir import RunDir
+    from prime_rl.trainer.lora import apply_lora, init_lora_weights
+    from prime_rl.trainer.model import CausalLM
+    from prime_rl.trainer.models import build_model, load_hf_weights
+    from prime_rl.trainer.rl.publish_lora import LoRAPublisher
+    from prime_rl.trainer.world import World
 
-    tensors = {f"t{i}": torch.randn(3 + i, 5, device="cuda", dtype=torch.bfloat16) for i in range(4)}
-    host = to_host_flat(tensors)
-    assert list(host) == list(tensors)
-    for name, t in tensors.items():
-        assert host[name].device.type == "cpu" and torch.equal(host[name], t.cpu())
+    device = torch.device(device)
+    model = build_model(str(tiny_model_dir), attn="sdpa", dtype=torch.float32, device=device)
+    load_hf_weights(model, tiny_model_dir)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
+    init_lora_weights(model, seed=0)
+    lora_b = dict((n, p) for n, p in model.named_parameters() if n.endswith("lora_B"))
+    with torch.no_grad():
+        for p in lora_b.values():
+            p.normal_()
+    world = World(rank=0, local_rank=0, world_size=1, device=device)
+    run_dir = RunDir(tmp_path, "gpu")
+    publisher = LoRAPublisher(FilesystemBroadcastConfig(dtype="float32"), run_dir, CausalLM(model, None), world, "gpu")
+    expected = {n: p.detach().cpu().clone() for n, p in lora_b.items()}
+    publisher.publish(1)
+    with torch.no_grad():  # the next optimizer step, queued right after the publish
+        for p in lora_b.values():
+            p.add_(1.0)
+    publisher.close()
+    with safe_open(str(run_dir.broadcast_dir(1) / "adapter_model.safetensors"), framework="pt") as f:
+        written = {k: f.get_tensor(k) for k in f.keys() if k.endswith("lora_B.weight")}
+    assert len(written) == len(expected) > 0
+    assert sorted(written) == sorted(f"base_model.model.model.{name}.weight" for name in expected)
+    for name, value in expected.items():
+        assert torch.equal(written[f"base_model.model.model.{name}.weight"], value), name

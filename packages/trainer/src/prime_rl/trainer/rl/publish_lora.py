@@ -7,8 +7,11 @@ fsynced, marked `STABLE` and renamed into place, exactly like the full-weight fi
 announced (`WeightsPublished`) to the orchestrator, which has inference load it as it loads full weights.
 
 Bytes per update: 2 * r * (in + out) per adapted layer in the publish dtype (Qwen3-1.7B, r=16 on every
-linear layer, bf16: ~35 MB instead of 3.4 GB of full weights). The gather is collective and on the loop
-(adapters are small); the write runs in a background thread, one version in flight (the next `publish`
+linear layer, bf16: ~35 MB instead of 3.4 GB of full weights). The gather and the cast are collective and on
+the loop (adapters are small); the device-to-host copy goes through the full-weight publisher's staging
+(``weights.staging.HostStaging``: one reusable pinned buffer, a side stream, no host sync on the loop; copying
+~400 adapter tensors one `.cpu()` at a time blocked an H200 RL step for 0.5 s, and one synchronous flat copy
+still 0.41 s); the write waits for the copy in a background thread, one version in flight (the next `publish`
 waits for it).
 
 Left out: pushing adapters over NCCL / NIXL (vLLM loads LoRA adapters from a path; `add_lora` from tensors
@@ -23,7 +26,6 @@ import os
 import shutil
 import time
 
-import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from prime_rl.common.config.rl_trainer import FilesystemBroadcastConfig
@@ -33,23 +35,10 @@ from prime_rl.trainer.lora import adapter_config, peft_state_dict, write_adapter
 from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.rl.publish_base import Publisher, prune_versions
 from prime_rl.trainer.weights.files import publish_dir, remove_partial_dirs, tmp_dir_of
-from prime_rl.trainer.weights.staging import gather_full_tensors
+from prime_rl.trainer.weights.staging import HostStaging, gather_full_tensors
 from prime_rl.trainer.world import World
 
 logger = logging.getLogger(__name__)
-
-
-def to_host_flat(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors on the host through one device-to-host copy of one flat buffer (views of it, same names
-    and shapes). Copying ~400 adapter tensors one `.cpu()` at a time blocked an H200 RL step for 0.5 s."""
-    if not tensors or next(iter(tensors.values())).device.type == "cpu":
-        return {k: v.detach().clone() for k, v in tensors.items()}
-    flat = torch.cat([t.reshape(-1) for t in tensors.values()]).cpu()
-    out, offset = {}, 0
-    for name, t in tensors.items():
-        out[name] = flat[offset : offset + t.numel()].view(t.shape)
-        offset += t.numel()
-    return out
 
 
 def adapter_name(model: CausalLM, run_dir: RunDir) -> str:
@@ -68,6 +57,7 @@ class LoRAPublisher(Publisher):
         # the trainable tensors (possibly sharded), in model names; updated in place, so built once
         self.state = {k.removeprefix("model."): v for k, v in get_model_state_dict(model, options=options).items()}
         self.adapter_config = adapter_config(model.model, str(model.config.source_dir or ""))
+        self.staging = HostStaging(world.device) if world.is_main else None
         self.last_bytes = 0
         """Bytes of the last published adapter file."""
         if world.is_main:
@@ -75,18 +65,25 @@ class LoRAPublisher(Publisher):
                 logger.warning("removed %s, an adapter version a previous trainer did not finish writing", path)
 
     def publish(self, version: int) -> float:
-        """Collective (the gather). Returns the seconds the loop was blocked; the write goes on in the background."""
+        """Collective (the gather). Returns the seconds the loop was blocked; the copy to the host and the write
+        go on in the background."""
         start = time.perf_counter()
-        self.flush()  # one version in flight; an adapter writes in milliseconds
-        tensors = dict(gather_full_tensors(self.state, self.dtype, keep=self.world.is_main))
-        if self.world.is_main:
-            tensors = to_host_flat(tensors)
-            blocked = time.perf_counter() - start
-            self.job.start(lambda: self._write(version, tensors, blocked))
-        return time.perf_counter() - start
+        self.flush()  # one version in flight: its write has read the buffer this capture overwrites
+        tensors = gather_full_tensors(self.state, self.dtype, keep=self.staging is not None, cast_on_cpu=False)
+        if self.staging is None:
+            for _ in tensors:  # join every all-gather
+                pass
+            return time.perf_counter() - start
+        self.staging.capture(self.state, tensors, self.dtype)
+        blocked = time.perf_counter() - start
+        self.job.start(lambda: self._write(version, blocked))
+        return blocked
 
-    def _write(self, version: int, tensors: dict[str, torch.Tensor], blocked: float) -> None:
+    def _write(self, version: int, blocked: float) -> None:
         start = time.perf_counter()
+        assert self.staging is not None
+        self.staging.wait()
+        tensors = self.staging.tensors()
         final = self.run_dir.broadcast_dir(version)
         tmp = tmp_dir_of(final)
         shutil.rmtree(tmp, ignore_errors=True)
