@@ -17,7 +17,8 @@
 # No device was lent on 12-05 (second session), so that plan stands; `rlsystem` (split: the orchestrator's
 # filesystem loads; colocated: the trainer's ipc pushes) also confirms #33's one fan-out (common.servers.ServerSet,
 # 4a94802) changed nothing: same step walls, publish and load times as 12-05's 05:44 run within its spread.
-# If time is left: `gputests_more lora` (the LoRA publisher on CUDA, and its loop's blocked time per step).
+# If time is left: `gputests_more lora` (the LoRA publisher on CUDA, and its loop's blocked time per step), and
+# `trainer torchtitan packed` (#31: one call for the anchor and both row kinds).
 #
 # Measured on 2026-12-04 (one H200, warm machine): install 25 s, gputests ~240 s, torchtitan 33 s, trainer 74 s,
 # rlsystem 531 s (split, colocated and vLLM alone), gpue2e ~500 s (its two colocated runs 155 s each): with the
@@ -68,6 +69,8 @@ ITEMS=(
   "rlsamples|330|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_samples --extra --orchestrator.model.client.api samples"
   "rl8b|560|$PY benchmarks/rl_system.py --shape qwen3-8b --colocated yes --steps 3 --warmup 1 --no-baseline --name rl8b"
   "trainer|300|$PY benchmarks/trainer.py --shape qwen3-1.7b && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b"
+  # packed-document rows (random sample lengths 2..seq_len/2 in 8192-token rows), RL and SFT alike (#31 item 3)
+  "packed|300|$PY benchmarks/rl_trainer.py --shape qwen3-1.7b --generate-samples --with-sft"
   # the LoRA RL loop's publish (0.41 s blocked on 12-02; the adapter's copy goes through HostStaging since 12-05)
   "lora|240|$PY benchmarks/rl_trainer.py --steps 10 --extra --model.offload none --model.ac-offloading None --model.lora.rank 16"
   "torchtitan|330|$PY .bench_anchor/anchor_torchtitan.py --config qwen3-1.7b"
