@@ -88,3 +88,25 @@ def test_free_port_with_headroom_leaves_that_many_ports_above_it(monkeypatch, tm
     for _ in range(3):
         port = net.free_port(headroom=headroom)
         assert low <= port < low + 3 and port + headroom < high
+
+
+def test_the_fallback_without_a_usable_lock_dir_keeps_the_headroom_too(monkeypatch):
+    """Where the lock directory cannot be used, free_port asks the kernel (bind 0): the port it returns must still
+    leave ``headroom`` ports below 65535, and a headroom no ephemeral port can leave is refused in one line."""
+
+    def unusable(*args, **kwargs):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(net, "reserve_ports", unusable)
+    ports = iter([65500, 65480, 40000])  # what the kernel hands out, in turn
+    real_socket = socket.socket
+
+    class Kernel(real_socket):
+        def getsockname(self):
+            return ("127.0.0.1", next(ports))
+
+    monkeypatch.setattr(net.socket, "socket", Kernel)
+    assert net.free_port(headroom=100) == 40000  # 65500 + 100 and 65480 + 100 pass 65535: asked again
+    ports = iter([60000] * 64)
+    with pytest.raises(RuntimeError, match=r"no free port at or below 5535 on 127.0.0.1 .* \(headroom 60000\)"):
+        net.free_port(headroom=60000)

@@ -25,14 +25,27 @@ def free_port(host: str = "127.0.0.1", headroom: int = 0) -> int:
     try:
         lease = reserve_ports(1, key=f"{os.getpid()}-{random.random()}", host=host, span=(low, high - headroom))
     except (OSError, RuntimeError):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
+        return _ephemeral_port(host, headroom)
     with _RECENT_LOCK:
         _RECENT.append(lease)
         if len(_RECENT) > _RECENT_KEEP:
             _RECENT.popleft().release()
     return lease.base
+
+
+def _ephemeral_port(host: str, headroom: int, tries: int = 64) -> int:
+    """``free_port``'s fallback: a ``bind(0)`` port at most ``65535 - headroom`` (the kernel's ephemeral range
+    usually ends at 60999, so only a large headroom needs another try)."""
+    for _ in range(tries):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port + headroom <= 65535:
+            return port
+    raise RuntimeError(
+        f"no free port at or below {65535 - headroom} on {host} from the kernel's ephemeral range after {tries} "
+        f"tries (headroom {headroom}); lower the ports derived from it or make {PORT_LOCK_DIR} usable"
+    )
 
 
 def free_port_range(count: int, low: int, high: int, host: str = "127.0.0.1") -> int:
