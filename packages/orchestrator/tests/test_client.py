@@ -192,3 +192,42 @@ def test_a_samples_response_is_checked_before_it_becomes_completions():
 def test_an_unknown_api_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="api='completions' is not one of 'chat', 'samples'"):
         InferenceClient("http://127.0.0.1:1/v1", "tiny", api="completions")
+
+
+def test_samples_against_a_server_without_the_route_names_the_fix():
+    """A plain vLLM server has /tokenize but not prime-rl's samples route: one error that says to use the chat API,
+    not a bare 404 (and no retry)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class PlainVLLM(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            found = self.path == "/tokenize"
+            data = json.dumps({"tokens": [5, 6, 7]} if found else {"detail": "Not Found"}).encode()
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), PlainVLLM)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    async def go():
+        client = InferenceClient(f"http://127.0.0.1:{httpd.server_address[1]}/v1", "tiny", api="samples")
+        try:
+            await client.sample(MESSAGES, 2, SamplingArgs(max_tokens=4, temperature=1.0))
+        finally:
+            await client.aclose()
+
+    try:
+        with pytest.raises(InferenceError, match=r"HTTP 404.*no prime-rl samples route.*api = 'chat'"):
+            asyncio.run(go())
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

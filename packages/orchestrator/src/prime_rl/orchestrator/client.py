@@ -321,7 +321,13 @@ class InferenceClient:
                     return response.content
                 if response.status_code < 500:
                     error = PromptTooLongError if _CONTEXT_REFUSAL in response.text else InferenceError
-                    raise error(f"{url} refused the request with HTTP {response.status_code}: {response.text[:500]}")
+                    message = f"{url} refused the request with HTTP {response.status_code}: {response.text[:500]}"
+                    if response.status_code == 404 and url.endswith(SAMPLES_PATH):
+                        message += (
+                            "; this server has no prime-rl samples route: it is served by `inference` (prime-rl's "
+                            "vLLM server) only; set orchestrator.model.client.api = 'chat' for any other server"
+                        )
+                    raise error(message)
                 last_error = f"HTTP {response.status_code}: {response.text[:200]}"
                 gone = response.status_code in _GONE_STATUSES
             # bounded: a request the server keeps answering 503 while healthy must not loop forever
