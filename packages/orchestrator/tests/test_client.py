@@ -166,6 +166,18 @@ def test_the_samples_request_carries_every_sampling_parameter_and_decodes_as_the
     asyncio.run(client.aclose())
 
 
+def test_every_sampling_knob_has_one_name_from_the_config_to_the_samples_route():
+    """``wire.SAMPLING_KNOBS`` is read by name from the config, the client's arguments and the route's request."""
+    import dataclasses
+
+    from prime_rl.common.config.orchestrator import SamplingConfig
+    from prime_rl.common.wire import SAMPLING_KNOBS, SamplesRequest
+
+    for fields in (SamplingConfig.model_fields, {f.name for f in dataclasses.fields(SamplingArgs)},
+                   SamplesRequest.__struct_fields__):  # fmt: skip
+        assert set(SAMPLING_KNOBS) <= set(fields), set(SAMPLING_KNOBS) - set(fields)
+
+
 def test_a_samples_response_is_checked_before_it_becomes_completions():
     import array
 

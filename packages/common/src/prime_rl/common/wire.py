@@ -753,6 +753,14 @@ API took 2.26x as long for the same 262k tokens when its response carried per-to
 entry and ~93 bytes of JSON per token) as without them (benchmarks/results/rollout_path.md)."""
 
 
+SAMPLING_KNOBS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+)  # fmt: skip
+"""The sampling parameters every rollout request carries as configured, under these names all the way
+(``[orchestrator.sampling]`` -> the orchestrator's ``SamplingArgs`` -> the chat body or ``SamplesRequest`` ->
+vLLM's ``SamplingParams``): one list, so no path leaves one to the model's generation_config.json."""
+
+
 class SamplesRequest(msgspec.Struct, forbid_unknown_fields=True):
     """Body of ``POST SAMPLES_PATH``: ``n`` samples of ``prompt_token_ids``. Every sampling parameter is sent:
     the route takes none from the model's generation_config.json (the chat API would)."""

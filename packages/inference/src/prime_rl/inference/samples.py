@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prime_rl.common.wire import SAMPLES_PATH, Sample, SamplesRequest, SamplesResponse
+from prime_rl.common.wire import SAMPLES_PATH, SAMPLING_KNOBS, Sample, SamplesRequest, SamplesResponse
 
 logger = logging.getLogger(__name__)
 MIDDLEWARE = f"{__name__}.SamplesRoute"
@@ -111,13 +111,7 @@ async def generate(engine: Any, state: Any, request: SamplesRequest) -> SamplesR
     params = SamplingParams(
         n=request.n,
         max_tokens=min(request.max_tokens, room),
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        repetition_penalty=request.repetition_penalty,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
+        **{k: getattr(request, k) for k in SAMPLING_KNOBS},
         stop=list(request.stop) or None,
         seed=request.seed,
         ignore_eos=request.ignore_eos,

@@ -41,7 +41,7 @@ import numpy as np
 
 from prime_rl.common.config.orchestrator import ClientModelConfig, SamplingConfig
 from prime_rl.common.vllm_compat import ROUTED_EXPERTS_FIELD
-from prime_rl.common.wire import SAMPLES_PATH, SamplesRequest, SamplesResponse
+from prime_rl.common.wire import SAMPLES_PATH, SAMPLING_KNOBS, SamplesRequest, SamplesResponse
 from prime_rl.orchestrator.envs.base import Messages
 from prime_rl.orchestrator.http_pool import ShardedHTTP
 from prime_rl.orchestrator.responses import ChatResponse, ChatTokens, CompletionResponse
@@ -126,16 +126,10 @@ class SamplingArgs:
     def from_config(cls, sampling: SamplingConfig, chat_template: str | None = None) -> SamplingArgs:
         return cls(
             max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
             chat_template=chat_template,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            min_p=sampling.min_p,
-            repetition_penalty=sampling.repetition_penalty,
-            presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty,
             stop=tuple(sampling.stop),
             seed=sampling.seed,
+            **{k: getattr(sampling, k) for k in SAMPLING_KNOBS},
         )
 
 
@@ -195,13 +189,7 @@ class InferenceClient:
             "n": n,
             # All of them, always: a parameter left out is taken from generation_config.json.
             "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "min_p": sampling.min_p,
-            "repetition_penalty": sampling.repetition_penalty,
-            "presence_penalty": sampling.presence_penalty,
-            "frequency_penalty": sampling.frequency_penalty,
+            **{k: getattr(sampling, k) for k in SAMPLING_KNOBS},
             "stop": list(sampling.stop),
             "seed": sampling.seed,
             "logprobs": True,
