@@ -74,6 +74,11 @@ _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 class InferenceError(RuntimeError):
     """The inference server answered, but not with something usable."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        """The HTTP status of a refused request (4xx), else None."""
+
 
 class PromptTooLongError(InferenceError):
     """The server refused a prompt that alone does not fit its max_model_len (HTTP 400); the task is skipped."""
@@ -208,7 +213,17 @@ class InferenceClient:
         if self.api == "samples":  # the same prompt ids the chat API would render, then the compact route
             prompt_ids = await self.tokenize_chat(messages, chat_template=sampling.chat_template)
             body = self.build_samples_request(prompt_ids, n, sampling)
-            return parse_samples_response(await self._post_raw(body, url=f"{self.server_root}{SAMPLES_PATH}"), n)
+            try:
+                data = await self._post_raw(body, url=f"{self.server_root}{SAMPLES_PATH}")
+            except InferenceError as e:
+                if e.status != 404:
+                    raise
+                raise InferenceError(
+                    f"{e}; this server has no prime-rl samples route: it is served by `inference` (prime-rl's vLLM "
+                    "server) only; set orchestrator.model.client.api = 'chat' for any other server",
+                    status=404,
+                ) from None
+            return parse_samples_response(data, n)
         return parse_chat_response(await self._post_raw(self.build_request(messages, n, sampling)), n)
 
     def build_samples_request(self, prompt_ids: list[int], n: int, sampling: SamplingArgs) -> dict[str, Any]:
@@ -310,12 +325,7 @@ class InferenceClient:
                 if response.status_code < 500:
                     error = PromptTooLongError if _CONTEXT_REFUSAL in response.text else InferenceError
                     message = f"{url} refused the request with HTTP {response.status_code}: {response.text[:500]}"
-                    if response.status_code == 404 and url.endswith(SAMPLES_PATH):
-                        message += (
-                            "; this server has no prime-rl samples route: it is served by `inference` (prime-rl's "
-                            "vLLM server) only; set orchestrator.model.client.api = 'chat' for any other server"
-                        )
-                    raise error(message)
+                    raise error(message, status=response.status_code)
                 last_error = f"HTTP {response.status_code}: {response.text[:200]}"
                 gone = response.status_code in _GONE_STATUSES
             # bounded: a request the server keeps answering 503 while healthy must not loop forever
