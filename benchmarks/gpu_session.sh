@@ -6,6 +6,10 @@
 #
 #   bash ../shared/gpu/make_vllm_bundle.sh      # here, once: .gpu/a and .gpu/b (git-ignored)
 #   call 1  carry [".gpu/a"]                     mkdir -p /tmp/stage && cp .gpu/a/* /tmp/stage/
+# Since 12-05 the tracked tree (5 MB on disk) and .gpu/a (63 MB) pass the 64 MiB a call may carry: split part_aa
+# (head -c 40000000 > .gpu/a1/p0, tail -c +40000001 > .gpu/a2/p1), carry each in its own call and join them there:
+#   call 1a carry [".gpu/a1"]  mkdir -p /tmp/stage && cp .gpu/a1/p0 /tmp/stage/
+#   call 1b carry [".gpu/a2"]  cat /tmp/stage/p0 .gpu/a2/p1 > /tmp/stage/part_aa && rm /tmp/stage/p0
 #   call 2  carry [".gpu/b", ".bench_anchor"]    bash benchmarks/gpu_session.sh install anchors gputests torchtitan trainer
 #   call 3  (within 30 s of call 2)              bash benchmarks/gpu_session.sh rlsystem
 #   call 4  (within 30 s of call 3)              bash benchmarks/gpu_session.sh vllmalone respcost
@@ -66,6 +70,10 @@ ITEMS=(
   "rlsystem|560|$PY benchmarks/rl_system.py --colocated both --steps 3 --warmup 1 --no-baseline"
   "vllmalone|240|$PY benchmarks/rl_system.py --colocated none --baseline-timeout 200"
   # colocated with the samples route (api = "samples": ids and logprobs as arrays) against rlsystem's chat rollouts
+  # the same run with the chat route, for an A/B of the two routes in one call (rlchat then rlsamples)
+  "rlchat|330|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_chat"
+  # split alone (the orchestrator's filesystem loads through common.servers.ServerSet)
+  "rlsplit|330|$PY benchmarks/rl_system.py --colocated no --steps 3 --warmup 1 --no-baseline"
   "rlsamples|330|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_samples --extra --orchestrator.model.client.api samples"
   "rl8b|560|$PY benchmarks/rl_system.py --shape qwen3-8b --colocated yes --steps 3 --warmup 1 --no-baseline --name rl8b"
   "trainer|300|$PY benchmarks/trainer.py --shape qwen3-1.7b && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b"
@@ -76,7 +84,7 @@ ITEMS=(
   "torchtitan|330|$PY .bench_anchor/anchor_torchtitan.py --config qwen3-1.7b"
   "liger|240|$PY .bench_anchor/anchor_liger.py qwen3-1.7b"
   "lmhead|200|$PY benchmarks/lm_head.py --anchor .bench_anchor/anchor_hf_train.py"
-  "respcost|300|$PY benchmarks/response_cost.py --shape qwen3-1.7b --concurrent 32 --gpu-memory-utilization 0.35"
+  "respcost|300|$PY benchmarks/response_cost.py --shape qwen3-1.7b --concurrent 32 --gpu-memory-utilization 0.35 --reps 3"
   # exact-size pinned host memory; the offload test's sft runs need pydantic and tomli_w (install, anchors)
   "pinned|240|$PYTEST packages/common/tests/test_weight_sync_pinned.py packages/trainer/tests/test_offload_gpu.py && $PY benchmarks/pinned_host_memory.py"
   "moe|240|$PY benchmarks/grouped_gemm.py && $PY benchmarks/grouped_gemm.py --experts 16 --tokens 2048"
@@ -114,7 +122,7 @@ save_bench_files() {
   return 0
 }
 
-needs_vllm() { case "$1" in gputests | ipctests | vllmalone | pinned | gpue2e | gputests_more | rlsystem | rl8b | respcost) return 0 ;; *) return 1 ;; esac; }
+needs_vllm() { case "$1" in gputests | ipctests | vllmalone | pinned | gpue2e | gputests_more | rlsystem | rlchat | rlsplit | rlsamples | rl8b | respcost) return 0 ;; *) return 1 ;; esac; }
 
 status=0
 for name in "$@"; do
