@@ -61,6 +61,8 @@ ITEMS=(
   # the wheels, then every entrypoint imported: a dependency the machine lacks fails here, in seconds
   "anchors|120|$PY -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .bench_anchor/whl/*.whl && $PY -c 'import prime_rl.launcher.rl, prime_rl.orchestrator.entrypoint, prime_rl.inference.server, prime_rl.trainer.rl.train, prime_rl.trainer.sft.train'"
   "kernels|240|$PYTEST packages/kernels/tests/test_lm_head_triton_gpu.py packages/kernels/tests/test_lm_head_ce.py packages/kernels/tests/test_grouped_gemm_gpu.py packages/trainer/tests/models/test_dense_attention.py packages/trainer/tests/models/test_gpu_attention.py packages/trainer/tests/models/test_gpu_nemotron_h.py packages/trainer/tests/test_colocate.py packages/trainer/tests/test_offload_gpu.py"
+  # the fused heads on CUDA (the token-loss head's row kernel with its entropy output, and the NLL head)
+  "tokhead|150|$PYTEST packages/kernels/tests/test_lm_head_token_loss.py packages/kernels/tests/test_lm_head_ce.py"
   "gputests|300|$PYTEST tests/test_weight_ipc.py tests/test_server_ipc.py tests/test_logprob_parity.py"
   # the ipc half of gputests alone, for a session whose changes touch only the weight update
   "ipctests|200|$PYTEST tests/test_weight_ipc.py tests/test_server_ipc.py"

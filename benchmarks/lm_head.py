@@ -1,4 +1,5 @@
-"""Benchmark: fused LM heads (RL: logprob + entropy; SFT: `fused_nll_sum`), forward + backward, vs the vanilla head
+"""Benchmark: fused LM heads (RL: logprob + entropy, and the token-ratio loss through `fused_token_loss`; SFT:
+`fused_nll_sum`), forward + backward, vs the vanilla head
 and, when `liger_kernel` is importable, Liger's fused linear cross-entropy in the same process.
 
 Prints one JSON object per line. Measures like ../shared/bench/anchor_hf_train.py `lm_head()`:
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from prime_rl.kernels import fused_logprobs_entropy, fused_nll_sum, vanilla_logprobs_entropy
+from prime_rl.kernels import fused_logprobs_entropy, fused_nll_sum, fused_token_loss, vanilla_logprobs_entropy
 
 
 def bench(fn, tokens: int, hidden: int, vocab: int, chunk_size: int) -> dict:
@@ -75,6 +76,19 @@ def nll_sum(h, w, tgt, chunk_size):
     return fused_nll_sum(h, w, tgt)  # SFT's head: its own chunk (logits buffer <= 256 MiB)
 
 
+def token_loss(h, w, tgt, chunk_size):
+    """RL's default head: the token-ratio loss given to the head (gradient formed in the forward), its own chunk."""
+    old = torch.full(tgt.shape, -12.0, device=tgt.device)  # inference's logprobs (about -log V at init)
+    adv = torch.linspace(-1.0, 1.0, tgt.shape[0], device=tgt.device)
+
+    def loss(lp, t0, t1):
+        ratio = torch.exp(lp - old[t0:t1])
+        keep = (ratio > 0.125) & (ratio < 8.0)
+        return torch.where(keep, -ratio * adv[t0:t1], 0.0).sum()
+
+    return fused_token_loss(h, w, tgt, loss)[0]
+
+
 def liger_flce(h, w, tgt, chunk_size):
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -121,13 +135,17 @@ def main() -> None:
     anchor = run_anchor(args.anchor) if args.anchor else None
     results = {}
     for tokens in args.tokens:
-        paths = [("vanilla", vanilla), ("fused", fused), ("nll_sum", nll_sum)]
+        paths = [("vanilla", vanilla), ("fused", fused), ("nll_sum", nll_sum), ("token_loss", token_loss)]
         if importlib.util.find_spec("liger_kernel") is not None:  # the peer SFT users switch on, same process
             paths.append(("liger_flce", liger_flce))
         for name, fn in paths:
             res = bench(fn, tokens, args.hidden, args.vocab, args.chunk_size)
             results[(name, tokens)] = res
-            kind = f"{name}_lm_head_logprob_entropy" if name in ("vanilla", "fused") else f"{name}_loss"
+            kind = (
+                f"{name}_lm_head_logprob_entropy"
+                if name in ("vanilla", "fused")
+                else f"{name.removesuffix('_loss')}_loss"
+            )
             row = dict(kind=kind, tokens=tokens, hidden=args.hidden, vocab=args.vocab)
             print(json.dumps(dict(row, chunk_size=args.chunk_size, **res) if name == "fused" else dict(row, **res)))
     print(json.dumps(dict(kind="agreement", tokens=4096, **agreement(4096, args.hidden, args.vocab))), flush=True)
@@ -149,11 +167,13 @@ def main() -> None:
             memory_ratio_vs_anchor=round(fused0["peak_extra_gib"] / anchor["peak_extra_gib"], 4),
         )
     for tokens in args.tokens:  # the SFT head against Liger, and the RL head against the SFT head
-        ce, liger, rl = (results.get((n, tokens), {}) for n in ("nll_sum", "liger_flce", "fused"))
+        ce, liger, rl, rl_tl = (results.get((n, tokens), {}) for n in ("nll_sum", "liger_flce", "fused", "token_loss"))
         if "ms" in ce and "ms" in liger:
             summary[f"nll_sum_speedup_vs_liger_{tokens}"] = round(liger["ms"] / ce["ms"], 3)
         if "ms" in ce and "ms" in rl:
             summary[f"rl_head_over_nll_sum_{tokens}"] = round(rl["ms"] / ce["ms"], 3)
+        if "ms" in ce and "ms" in rl_tl:  # what the RL trainer runs for the token ratio (`fused_token_loss`)
+            summary[f"rl_token_loss_over_nll_sum_{tokens}"] = round(rl_tl["ms"] / ce["ms"], 3)
     print(json.dumps(summary), flush=True)
 
 

@@ -64,3 +64,40 @@ def test_token_logprobs_and_nll_sum_match_the_full_logits(hf_model_factory, pack
     torch.testing.assert_close(nll, -want_logp.detach().sum(), rtol=1e-5, atol=1e-5)
     nll.backward()
     check_grads(grads(model), want_grads, tied)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 16])  # the full logits and the fused head
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_token_loss_through_the_head_matches_autograd_on_the_full_logits(hf_model_factory, packed, chunk_size, tied):
+    """RL's token-level loss given to the head (``token_loss``): the loss, its parameter gradients (formed in
+    the forward when fused) and the logprobs / entropy it reports equal autograd through the full logits."""
+    _, path = hf_model_factory("qwen3", tie_word_embeddings=tied)
+    model = build_model(path, attn="sdpa", dtype=torch.float32, device="cpu")
+    load_hf_weights(model, path)
+    input_ids, position_ids = packed([9, 20, 13], model.config.vocab_size)
+    targets = input_ids.roll(-1, dims=1)
+    targets[0, ::5] = IGNORE_INDEX
+    g = torch.Generator().manual_seed(0)
+    inference = reference(model, input_ids, position_ids, targets)[0].detach() + 0.6 * torch.randn(42, generator=g)
+    advantages = torch.randn(42, generator=g)
+
+    def token_loss(logprobs, t0, t1):  # noqa: ANN001, ANN202 - an importance ratio, masked outside [0.5, 2]
+        ratio = torch.exp(logprobs - inference[t0:t1])
+        keep = (ratio > 0.5) & (ratio < 2.0)
+        return torch.where(keep, -ratio * advantages[t0:t1], 0.0).sum() / 7.0
+
+    want_logp, want_entropy = reference(model, input_ids, position_ids, targets)
+    ratio = torch.exp(want_logp.detach() - inference)
+    assert ((ratio <= 0.5) | (ratio >= 2.0)).sum() >= 3  # the mask, which reads the logprob, is live
+    want_loss = token_loss(want_logp, 0, 42)
+    want_loss.backward()
+    want_grads = grads(model)
+    loss, logp, entropy = model.token_outputs(
+        input_ids, position_ids, targets, TEMPERATURE, chunk_size=chunk_size, token_loss=token_loss
+    )
+    assert not logp.requires_grad and not entropy.requires_grad
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logp, want_logp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy.detach(), rtol=1e-5, atol=1e-5)
+    loss.backward()
+    check_grads(grads(model), want_grads, tied)

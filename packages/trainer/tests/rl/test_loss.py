@@ -128,8 +128,12 @@ class _Policy(torch.nn.Module):
         super().__init__()
         self.logprobs = torch.nn.Parameter(logprobs.clone())
 
-    def forward(self, input_ids, position_ids, targets, temperature=1.0, seqs=None):
-        return self.logprobs, torch.zeros_like(self.logprobs)
+    def forward(self, input_ids, position_ids, targets, temperature=1.0, seqs=None, token_loss=None):
+        entropy = torch.zeros_like(self.logprobs)
+        if token_loss is None:
+            return self.logprobs, entropy
+        # the head's contract (`Transformer.token_outputs`): the loss of the logprobs, which come without gradient
+        return token_loss(self.logprobs, 0, self.logprobs.shape[0]), self.logprobs.detach(), entropy
 
 
 @pytest.fixture(scope="module")

@@ -186,13 +186,16 @@ def ce_rows_kernel(
     z_ptr,  # (C, V) logits in the input dtype; overwritten with dL/dz for L = -sum(logprob)
     tgt_ptr,  # (C,) target ids, < 0 = ignored
     lp_ptr,  # (C,) out: fp32 logprob (0 where ignored)
+    ent_ptr,  # (C,) out: fp32 entropy of the row's distribution (written only WITH_ENTROPY)
     V,
     stride_z,
     inv_temp,
     BLOCK_V: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
 ):
     # One program per token row: an online (max, sum) pass over the vocabulary, then one pass writing
     # (softmax - onehot) / temperature over the logits in place (the cross-entropy row of fused_nll_sum).
+    # The entropy, lse - sum_j p_j z_j, rides on the second pass: it reads every p_j and z_j already.
     row = tl.program_id(0).to(tl.int64)
     base = z_ptr + row * stride_z
     tgt = tl.load(tgt_ptr + row)
@@ -211,16 +214,23 @@ def ce_rows_kernel(
     scale = tl.where(valid, inv_temp, 0.0)
     z_t = tl.load(base + tl.where(valid, tgt, 0)).to(tl.float32) * inv_temp
     tl.store(lp_ptr + row, tl.where(valid, z_t - lse, 0.0))
+    pz = tl.zeros([BLOCK_V], tl.float32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         ok = cols < V
         z = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32) * inv_temp
-        g = (tl.exp(z - lse) - tl.where(cols == tgt, 1.0, 0.0)) * scale
+        p = tl.exp(z - lse)
+        if WITH_ENTROPY:
+            pz += tl.where(ok, p * z, 0.0)
+        g = (p - tl.where(cols == tgt, 1.0, 0.0)) * scale
         tl.store(base + cols, g.to(z_ptr.dtype.element_ty), mask=ok)
+    if WITH_ENTROPY:
+        tl.store(ent_ptr + row, lse - tl.sum(pz, axis=0))
 
 
-def ce_rows_triton(z, targets, inv_temperature: float):
-    """Triton row pass of ``fused_nll_sum`` (see cross_entropy.py): logprobs [C] fp32, ``z`` overwritten."""
+def ce_rows_triton(z, targets, inv_temperature: float, entropy=None):
+    """Triton row pass of the fused heads (see cross_entropy.py): logprobs [C] fp32, ``z`` overwritten;
+    ``entropy`` ([C] fp32), when given, receives each row's entropy."""
     import torch
 
     rows, vocab = z.shape
@@ -230,10 +240,12 @@ def ce_rows_triton(z, targets, inv_temperature: float):
             z,
             targets,
             logprobs,
+            logprobs if entropy is None else entropy,
             vocab,
             z.stride(0),
             inv_temperature,
             BLOCK_V=4096 if not INTERPRET else 64,
+            WITH_ENTROPY=entropy is not None,
             num_warps=16 if not INTERPRET else 1,
         )
     return logprobs

@@ -24,9 +24,10 @@ import functools
 import torch
 from torch import nn
 
+from prime_rl.kernels import TokenLoss
 from prime_rl.trainer.models.attention import prepare_masks
 from prime_rl.trainer.models.config import ArchConfig
-from prime_rl.trainer.models.lm_head import lm_head_logprobs_entropy, lm_head_nll_sum
+from prime_rl.trainer.models.lm_head import lm_head_logprobs_entropy, lm_head_nll_sum, lm_head_token_loss
 from prime_rl.trainer.models.mamba import GatedRMSNorm, Mamba2Mixer
 from prime_rl.trainer.models.mlp import MLP
 from prime_rl.trainer.models.moe import MoE
@@ -107,7 +108,8 @@ class Transformer(nn.Module):
         seqs: PackedSeqs | None = None,
         chunk_size: int | None = None,
         nll_sum: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        token_loss: TokenLoss | None = None,
+    ) -> tuple[torch.Tensor, ...] | torch.Tensor:
         """(1, T) ids, positions, targets -> what a loss reads of the distribution at ``temperature``; targets < 0
         are ignored. ``chunk_size``: tokens per fused LM-head chunk (None: the full [T, V] logits). ``seqs`` as in
         ``forward``.
@@ -116,8 +118,15 @@ class Transformer(nn.Module):
           logprob 0.
         - ``nll_sum=True`` (``token_nll_sum``, SFT): one fp32 scalar, -sum of the non-ignored targets' logprobs,
           through the cross-entropy-only head: no entropy, and fused (``chunk_size`` set) three LM-head matmuls
-          instead of four, because the gradient is computed in the forward."""
+          instead of four, because the gradient is computed in the forward.
+        - ``token_loss`` (RL's token-level loss, ``prime_rl.kernels.TokenLoss``): (loss, logprobs, entropy), the
+          loss from ``token_loss`` of the logprobs, which with entropy come without gradient; fused, the loss's
+          gradient is computed in the forward as for ``nll_sum``."""
         hidden = self(input_ids, position_ids, seqs=seqs).flatten(0, 1)  # (T, H); self(): forward hooks run (CP)
+        if token_loss is not None:
+            return lm_head_token_loss(
+                hidden, self.lm_head.weight, targets.flatten(), temperature, chunk_size, token_loss
+            )
         head = lm_head_nll_sum if nll_sum else lm_head_logprobs_entropy
         return head(hidden, self.lm_head.weight, targets.flatten(), temperature, chunk_size)
 

@@ -84,6 +84,37 @@ class RLObjective:
         self.norm, self.max_len, self.ref_model = norm, max_len, ref_model
         self.cp_group = cp_group
 
+    def _token_loss_forward(
+        self,
+        model: CausalLM,
+        mb: RLMicroBatch,
+        seqs: PackedSeqs,
+        loss_scale: torch.Tensor,
+        weights: torch.Tensor | None,
+        ref: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The token-ratio loss through the head (``token_loss``): ``rl_loss`` on each chunk of tokens, whose
+        statistics (sums) add up to the micro-batch's. Same loss and gradient as ``rl_loss`` on all the logprobs
+        (every term is per token), one LM-head matmul fewer: no logits recomputed in backward."""
+        stats: dict[str, torch.Tensor] = {}
+
+        def token_loss(logprobs: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+            part = slice(t0, t1)
+            inference = mb.inference_logprobs[part] if mb.inference_logprobs is not None else logprobs.detach()
+            loss, chunk_stats = rl_loss(
+                logprobs, inference, mb.advantages[part], mb.loss_mask[part], loss_scale, self.settings,
+                weights=None if weights is None else weights[part],
+                ref_logprobs=None if ref is None else ref[part],
+            )  # fmt: skip
+            for key, value in chunk_stats.items():
+                stats[key] = stats[key] + value if key in stats else value
+            return loss
+
+        loss, logprobs, entropy = model(
+            mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature, seqs=seqs, token_loss=token_loss
+        )
+        return loss, logprobs, entropy, stats
+
     def forward_backward(
         self, model: CausalLM, batches: list[RLMicroBatch], before_last: Callable[[], None] | None = None
     ) -> dict:
@@ -128,10 +159,6 @@ class RLObjective:
             sample_ids = sample_ids.to(world.device, non_blocking=True)
             seqs = PackedSeqs.from_position_ids(mb.position_ids).to(world.device)  # on the host: no device sync
             mb = mb.to(world.device)
-            set_router_replay(model, mb.routed_experts, self.router_replay)
-            # (T,) each: logprob / entropy of token t+1 at position t, like every array of the micro-batch
-            logprobs, entropy = model(mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature, seqs=seqs)
-            inference = mb.inference_logprobs if mb.inference_logprobs is not None else logprobs.detach()
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
@@ -141,11 +168,20 @@ class RLObjective:
             weights = None
             if self.norm == "sequence":  # 1 / (the sample's loss tokens): each sample weighs the same
                 weights = 1.0 / sample_tokens.to(world.device, non_blocking=True).clamp(min=1.0)
-            loss, stats = rl_loss(
-                logprobs, inference, mb.advantages, mb.loss_mask, loss_scale, self.settings,
-                weights=weights, sample_ids=sample_ids, ref_logprobs=ref, num_segments=num_segments,
-                cp_group=self.cp_group,
-            )  # fmt: skip
+            set_router_replay(model, mb.routed_experts, self.router_replay)
+            # (T,) each: logprob / entropy of token t+1 at position t, like every array of the micro-batch
+            if self.settings.ratio == "token":  # every token's term reads its own logprob: the head forms the gradient
+                loss, logprobs, entropy, stats = self._token_loss_forward(model, mb, seqs, loss_scale, weights, ref)
+            else:  # a sample's ratio reads all its tokens' logprobs: logprobs first, the loss through autograd
+                logprobs, entropy = model(
+                    mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature, seqs=seqs
+                )
+                inference = mb.inference_logprobs if mb.inference_logprobs is not None else logprobs.detach()
+                loss, stats = rl_loss(
+                    logprobs, inference, mb.advantages, mb.loss_mask, loss_scale, self.settings,
+                    weights=weights, sample_ids=sample_ids, ref_logprobs=ref, num_segments=num_segments,
+                    cp_group=self.cp_group,
+                )  # fmt: skip
             loss.backward()
             sums[6:] += replay_mismatch(model, world.device)
             masked_entropy = torch.where(mb.loss_mask, entropy.detach(), torch.zeros_like(entropy)).sum()
