@@ -104,7 +104,8 @@ def test_bad_chunk_size_names_the_value():
 
 
 def test_triton_row_pass_matches_torch_in_the_interpreter():
-    """The CUDA row kernel, run by Triton's interpreter on CPU in a fresh process."""
+    """The CUDA row kernel, run by Triton's interpreter on CPU in a fresh process, with and without its entropy
+    output (the NLL head reads none, the token-loss head reports it)."""
     pytest.importorskip("triton")
     code = textwrap.dedent(
         """
@@ -115,11 +116,16 @@ def test_triton_row_pass_matches_torch_in_the_interpreter():
         for dtype in (torch.float32, torch.bfloat16):
             z = (torch.randn(6, 150, generator=g) * 3).to(dtype)
             t = torch.tensor([0, 149, -100, 75, 3, 64])
-            a, b = z.clone(), z.clone()
-            lp_ref, lp = ce_rows_torch(a, t, 1 / 0.7), ce_rows_triton(b, t, 1 / 0.7)
-            torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-5)
-            assert torch.count_nonzero(b[2]) == 0
+            for with_entropy in (False, True):
+                a, b = z.clone(), z.clone()
+                ent_ref, ent = (torch.empty(6), torch.full((6,), float("nan"))) if with_entropy else (None, None)
+                lp_ref, lp = ce_rows_torch(a, t, 1 / 0.7, ent_ref), ce_rows_triton(b, t, 1 / 0.7, ent)
+                torch.testing.assert_close(lp, lp_ref, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-5)
+                assert torch.count_nonzero(b[2]) == 0
+                if with_entropy:
+                    torch.testing.assert_close(ent, ent_ref, rtol=1e-5, atol=1e-5)
+                    assert bool((ent_ref > 0).all())
         print("ok")
         """
     )
