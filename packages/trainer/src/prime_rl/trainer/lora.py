@@ -229,8 +229,9 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 class BaseModelView:
     """The policy with its adapters switched off, called like the policy: its frozen base, which is the initial
     policy (B = 0 at step 0). LoRA RL's KL reference without a second copy of the weights; valid because RL
-    refuses modules_to_save (nothing else moves). Call it under no_grad, between the policy's forward and
-    backward: activation checkpoints recompute in backward with the adapters on again."""
+    refuses modules_to_save (nothing else moves). Call it under no_grad, outside the policy's forward (the RL
+    loop calls it first: the token-level loss reads the reference inside the policy's forward); activation
+    checkpoints recompute in backward with the adapters on again."""
 
     def __init__(self, policy: nn.Module) -> None:
         self.policy = policy

@@ -159,6 +159,8 @@ class RLObjective:
             sample_ids = sample_ids.to(world.device, non_blocking=True)
             seqs = PackedSeqs.from_position_ids(mb.position_ids).to(world.device)  # on the host: no device sync
             mb = mb.to(world.device)
+            # before the reference forward too: with LoRA the reference is the same modules without adapters
+            set_router_replay(model, mb.routed_experts, self.router_replay)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
@@ -168,7 +170,6 @@ class RLObjective:
             weights = None
             if self.norm == "sequence":  # 1 / (the sample's loss tokens): each sample weighs the same
                 weights = 1.0 / sample_tokens.to(world.device, non_blocking=True).clamp(min=1.0)
-            set_router_replay(model, mb.routed_experts, self.router_replay)
             # (T,) each: logprob / entropy of token t+1 at position t, like every array of the micro-batch
             if self.settings.ratio == "token":  # every token's term reads its own logprob: the head forms the gradient
                 loss, logprobs, entropy, stats = self._token_loss_forward(model, mb, seqs, loss_scale, weights, ref)
