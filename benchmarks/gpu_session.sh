@@ -15,7 +15,13 @@
 #   call 4  (within 30 s of call 3)              bash benchmarks/gpu_session.sh vllmalone respcost
 #   call 5  (within 30 s of call 4)              bash benchmarks/gpu_session.sh gpue2e
 #
-# Next session (after 12-05): `install anchors gputests` (GPU parity through the samples route too), then
+# 12-05, third session: six refused starts (~90 s of device time each) before one H100 came; then 1a, 1b,
+# `install anchors tokhead lmhead rlchat` (447 s: install 35, anchors 14, tokhead 13, lmhead 58, rlchat 327 - at its
+# 330 s limit on the H100), rl_samples by hand (204 s) and vllmalone (143 s). Results: rl_system.md, lm_head.md.
+# Next session: `rlsplit vllmalone` then `rlsamples` on an H200 (the issue's 1.2x is against vLLM alone with the
+# same share, which the H100's 80 GB does not give), `gputests` (GPU parity through the samples route), then
+# `trainer torchtitan packed` (#31, with the token-loss head) and `gputests_more lora`.
+# Earlier plan (after 12-05's first sessions): `install anchors gputests` (GPU parity through the samples route too), then
 # `rlsamples respcost` (the samples route against the chat rollouts of 12-05's rlsystem, 11.7k tok/s), then
 # `rlsystem` (the engine's steps of a push, `worker_phases_s.engine`, and step 2 without the buffer allocation).
 # No device was lent on 12-05 (second session), so that plan stands; `rlsystem` (split: the orchestrator's
@@ -73,10 +79,10 @@ ITEMS=(
   "vllmalone|240|$PY benchmarks/rl_system.py --colocated none --baseline-timeout 200"
   # colocated with the samples route (api = "samples": ids and logprobs as arrays) against rlsystem's chat rollouts
   # the same run with the chat route, for an A/B of the two routes in one call (rlchat then rlsamples)
-  "rlchat|330|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_chat"
+  "rlchat|400|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_chat"
   # split alone (the orchestrator's filesystem loads through common.servers.ServerSet)
   "rlsplit|330|$PY benchmarks/rl_system.py --colocated no --steps 3 --warmup 1 --no-baseline"
-  "rlsamples|330|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_samples --extra --orchestrator.model.client.api samples"
+  "rlsamples|400|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_samples --extra --orchestrator.model.client.api samples"
   "rl8b|560|$PY benchmarks/rl_system.py --shape qwen3-8b --colocated yes --steps 3 --warmup 1 --no-baseline --name rl8b"
   "trainer|300|$PY benchmarks/trainer.py --shape qwen3-1.7b && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b"
   # packed-document rows (random sample lengths 2..seq_len/2 in 8192-token rows), RL and SFT alike (#31 item 3)
