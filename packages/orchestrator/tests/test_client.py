@@ -3,12 +3,14 @@ import time
 
 import pytest
 
+from prime_rl.common.config.orchestrator import ClientConfig
 from prime_rl.orchestrator.client import (
     InferenceClient,
     InferenceError,
     InferenceUnreachableError,
     PromptTooLongError,
     SamplingArgs,
+    resolve_api,
 )
 
 MESSAGES = [{"role": "user", "content": "Reverse this.\nabc"}]
@@ -202,8 +204,39 @@ def test_a_samples_response_is_checked_before_it_becomes_completions():
 
 
 def test_an_unknown_api_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="api='completions' is not one of 'chat', 'samples'"):
+    with pytest.raises(ValueError, match="api='completions' is not one of 'auto', 'chat', 'samples'"):
         InferenceClient("http://127.0.0.1:1/v1", "tiny", api="completions")
+
+
+def test_auto_takes_the_samples_route_only_for_one_server_without_routed_experts():
+    """Several servers behind a router would all be sent to one; routed experts come back from chat only."""
+    assert resolve_api("auto", [], routed_experts=False) == "samples"  # `rl`'s one server
+    assert resolve_api("auto", ["http://127.0.0.1:8000"], routed_experts=False) == "samples"
+    assert resolve_api("auto", ["http://127.0.0.1:8000", "http://127.0.0.1:8001"], routed_experts=False) == "chat"
+    assert resolve_api("auto", [], routed_experts=True) == "chat"
+    assert resolve_api("chat", [], routed_experts=False) == "chat" and resolve_api("samples", ["a", "b"], False)
+    assert ClientConfig().api == "auto"  # what `rl` and the orchestrator run unless told otherwise
+
+
+def test_auto_against_a_server_without_the_samples_route_uses_chat_for_the_rest_of_the_run(openai_server):
+    """A plain OpenAI-compatible server (no /tokenize, no samples route): the first request falls back to the chat
+    API, and every later one goes there directly."""
+
+    async def go():
+        client = InferenceClient(openai_server.base_url, "tiny", api="auto")
+        try:
+            assert client.api == "samples"
+            first = await client.sample(MESSAGES, 3, SamplingArgs(max_tokens=16, temperature=0.7))
+            second = await client.sample(MESSAGES, 3, SamplingArgs(max_tokens=16, temperature=0.7))
+            return client.api, first, second
+        finally:
+            await client.aclose()
+
+    api, first, second = asyncio.run(go())
+    assert api == "chat"
+    assert [c.text for c in first.completions] == [c.text for c in second.completions] == ["cba", "ba", "a"]
+    # the refused /tokenize, then the two chat requests: nothing else was sent
+    assert len(openai_server.requests) == 3 and "messages" in openai_server.requests[-1]
 
 
 def test_samples_against_a_server_without_the_route_names_the_fix():

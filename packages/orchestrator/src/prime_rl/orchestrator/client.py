@@ -138,6 +138,15 @@ class SamplingArgs:
         )
 
 
+def resolve_api(api: str, metrics_urls: list[str], routed_experts: bool) -> str:
+    """What "auto" means for a client (``ClientConfig.api``): the samples route when it talks to one server
+    (several behind a router would all be sent to one) and no routed experts are asked for (only chat returns
+    them); "chat" and "samples" stay as given."""
+    if api != "auto":
+        return api
+    return "samples" if len(metrics_urls) <= 1 and not routed_experts else "chat"
+
+
 class InferenceClient:
     """`await client.sample(messages, n, sampling)` -> prompt token ids + n completions."""
 
@@ -155,11 +164,14 @@ class InferenceClient:
         metrics_urls: list[str] | None = None,
         watch: InferenceWatch | None = None,
         api: str = "chat",
+        routed_experts: bool = False,
     ) -> None:
-        if api not in ("chat", "samples"):
-            raise ValueError(f"api={api!r} is not one of 'chat', 'samples' (orchestrator.model.client.api)")
-        self.api = api
+        if api not in ("auto", "chat", "samples"):
+            raise ValueError(f"api={api!r} is not one of 'auto', 'chat', 'samples' (orchestrator.model.client.api)")
+        self.api = resolve_api(api, metrics_urls or [], routed_experts)
         """"chat": vLLM's chat completions; "samples": /tokenize, then prime-rl's samples route (``sample``)."""
+        self.api_fallback = api == "auto"
+        """"auto" chose "samples": a server without the route (404) turns this client to "chat" for good."""
         self.base_url = base_url.rstrip("/")
         self.metrics_roots = [url.rstrip("/") for url in metrics_urls or []] or [self.server_root]
         """Servers whose /metrics rollout concurrency follows: each one behind a router, else this one."""
@@ -180,12 +192,13 @@ class InferenceClient:
         await self._http.aclose()
 
     @classmethod
-    def from_config(cls, model: ClientModelConfig) -> InferenceClient:
-        """A client of `model.name` with the settings of its `[model.client]` table."""
+    def from_config(cls, model: ClientModelConfig, routed_experts: bool = False) -> InferenceClient:
+        """A client of `model.name` with the settings of its `[model.client]` table (``routed_experts``: the
+        orchestrator asks for them, which only the chat API returns)."""
         c = model.client
         return cls(c.base_url, model.name, api_key=c.api_key, timeout=c.timeout, max_retries=c.max_retries,
                    retry_backoff=c.retry_backoff, max_backoff=c.max_backoff, metrics_urls=c.metrics_urls,
-                   api=c.api)  # fmt: skip
+                   api=c.api, routed_experts=routed_experts)  # fmt: skip
 
     def build_request(self, messages: Messages, n: int, sampling: SamplingArgs) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -211,13 +224,19 @@ class InferenceClient:
 
     async def sample(self, messages: Messages, n: int, sampling: SamplingArgs) -> ChatResult:
         if self.api == "samples":  # the same prompt ids the chat API would render, then the compact route
-            prompt_ids = await self.tokenize_chat(messages, chat_template=sampling.chat_template)
-            body = self.build_samples_request(prompt_ids, n, sampling)
             try:
+                prompt_ids = await self.tokenize_chat(messages, chat_template=sampling.chat_template)
+                body = self.build_samples_request(prompt_ids, n, sampling)
                 data = await self._post_raw(body, url=f"{self.server_root}{SAMPLES_PATH}")
             except InferenceError as e:
                 if e.status != 404:
                     raise
+                if self.api_fallback:  # "auto" against a server that is not prime-rl's: chat from now on
+                    if self.api == "samples":
+                        logger.warning(f"{self.server_root} has no /tokenize or prime-rl samples route (HTTP 404): "
+                                       "api 'auto' uses the chat API from now on")  # fmt: skip
+                    self.api = "chat"
+                    return await self.sample(messages, n, sampling)
                 raise InferenceError(
                     f"{e}; this server has no prime-rl samples route: it is served by `inference` (prime-rl's vLLM "
                     "server) only; set orchestrator.model.client.api = 'chat' for any other server",

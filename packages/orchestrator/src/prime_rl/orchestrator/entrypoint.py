@@ -58,7 +58,7 @@ async def run(config: OrchestratorConfig) -> None:
     run_dir = RunDir(config.output_dir, config.run_name)
     envs = build_env_handles(config.env)
     eval_envs = build_env_handles(config.eval.env) if config.eval is not None and config.eval.env else None
-    client = InferenceClient.from_config(config.model)
+    client = InferenceClient.from_config(config.model, routed_experts=config.routed_experts)
     control = build_control(config)
     sender = BatchSender(
         config.trainer.address, config.trainer.port, config.num_train_ranks, config.trainer.send_timeout

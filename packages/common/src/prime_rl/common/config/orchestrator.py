@@ -47,12 +47,15 @@ class ClientConfig(BaseConfig):
     """Seconds before the first retry; doubled after each failed attempt."""
     max_backoff: float = Field(default=10.0, gt=0)
     """Upper bound on the wait between two retries, in seconds."""
-    api: Literal["chat", "samples"] = "chat"
+    api: Literal["auto", "chat", "samples"] = "auto"
     """How single-turn rollouts are asked for. "chat": vLLM's `/v1/chat/completions` (any OpenAI-compatible
     server or router). "samples": the prompt is rendered by the server's `/tokenize`, then generated through
     prime-rl's samples route, which returns token ids and logprobs as arrays instead of a JSON entry per token
-    (vLLM's server spent 2.26x as long on the chat API's per-token response on an H200). Needs a prime-rl
-    inference server (not a router in front of several: it would reach one of them) and no routed experts."""
+    (colocated `rl` on an H100: rollouts 1.49x faster than "chat", benchmarks/results/rl_system.md). Needs a
+    prime-rl inference server (not a router in front of several: it would reach one of them) and no routed
+    experts. "auto": "samples" when the client talks to one server (`metrics_urls` lists at most one) and no
+    routed experts are asked for, else "chat"; a server without the samples route (a plain vLLM) answers its
+    first request with 404, and the client then uses "chat" for the rest of the run (logged once)."""
     metrics_urls: list[str] = Field(default_factory=list)
     """Root URL (http://host:port) of every inference server behind a router: rollout concurrency follows the sum
     of their vLLM `/metrics` (vllm-router answers /metrics with one replica's). Empty: the server at `base_url`.
