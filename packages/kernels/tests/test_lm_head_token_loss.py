@@ -92,6 +92,22 @@ def test_a_loss_without_the_logprobs_passes_no_gradient():
     assert torch.count_nonzero(lp) > 0
 
 
+def test_saved_tensor_hooks_never_see_the_gradients_formed_in_the_forward():
+    """Activation offloading packs what autograd saves; the fused heads keep their gradients for the start of
+    backward, so a copy to the host and back would be pure cost (622 MB of weight gradient at Qwen3's vocab)."""
+    from prime_rl.kernels import fused_nll_sum
+
+    hidden, weight, targets, old, adv = _inputs(9, 8, 20, torch.float32)
+    packed = []
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+        loss = fused_token_loss(h, w, targets, _ratio_loss(old, adv), chunk_size=4)[0] + fused_nll_sum(h, w, targets)
+    loss.backward()
+    # only the per-chunk loss's own [c] tensors (autograd for g_t, inside the forward and gone with it)
+    assert all(len(shape) == 1 and shape[0] <= 4 for shape in packed), packed
+    assert h.grad is not None and w.grad is not None
+
+
 def test_the_nll_as_a_token_loss_is_fused_nll_sum():
     from prime_rl.kernels import fused_nll_sum
 

@@ -144,7 +144,9 @@ class _FusedHeadLoss(torch.autograd.Function):
                     grad_hidden[t0:t1].mul_(factor[:, None])
             if grad_weight is not None:
                 grad_weight.addmm_(z.T, h if factor is None else (h * factor[:, None]).to(h.dtype))
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        # ctx attributes, not save_for_backward: they are the gradients themselves, read first thing in backward,
+        # so saved-tensor hooks (activation offloading) must not copy them to the host and back
+        ctx.grads = (grad_hidden, grad_weight)
         ctx.backward_done = False
         if not per_token:
             return loss
@@ -159,7 +161,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                 "computed once in the forward and scaled in place; call fused_nll_sum / fused_token_loss again"
             )
         ctx.backward_done = True
-        grad_hidden, grad_weight = ctx.saved_tensors
+        (grad_hidden, grad_weight), ctx.grads = ctx.grads, None
         # in place: a scaled copy of the [V, H] weight gradient would double its memory at the peak
         if grad_hidden is not None:
             grad_hidden.mul_(grad_loss)
