@@ -18,6 +18,8 @@
 # 12-05, third session: six refused starts (~90 s of device time each) before one H100 came; then 1a, 1b,
 # `install anchors tokhead lmhead rlchat` (447 s: install 35, anchors 14, tokhead 13, lmhead 58, rlchat 327 - at its
 # 330 s limit on the H100), rl_samples by hand (204 s) and vllmalone (143 s). Results: rl_system.md, lm_head.md.
+# Since 6472f17 `rl`'s default route is samples (api = "auto"), so `rlsystem` / `rlsplit` / `rl8b` measure it;
+# `rlchat` names chat for the A/B.
 # Next session: `rlsplit vllmalone` then `rlsamples` on an H200 (the issue's 1.2x is against vLLM alone with the
 # same share, which the H100's 80 GB does not give), `gputests` (GPU parity through the samples route), then
 # `trainer torchtitan packed` (#31, with the token-loss head) and `gputests_more lora`.
@@ -78,8 +80,9 @@ ITEMS=(
   "rlsystem|560|$PY benchmarks/rl_system.py --colocated both --steps 3 --warmup 1 --no-baseline"
   "vllmalone|240|$PY benchmarks/rl_system.py --colocated none --baseline-timeout 200"
   # colocated with the samples route (api = "samples": ids and logprobs as arrays) against rlsystem's chat rollouts
-  # the same run with the chat route, for an A/B of the two routes in one call (rlchat then rlsamples)
-  "rlchat|400|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_chat"
+  # the same run with the chat route, for an A/B of the two routes in one call (rlchat then rlsamples); named:
+  # since 6472f17 the default (api = "auto") is the samples route for rl_system.py's one server
+  "rlchat|400|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_chat --extra --orchestrator.model.client.api chat"
   # split alone (the orchestrator's filesystem loads through common.servers.ServerSet)
   "rlsplit|330|$PY benchmarks/rl_system.py --colocated no --steps 3 --warmup 1 --no-baseline"
   "rlsamples|400|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_samples --extra --orchestrator.model.client.api samples"
