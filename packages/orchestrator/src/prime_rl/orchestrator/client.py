@@ -170,7 +170,7 @@ class InferenceClient:
             raise ValueError(f"api={api!r} is not one of 'auto', 'chat', 'samples' (orchestrator.model.client.api)")
         self.api = resolve_api(api, metrics_urls or [], routed_experts)
         """"chat": vLLM's chat completions; "samples": /tokenize, then prime-rl's samples route (``sample``)."""
-        self.api_fallback = api == "auto"
+        self.api_fallback = api == "auto" and self.api == "samples"
         """"auto" chose "samples": a server without the route (404) turns this client to "chat" for good."""
         self.base_url = base_url.rstrip("/")
         self.metrics_roots = [url.rstrip("/") for url in metrics_urls or []] or [self.server_root]
@@ -232,7 +232,7 @@ class InferenceClient:
                 if e.status != 404:
                     raise
                 if self.api_fallback:  # "auto" against a server that is not prime-rl's: chat from now on
-                    if self.api == "samples":
+                    if self.api == "samples":  # the first of the requests in flight to be refused says so
                         logger.warning(f"{self.server_root} has no /tokenize or prime-rl samples route (HTTP 404): "
                                        "api 'auto' uses the chat API from now on")  # fmt: skip
                     self.api = "chat"

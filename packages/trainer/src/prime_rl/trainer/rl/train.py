@@ -92,10 +92,10 @@ class RLObjective:
         loss_scale: torch.Tensor,
         weights: torch.Tensor | None,
         ref: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """The token-ratio loss through the head (``token_loss``): ``rl_loss`` on each chunk of tokens, whose
-        statistics (sums) add up to the micro-batch's. Same loss and gradient as ``rl_loss`` on all the logprobs
-        (every term is per token), one LM-head matmul fewer: no logits recomputed in backward."""
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, entropy, stats) of the token-ratio loss through the head (``token_loss``): ``rl_loss`` on each
+        chunk of tokens, whose statistics (sums) add up to the micro-batch's. Same loss and gradient as ``rl_loss``
+        on all the logprobs (every term is per token), one LM-head matmul fewer: no logits recomputed in backward."""
         stats: dict[str, torch.Tensor] = {}
 
         def token_loss(logprobs: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
@@ -110,10 +110,10 @@ class RLObjective:
                 stats[key] = stats[key] + value if key in stats else value
             return loss
 
-        loss, logprobs, entropy = model(
+        loss, _, entropy = model(
             mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature, seqs=seqs, token_loss=token_loss
         )
-        return loss, logprobs, entropy, stats
+        return loss, entropy, stats
 
     def forward_backward(
         self, model: CausalLM, batches: list[RLMicroBatch], before_last: Callable[[], None] | None = None
@@ -172,7 +172,7 @@ class RLObjective:
                 weights = 1.0 / sample_tokens.to(world.device, non_blocking=True).clamp(min=1.0)
             # (T,) each: logprob / entropy of token t+1 at position t, like every array of the micro-batch
             if self.settings.ratio == "token":  # every token's term reads its own logprob: the head forms the gradient
-                loss, logprobs, entropy, stats = self._token_loss_forward(model, mb, seqs, loss_scale, weights, ref)
+                loss, entropy, stats = self._token_loss_forward(model, mb, seqs, loss_scale, weights, ref)
             else:  # a sample's ratio reads all its tokens' logprobs: logprobs first, the loss through autograd
                 logprobs, entropy = model(
                     mb.input_ids, mb.position_ids, mb.targets, temperature=mb.temperature, seqs=seqs
