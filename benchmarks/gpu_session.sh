@@ -85,6 +85,9 @@ ITEMS=(
   "rlchat|400|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_chat --extra --orchestrator.model.client.api chat"
   # split alone (the orchestrator's filesystem loads through common.servers.ServerSet)
   "rlsplit|330|$PY benchmarks/rl_system.py --colocated no --steps 3 --warmup 1 --no-baseline"
+  # colocated (the default samples route) then vLLM alone with the share the launcher gave the colocated run's vLLM:
+  # #29's like-for-like rollout rate on any card (the split share, 0.35, queues the 256 sequences on an 80 GB one)
+  "rlcoloc|560|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --baseline-timeout 200 --name rl_coloc"
   "rlsamples|400|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_samples --extra --orchestrator.model.client.api samples"
   "rl8b|560|$PY benchmarks/rl_system.py --shape qwen3-8b --colocated yes --steps 3 --warmup 1 --no-baseline --name rl8b"
   "trainer|300|$PY benchmarks/trainer.py --shape qwen3-1.7b && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b"
@@ -94,7 +97,8 @@ ITEMS=(
   "lora|240|$PY benchmarks/rl_trainer.py --steps 10 --extra --model.offload none --model.ac-offloading None --model.lora.rank 16"
   "torchtitan|330|$PY .bench_anchor/anchor_torchtitan.py --config qwen3-1.7b"
   "liger|240|$PY .bench_anchor/anchor_liger.py qwen3-1.7b"
-  "lmhead|200|$PY benchmarks/lm_head.py --anchor .bench_anchor/anchor_hf_train.py"
+  # with the device time per kernel of the RL and SFT heads at 64k tokens (#31: the RL head's 1.135x there)
+  "lmhead|200|$PY benchmarks/lm_head.py --anchor .bench_anchor/anchor_hf_train.py --profile token_loss nll_sum"
   "respcost|300|$PY benchmarks/response_cost.py --shape qwen3-1.7b --concurrent 32 --gpu-memory-utilization 0.35 --reps 3"
   # exact-size pinned host memory; the offload test's sft runs need pydantic and tomli_w (install, anchors)
   "pinned|240|$PYTEST packages/common/tests/test_weight_sync_pinned.py packages/trainer/tests/test_offload_gpu.py && $PY benchmarks/pinned_host_memory.py"
@@ -133,7 +137,7 @@ save_bench_files() {
   return 0
 }
 
-needs_vllm() { case "$1" in gputests | ipctests | vllmalone | pinned | gpue2e | gputests_more | rlsystem | rlchat | rlsplit | rlsamples | rl8b | respcost) return 0 ;; *) return 1 ;; esac; }
+needs_vllm() { case "$1" in gputests | ipctests | vllmalone | pinned | gpue2e | gputests_more | rlsystem | rlchat | rlsplit | rlcoloc | rlsamples | rl8b | respcost) return 0 ;; *) return 1 ;; esac; }
 
 status=0
 for name in "$@"; do

@@ -7,7 +7,11 @@ inputs created, base = allocated memory, 2 warm-up steps, peak stats reset, 5 ti
 is peak allocated minus base (so it includes the hidden and weight gradients, 0.64 GiB at T=16384).
 Each step is forward + backward of logprobs.sum() + entropy.sum().
 
-    python benchmarks/lm_head.py [--tokens 16384 65536] [--anchor path/to/anchor_hf_train.py]
+    python benchmarks/lm_head.py [--tokens 16384 65536] [--anchor path/to/anchor_hf_train.py] [--profile token_loss]
+
+With --profile HEAD..., each named head's forward + backward at the largest --tokens runs once more under
+torch.profiler: one JSON row per head with its kernels' device time by name (the top 12, and the rest summed),
+to say where the milliseconds of one head beyond another's go.
 
 With --anchor, the anchor's own lm_head() runs first in the same process, so the ratio printed at
 the end is against the anchor measured on the same machine in the same run.
@@ -110,6 +114,35 @@ def agreement(tokens: int, hidden: int, vocab: int) -> dict:
     )
 
 
+def profile(name: str, fn, tokens: int, hidden: int, vocab: int, chunk_size: int) -> dict:
+    """Device time per kernel name (ms) for one forward + backward of ``fn``, after a warm-up step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
+    tgt = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+
+    def step():
+        out = fn(h, w, tgt, chunk_size)
+        (out if isinstance(out, torch.Tensor) else out[0].sum() + out[1].sum()).backward()
+
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        ((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0),
+        key=lambda k: -k[1],
+    )
+    top = [dict(kernel=k[:90], ms=round(ms, 3), calls=n) for k, ms, n in kernels[:12]]
+    rest = sum(ms for _, ms, _ in kernels[12:])
+    total = sum(ms for _, ms, _ in kernels)
+    return dict(kind="profile", head=name, tokens=tokens, device_ms=round(total, 2), rest_ms=round(rest, 3), top=top)
+
+
 def run_anchor(path: str) -> dict | None:
     spec = importlib.util.spec_from_file_location("anchor_hf_train", path)
     anchor = importlib.util.module_from_spec(spec)
@@ -130,14 +163,18 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--chunk-size", type=int, default=8192)
     p.add_argument("--anchor", default=None, help="path to anchor_hf_train.py; runs its lm_head() first")
+    p.add_argument("--profile", nargs="*", default=[], help="heads to profile at the largest --tokens")
     args = p.parse_args()
     print(json.dumps(dict(kind="env", torch=torch.__version__, device=torch.cuda.get_device_name())), flush=True)
     anchor = run_anchor(args.anchor) if args.anchor else None
     results = {}
+    paths = [("vanilla", vanilla), ("fused", fused), ("nll_sum", nll_sum), ("token_loss", token_loss)]
+    if importlib.util.find_spec("liger_kernel") is not None:  # the peer SFT users switch on, same process
+        paths.append(("liger_flce", liger_flce))
+    unknown = set(args.profile) - {name for name, _ in paths}
+    if unknown:
+        p.error(f"--profile {sorted(unknown)}: not a head here; choose from {[name for name, _ in paths]}")
     for tokens in args.tokens:
-        paths = [("vanilla", vanilla), ("fused", fused), ("nll_sum", nll_sum), ("token_loss", token_loss)]
-        if importlib.util.find_spec("liger_kernel") is not None:  # the peer SFT users switch on, same process
-            paths.append(("liger_flce", liger_flce))
         for name, fn in paths:
             res = bench(fn, tokens, args.hidden, args.vocab, args.chunk_size)
             results[(name, tokens)] = res
@@ -175,6 +212,9 @@ def main() -> None:
         if "ms" in ce and "ms" in rl_tl:  # what the RL trainer runs for the token ratio (`fused_token_loss`)
             summary[f"rl_token_loss_over_nll_sum_{tokens}"] = round(rl_tl["ms"] / ce["ms"], 3)
     print(json.dumps(summary), flush=True)
+    for name in args.profile:
+        fn = dict(paths)[name]
+        print(json.dumps(profile(name, fn, max(args.tokens), args.hidden, args.vocab, args.chunk_size)), flush=True)
 
 
 if __name__ == "__main__":

@@ -277,11 +277,23 @@ def run_rl(
             }
     mode = "colocated" if colocated else "split"
     run = dict(
-        total_s=total, run_dir=str(run_dir), mode=mode, transport=transport or ("ipc" if colocated else "filesystem")
-    )
+        total_s=total, run_dir=str(run_dir), mode=mode, transport=transport or ("ipc" if colocated else "filesystem"),
+        gpu_memory_utilization=resolved_share(run_dir),
+    )  # fmt: skip
     roles = {**timeline.roles, os.getpid(): "rl_system.py"}  # this process built the model on the GPU
     run.update(draw_timeline(args, name, timeline_csv, arrivals, roles))
     return steps, run
+
+
+def resolved_share(run_dir: Path) -> float | None:
+    """vLLM's `gpu_memory_utilization` as the launcher resolved it (colocated: sized beside the resting trainer),
+    from the run's configs/rl.toml; None when the run wrote none."""
+    import tomllib
+
+    path = run_dir / "configs" / "rl.toml"
+    if not path.is_file():
+        return None
+    return tomllib.loads(path.read_text()).get("inference", {}).get("vllm", {}).get("gpu_memory_utilization")
 
 
 def watch_metrics(proc: subprocess.Popen, metrics: Path) -> list[tuple[float, int, str]]:
@@ -391,11 +403,18 @@ def main() -> None:
                 json.dumps(dict(bench="rl_system_step", mode=run["mode"], transport=run["transport"], **s)), flush=True
             )
         runs.append((steps, run))
-    note("vLLM alone, same GPU share and prompts" if args.baseline else "no vLLM-alone baseline")
     if args.baseline and args.gpu_memory_utilization is None:
-        args.gpu_memory_utilization = SPLIT_SHARE
+        # the first run's share as the launcher resolved it: a colocated run's vLLM holds the GPU's memory less
+        # the resting trainer (0.73-0.85 of a card), and vLLM alone must get as much KV cache to be a like-for-like
+        # rate (on an 80 GB card the split share, 0.35, queues 256 x 1k-token sequences: 12-05's H100 run)
+        shares = [run.get("gpu_memory_utilization") for _, run in runs if run.get("gpu_memory_utilization")]
+        args.gpu_memory_utilization = shares[0] if shares else SPLIT_SHARE
+    note(
+        f"vLLM alone, same prompts, share {args.gpu_memory_utilization}" if args.baseline else "no vLLM-alone baseline"
+    )
     baseline = run_baseline(args, model_dir) if args.baseline else {}
-    print(json.dumps(dict(bench="vllm_alone", **baseline)), flush=True)
+    share = args.gpu_memory_utilization if args.baseline else None
+    print(json.dumps(dict(bench="vllm_alone", gpu_memory_utilization=share, **baseline)), flush=True)
     note("done")
     for steps, run in runs:
         summary = summarize(steps, args.warmup, baseline) if steps else {}
