@@ -247,7 +247,9 @@ def run_rl(
     steps = []
     for step in sorted(rows):
         r = rows[step]
-        verify, load = loads.get(step, (0.0, 0.0))  # version n is loaded after trainer step n
+        # version n is loaded after trainer step n; None where no load was logged (the last step, a colocated
+        # push): a 0 there pulled the medians of a 3-step run's load to half the real one
+        verify, load = loads.get(step, (None, None))
         rollout = r.get("time/collect_rollouts", 0.0)
         train = r.get("time/step", 0.0)
         wall = r.get("time/wall", 0.0)
@@ -256,7 +258,7 @@ def run_rl(
             data_wait_s=r.get("time/data_wait"), send_batch_s=r.get("time/send_batch"),
             publish_s=r.get("time/publish_weights"),
             publish_write_s=r.get("time/publish_write"), verify_s=verify, load_s=load, wall_s=wall,
-            gpu_busy=(rollout + train + load) / wall if wall else None,
+            gpu_busy=(rollout + train + (load or 0.0)) / wall if wall else None,
             beyond_rollout_train_s=wall - rollout - train if wall else None,
             rollout_tokens=r.get("batch/loss_tokens"), train_tokens_per_s=r.get("perf/throughput"),
             mfu=r.get("perf/mfu"), peak_memory_gib=r.get("perf/peak_memory"), mismatch_kl=r.get("mismatch_kl"),
