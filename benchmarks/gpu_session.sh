@@ -97,6 +97,9 @@ ITEMS=(
   "trainer|300|$PY benchmarks/trainer.py --shape qwen3-1.7b && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b"
   # packed-document rows (random sample lengths 2..seq_len/2 in 8192-token rows), RL and SFT alike (#31 item 3)
   "packed|300|$PY benchmarks/rl_trainer.py --shape qwen3-1.7b --generate-samples --with-sft"
+  # the real loops profiled (steps 4-5): sft and the RL trainer on the same fake rows, kernels side by side (#31:
+  # the RL trainer runs 0.81-0.86x sft on the same rows; is the gap device work or idle time?)
+  "trainerprof|300|PRIME_RL_PROFILE_DIR=$OUT/prof_sft $PY benchmarks/trainer.py --shape qwen3-1.7b --steps 6 && PRIME_RL_PROFILE_DIR=$OUT/prof_rl $PY benchmarks/rl_trainer.py --shape qwen3-1.7b --steps 6 && rm -f $OUT/prof_*/trace.json && $PY benchmarks/trainer_profile.py compare $OUT/prof_sft $OUT/prof_rl"
   # the LoRA RL loop's publish (0.41 s blocked on 12-02; the adapter's copy goes through HostStaging since 12-05)
   "lora|240|$PY benchmarks/rl_trainer.py --steps 10 --extra --model.offload none --model.ac-offloading None --model.lora.rank 16"
   "torchtitan|330|$PY .bench_anchor/anchor_torchtitan.py --config qwen3-1.7b"

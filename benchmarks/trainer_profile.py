@@ -2,6 +2,7 @@
 
     python benchmarks/trainer_profile.py attn                     # core attention kernels, fwd + bwd
     python benchmarks/trainer_profile.py step -- <sft flags>      # profile the real sft step, one process
+    python benchmarks/trainer_profile.py compare DIR [DIR ...]    # the real loops' kernels.json side by side
 
 `attn`: forward + backward of causal attention over one 8192-token row (Qwen3-1.7B heads: 16 q / 8 kv,
 head_dim 128) with each kernel: SDPA restricted to cuDNN, to flash, the trainer's `auto` dense path, and
@@ -11,6 +12,11 @@ head_dim 128) with each kernel: SDPA restricted to cuDNN, to flash, the trainer'
 benchmarks/trainer.py), runs the step loop (train_step, clip, optimizer), profiles two steps after warmup
 and sums GPU kernel time per category (GEMM, attention, LM head, optimizer, copies/casts, compiled
 elementwise, ...), plus the top kernels.
+
+`compare`: each DIR is a `PRIME_RL_PROFILE_DIR` the trainer's real loop wrote (`sft` or the RL trainer, any
+entrypoint, e.g. `PRIME_RL_PROFILE_DIR=/tmp/p_rl python benchmarks/rl_trainer.py`): per step, the wall time, the
+device time per category, and the kernels whose time differs most from the first DIR's. The loops' own order and
+host work are in it (RL's objective, the publisher's copies), which `step` leaves out.
 """
 
 import json
@@ -88,7 +94,7 @@ def bench_attention(seq: int = 8192, hq: int = 16, hkv: int = 8, dim: int = 128)
 
 CATEGORIES = [  # first match wins; kernel names as seen in CUDA traces
     ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
-    ("lm_head_triton", ("lm_head",)),
+    ("lm_head_triton", ("lm_head", "ce_rows")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel", "lpnorm")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "sm80", "cublas")),
     ("nccl", ("nccl",)),
@@ -166,7 +172,37 @@ def profile_step(argv: list[str], warmup: int = 4, profiled: int = 2) -> None:
     close_world()
 
 
+def compare(dirs: list[str], top: int = 15) -> None:
+    """One JSON line per DIR (wall and device ms per step, by category), then the kernels that differ most."""
+    from pathlib import Path
+
+    runs = []
+    for d in dirs:
+        data = json.loads((Path(d) / "kernels.json").read_text())
+        steps = data["steps"]
+        per_kernel = {name: k["us"] / 1e3 / steps for name, k in data["kernels"].items()}
+        per_cat: dict[str, float] = defaultdict(float)
+        for name, ms in per_kernel.items():
+            per_cat[_category(name)] += ms
+        runs.append(per_kernel)
+        print(json.dumps(dict(kind="profile_dir", dir=d, steps=steps, wall_ms=round(data["wall_s"] * 1e3 / steps, 2),
+                              device_ms=round(sum(per_kernel.values()), 2),
+                              **{k: round(v, 2) for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])})),
+              flush=True)  # fmt: skip
+    base = runs[0]
+    for d, run in zip(dirs[1:], runs[1:], strict=True):
+        names = set(base) | set(run)
+        diffs = sorted(names, key=lambda n: -abs(run.get(n, 0.0) - base.get(n, 0.0)))[:top]
+        for name in diffs:
+            print(json.dumps(dict(kind="kernel_diff", dir=d, ms=round(run.get(name, 0.0), 3),
+                                  base_ms=round(base.get(name, 0.0), 3), cat=_category(name), name=name[:140])),
+                  flush=True)  # fmt: skip
+
+
 def main() -> None:
+    if len(sys.argv) >= 3 and sys.argv[1] == "compare":
+        compare(sys.argv[2:])
+        return
     if len(sys.argv) < 2 or sys.argv[1] not in ("attn", "step"):
         print(__doc__)
         sys.exit(2)

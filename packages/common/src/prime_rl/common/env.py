@@ -32,7 +32,7 @@ under a hand-started torchrun: rank 0 starts a new log attempt) and the sbatch w
 
 PROFILE_DIR_ENV = "PRIME_RL_PROFILE_DIR"
 """Set by a user: record a few steps of the trainer's real loop with the torch profiler on rank 0 and write
-``trace.json`` and ``ops.txt`` here. Read by ``trainer/loop.py`` (``StepProfiler``)."""
+``trace.json``, ``ops.txt`` and ``kernels.json`` here. Read by ``trainer/loop.py`` (``StepProfiler``)."""
 
 PROFILE_STEPS_ENV = "PRIME_RL_PROFILE_STEPS"
 """Set by a user, with ``PRIME_RL_PROFILE_DIR``: the 1-based steps to profile, comma-separated (default

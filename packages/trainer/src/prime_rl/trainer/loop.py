@@ -16,7 +16,9 @@ checkpointing included): the number that says how fast a run really goes.
 
 Profiling the real path: `PRIME_RL_PROFILE_DIR=/tmp/prof` (and optionally `PRIME_RL_PROFILE_STEPS=4,5`,
 1-based, default the 4th and 5th) records those steps with the torch profiler on rank 0 and writes
-`trace.json` (Chrome / Perfetto) plus `ops.txt` (the op table by self time) there.
+`trace.json` (Chrome / Perfetto), `ops.txt` (the op table by self time) and `kernels.json` (device time per
+kernel name, the steps' wall time) there; `benchmarks/trainer_profile.py compare DIR...` sets two runs'
+`kernels.json` side by side.
 
 Step convention: metrics, checkpoints (`checkpoints/step_<n>`) and published weights
 (`broadcasts/step_<n>`, policy version n) all carry n = s + 1, the number of optimizer steps done.
@@ -25,6 +27,7 @@ Step convention: metrics, checkpoints (`checkpoints/step_<n>`) and published wei
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -118,6 +121,7 @@ class StepProfiler:
         self.out = out if out and is_main else None
         self.steps = [int(s) for s in os.environ.get(PROFILE_STEPS_ENV, "4,5").split(",")]
         self.prof: torch.profiler.profile | None = None
+        self.started = 0.0
 
     def before(self, done: int) -> None:
         if self.out and done == self.steps[0]:
@@ -126,16 +130,35 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.__enter__()
+            self.started = time.perf_counter()
 
     def after(self, done: int) -> None:
         if self.prof is not None and done == self.steps[-1]:
+            wall = time.perf_counter() - self.started
             self.prof.__exit__(None, None, None)
             os.makedirs(self.out, exist_ok=True)
             self.prof.export_chrome_trace(os.path.join(self.out, "trace.json"))
             table = self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
             with open(os.path.join(self.out, "ops.txt"), "w") as f:
                 f.write(table)
+            with open(os.path.join(self.out, "kernels.json"), "w") as f:
+                json.dump(kernel_times(self.prof, wall, self.steps[-1] - self.steps[0] + 1), f)
             self.prof = None
+
+
+def kernel_times(prof: torch.profiler.profile, wall_s: float, steps: int) -> dict[str, Any]:
+    """Device time per kernel name over the profiled ``steps`` ({name: {"us", "calls"}}, all streams, so copies
+    on a side stream count beside the compute they overlap), with the steps' wall time: what a step spends on the
+    device against how long it takes, comparable between two runs of the same shape (`sft` and the RL trainer)."""
+    kernels: dict[str, dict[str, float]] = {}
+    for ev in prof.events():
+        # device-side user annotations (FSDP::..., Optimizer.step#...) span kernels that are counted already
+        if ev.device_type != torch.autograd.DeviceType.CUDA or getattr(ev, "is_user_annotation", False):
+            continue
+        k = kernels.setdefault(ev.name, {"us": 0.0, "calls": 0})
+        k["us"] += ev.time_range.elapsed_us()
+        k["calls"] += 1
+    return {"steps": steps, "wall_s": wall_s, "kernels": kernels}
 
 
 def resume(trainer: Trainer, ckpt: CheckpointManager, resume_step: int | str | None) -> int:
