@@ -3,7 +3,8 @@
 and, when `liger_kernel` is importable, Liger's fused linear cross-entropy in the same process.
 
 Prints one JSON object per line. Measures like ../shared/bench/anchor_hf_train.py `lm_head()`:
-inputs created, base = allocated memory, 2 warm-up steps, peak stats reset, 5 timed steps; "extra peak"
+inputs created, base = allocated memory, 2 warm-up steps, peak stats reset, 5 timed steps (the mean of 5 steps
+taken `--repeats` times, default 3, and the median reported: the anchor runs it once); "extra peak"
 is peak allocated minus base (so it includes the hidden and weight gradients, 0.64 GiB at T=16384).
 Each step is forward + backward of logprobs.sum() + entropy.sum().
 
@@ -22,6 +23,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import statistics
 import time
 
 import torch
@@ -29,7 +31,7 @@ import torch
 from prime_rl.kernels import fused_logprobs_entropy, fused_nll_sum, fused_token_loss, vanilla_logprobs_entropy
 
 
-def bench(fn, tokens: int, hidden: int, vocab: int, chunk_size: int) -> dict:
+def bench(fn, tokens: int, hidden: int, vocab: int, chunk_size: int, repeats: int = 1) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -48,11 +50,14 @@ def bench(fn, tokens: int, hidden: int, vocab: int, chunk_size: int) -> dict:
             step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - t) / 5 * 1e3
+        runs = []
+        for _ in range(repeats):  # the anchor's mean of 5 steps, `repeats` times: the median is what is reported
+            t = time.perf_counter()
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            runs.append((time.perf_counter() - t) / 5 * 1e3)
+        ms = statistics.median(runs)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         # Forward alone, for the breakdown.
         with torch.no_grad():
@@ -63,7 +68,8 @@ def bench(fn, tokens: int, hidden: int, vocab: int, chunk_size: int) -> dict:
                 fn(h, w, tgt, chunk_size)
             torch.cuda.synchronize()
             fwd_ms = (time.perf_counter() - t) / 5 * 1e3
-        return dict(ms=round(ms, 2), fwd_ms=round(fwd_ms, 2), peak_extra_gib=round(peak, 3))
+        out = dict(ms=round(ms, 2), fwd_ms=round(fwd_ms, 2), peak_extra_gib=round(peak, 3))
+        return out if repeats == 1 else dict(out, ms_runs=[round(r, 2) for r in runs])
     except torch.OutOfMemoryError as e:
         return dict(error="OOM", detail=str(e).splitlines()[0][:200])
 
@@ -164,6 +170,12 @@ def main() -> None:
     p.add_argument("--chunk-size", type=int, default=8192)
     p.add_argument("--anchor", default=None, help="path to anchor_hf_train.py; runs its lm_head() first")
     p.add_argument("--profile", nargs="*", default=[], help="heads to profile at the largest --tokens")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="5-step timings per head (median reported): one call's means moved 5-10%%",
+    )
     args = p.parse_args()
     print(json.dumps(dict(kind="env", torch=torch.__version__, device=torch.cuda.get_device_name())), flush=True)
     anchor = run_anchor(args.anchor) if args.anchor else None
@@ -176,7 +188,7 @@ def main() -> None:
         p.error(f"--profile {sorted(unknown)}: not a head here; choose from {[name for name, _ in paths]}")
     for tokens in args.tokens:
         for name, fn in paths:
-            res = bench(fn, tokens, args.hidden, args.vocab, args.chunk_size)
+            res = bench(fn, tokens, args.hidden, args.vocab, args.chunk_size, args.repeats)
             results[(name, tokens)] = res
             kind = (
                 f"{name}_lm_head_logprob_entropy"
