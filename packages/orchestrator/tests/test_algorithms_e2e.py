@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -29,6 +30,12 @@ TEACHER_LOGPROB = -0.05
 
 class HTTPServer(ThreadingHTTPServer):
     request_queue_size = 256  # the default backlog of 5 overflows under concurrent teacher calls (ReadError)
+
+    def handle_error(self, request, client_address) -> None:
+        # a run that ends with teacher calls in flight closes their connections before the answer is written
+        # (a BrokenPipeError traceback in CI's log, the test passing): not a failure of the fake teacher
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
 
 
 class FakeTeacher:
