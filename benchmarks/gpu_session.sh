@@ -100,6 +100,9 @@ ITEMS=(
   # the real loops profiled (steps 4-5): sft and the RL trainer on the same fake rows, kernels side by side (#31:
   # the RL trainer runs 0.81-0.86x sft on the same rows; is the gap device work or idle time?)
   "trainerprof|300|PRIME_RL_PROFILE_DIR=$OUT/prof_sft $PY benchmarks/trainer.py --shape qwen3-1.7b --steps 6 && PRIME_RL_PROFILE_DIR=$OUT/prof_rl $PY benchmarks/rl_trainer.py --shape qwen3-1.7b --steps 6 && rm -f $OUT/prof_*/trace.json && $PY benchmarks/trainer_profile.py compare $OUT/prof_sft $OUT/prof_rl"
+  # real-shaped RL batches (256 rollouts, ~32 forwards of 8k tokens a step) at defaults, then with the weights gathered
+  # once a step (`reshard_after_forward = false`: no gather per forward since 2026-12-05; #29 item 4, #31)
+  "reshard|360|$PY benchmarks/rl_trainer.py --shape qwen3-1.7b --seq-len 2048 --rollouts 256 --defaults --steps 6 --warmup 2 && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b --seq-len 2048 --rollouts 256 --defaults --steps 6 --warmup 2 --extra --model.reshard-after-forward false"
   # the LoRA RL loop's publish (0.41 s blocked on 12-02; the adapter's copy goes through HostStaging since 12-05)
   "lora|240|$PY benchmarks/rl_trainer.py --steps 10 --extra --model.offload none --model.ac-offloading None --model.lora.rank 16"
   "torchtitan|330|$PY .bench_anchor/anchor_torchtitan.py --config qwen3-1.7b"

@@ -327,3 +327,21 @@ def test_dp2_by_cp2_with_ep_and_hsdp_on_orchestrator_batches(tiny_moe, tmp_path)
             assert b["perf/padding_fraction"] == a["perf/padding_fraction"] == 8 / 256
             assert b["entropy/mean"] == pytest.approx(a["entropy/mean"], rel=1e-2)
             assert b["kl_ref"] == pytest.approx(a["kl_ref"], rel=2e-2, abs=1e-6)
+
+
+def test_keeping_parameters_gathered_between_forwards_changes_no_number(tiny_model, tmp_path):
+    """`model.reshard_after_forward = false` keeps the gathered weights from a step's first forward to its last
+    backward (`parallel.fsdp.reshard_after_backward`): the same losses and gradient norms as the default, over
+    steps of 4 forwards each (one 64-token row per forward)."""
+    rows = {}
+    for reshard in ("true", "false"):
+        out = _run_trainer(
+            ["--model.name", str(tiny_model), "--output-dir", str(tmp_path), "--run-name", reshard,
+             "--data.fake", "--data.fake.batch-size", "4", "--data.seq-len", "64", "--data.micro-batch-tokens", "64",
+             "--max-steps", "2", "--weight-broadcast.dtype", "float32", "--model.reshard-after-forward", reshard]
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        rows[reshard] = _metrics(tmp_path / reshard)
+    for default, kept in zip(rows["true"], rows["false"], strict=True):
+        for key in ("loss/mean", "entropy/mean", "optim/grad_norm"):
+            assert kept[key] == default[key], (key, default["step"])

@@ -194,7 +194,8 @@ class TrainerModelConfig(BaseConfig):
     """Data-parallel replicas (HSDP): the world is a (dp_replicate, dp_shard) mesh; FSDP shards within a replica."""
 
     reshard_after_forward: bool = True
-    """Free gathered parameters after forward (re-gathered in backward); false keeps them: faster, more memory."""
+    """Free gathered parameters after forward (re-gathered in backward); false keeps them: faster, more memory. False
+    also keeps them from a step's first forward to its last backward (one gather a step, not one per micro-batch)."""
 
     offload: Literal["auto", "none", "optimizer", "full"] = "auto"
     """CPU offload: "optimizer" keeps optimizer state on CPU between steps; "full" keeps fp32 masters, gradients

@@ -45,6 +45,7 @@ from prime_rl.trainer.models import PackedSeqs
 from prime_rl.trainer.models.router_replay import check_router_replay, replay_mismatch, set_router_replay
 from prime_rl.trainer.parallel import ParallelDims, WorldMesh
 from prime_rl.trainer.parallel.context import shard_sequence
+from prime_rl.trainer.parallel.fsdp import reshard_after_backward
 from prime_rl.trainer.rl.batching import TokenBudgetSource
 from prime_rl.trainer.rl.data import ContextParallelSource, FakeSource, OrchestratorSource, RLMicroBatch
 from prime_rl.trainer.rl.loss import LossSettings, rl_loss, segment_sum
@@ -154,8 +155,10 @@ class RLObjective:
         loss_scale = (denominator / world.world_size).float()
         sums = torch.zeros(10, dtype=torch.float64, device=world.device)  # [6:]: router_replay.replay_mismatch
         for i, (mb, sample_ids, sample_tokens, num_segments) in enumerate(prepared):
-            if before_last is not None and i == len(prepared) - 1:
+            last = i == len(prepared) - 1
+            if before_last is not None and last:
                 before_last()
+            reshard_after_backward(model, last)  # reshard_after_forward = false: gathered once a step
             sample_ids = sample_ids.to(world.device, non_blocking=True)
             seqs = PackedSeqs.from_position_ids(mb.position_ids).to(world.device)  # on the host: no device sync
             mb = mb.to(world.device)

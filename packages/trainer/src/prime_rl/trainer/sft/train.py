@@ -30,6 +30,7 @@ from prime_rl.trainer.model import CausalLM
 from prime_rl.trainer.models import PackedSeqs
 from prime_rl.trainer.parallel import ParallelDims
 from prime_rl.trainer.parallel.context import shard_micro_batch
+from prime_rl.trainer.parallel.fsdp import reshard_after_backward
 from prime_rl.trainer.run import bad_input_exits, build_trainer, inspect_model, start_rank
 from prime_rl.trainer.world import World, close_world, exit_rank
 
@@ -147,8 +148,10 @@ def forward_backward(
     nll_sum = torch.zeros((), dtype=torch.float64, device=world.device)
     tokens = 0
     for i, mb in enumerate(micro_batches):
-        if before_last is not None and i == len(micro_batches) - 1:
+        last = i == len(micro_batches) - 1
+        if before_last is not None and last:
             before_last()
+        reshard_after_backward(model, last)  # reshard_after_forward = false: gathered once a step
         seqs = PackedSeqs.from_position_ids(mb.position_ids).to(world.device)  # on the host: no device sync
         mb = mb.to(world.device)
         # -sum of the target logprobs (ignored targets count 0), cross-entropy-only LM head
