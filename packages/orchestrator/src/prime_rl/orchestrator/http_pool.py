@@ -9,6 +9,12 @@ on the 2-core development machine, 30-100 ms through 32 (and 3-7 ms over raw soc
 BENCHMARKS.md). Round-robin over `num_shards` clients keeps each pool small, and the walk with it.
 
 The clients share one TLS context: building one per client costs ~80 ms (certificate loading) each.
+
+Idle connections are dropped after `KEEPALIVE_EXPIRY_S`, below the server's keep-alive: vLLM's HTTP server (uvicorn)
+closes a connection idle for `VLLM_HTTP_TIMEOUT_KEEP_ALIVE` = 5 s, httpx's default keeps one 5 s too, and a
+request written to a connection at the moment the server closes it fails with ReadError (retried after 0.5 s). The
+README's example hit it 3 times in one run: with ~2.5 s steps and requests round-robin over the shards, a shard's
+connection is idle for about two steps, ~5 s.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import httpx
 
 NUM_SHARDS = 32
 """Clients the requests are spread over; requests in flight / NUM_SHARDS connections in each pool."""
+
+KEEPALIVE_EXPIRY_S = 3.0
+"""An idle connection is closed by the client after this long: 2 s before vLLM's server would close it."""
 
 
 class ShardedHTTP:
@@ -38,7 +47,9 @@ class ShardedHTTP:
             raise ValueError(f"max_connections={max_connections}: need at least 1 connection to inference")
         num_shards = min(num_shards, max_connections)  # every shard needs a connection of its own
         per_shard = max_connections // num_shards
-        limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
+        limits = httpx.Limits(
+            max_connections=per_shard, max_keepalive_connections=per_shard, keepalive_expiry=KEEPALIVE_EXPIRY_S
+        )
         tls = httpx.create_ssl_context()  # what each client would build for itself (certifi, SSL_CERT_FILE/DIR)
         self.clients = [
             httpx.AsyncClient(timeout=timeout, headers=headers, limits=limits, verify=tls) for _ in range(num_shards)
