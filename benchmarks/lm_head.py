@@ -31,20 +31,26 @@ import torch
 from prime_rl.kernels import fused_logprobs_entropy, fused_nll_sum, fused_token_loss, vanilla_logprobs_entropy
 
 
-def bench(fn, tokens: int, hidden: int, vocab: int, chunk_size: int, repeats: int = 1) -> dict:
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+def head_step(fn, tokens: int, hidden: int, vocab: int, chunk_size: int):
+    """Inputs of one head (seeded, bf16, on the GPU) and its forward + backward step: ``(step, h, w, tgt)``."""
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     w = (torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
     tgt = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
-    base = torch.cuda.max_memory_allocated()
 
     def step():
         out = fn(h, w, tgt, chunk_size)
         loss = out if isinstance(out, torch.Tensor) else out[0].sum() + out[1].sum()  # CE heads return the loss
         loss.backward()
 
+    return step, h, w, tgt
+
+
+def bench(fn, tokens: int, hidden: int, vocab: int, chunk_size: int, repeats: int = 1) -> dict:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    step, h, w, tgt = head_step(fn, tokens, hidden, vocab, chunk_size)
+    base = torch.cuda.max_memory_allocated()
     try:
         for _ in range(2):
             step()
@@ -133,24 +139,16 @@ def profile(name: str, fn, tokens: int, hidden: int, vocab: int, chunk_size: int
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    w = (torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
-    tgt = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    from prime_rl.trainer.loop import kernel_times  # the trainer loop's own definition of device time per kernel
 
-    def step():
-        out = fn(h, w, tgt, chunk_size)
-        (out if isinstance(out, torch.Tensor) else out[0].sum() + out[1].sum()).backward()
-
+    step, *_ = head_step(fn, tokens, hidden, vocab, chunk_size)
     step()
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    kernels = sorted(
-        ((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages() if e.device_time_total > 0),
-        key=lambda k: -k[1],
-    )
+    times = kernel_times(prof, wall_s=0.0, steps=1)["kernels"]
+    kernels = sorted(((name, k["us"] / 1e3, k["calls"]) for name, k in times.items()), key=lambda k: -k[1])
     top = [dict(kernel=k[:90], ms=round(ms, 3), calls=n) for k, ms, n in kernels[:12]]
     rest = sum(ms for _, ms, _ in kernels[12:])
     total = sum(ms for _, ms, _ in kernels)

@@ -111,11 +111,21 @@ def _category(name: str) -> str:
     return "other"
 
 
+def per_step_ms(times: dict) -> tuple[dict[str, float], dict[str, float]]:
+    """A `kernel_times` record (the loop profiler's `kernels.json`) -> device ms per step by kernel and by category."""
+    per_kernel = {name: k["us"] / 1e3 / times["steps"] for name, k in times["kernels"].items()}
+    per_cat: dict[str, float] = defaultdict(float)
+    for name, ms in per_kernel.items():
+        per_cat[_category(name)] += ms
+    return per_kernel, dict(per_cat)
+
+
 def profile_step(argv: list[str], warmup: int = 4, profiled: int = 2) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from prime_rl.common.config import parse_config
     from prime_rl.common.config.trainer import SFTConfig
+    from prime_rl.trainer.loop import kernel_times
     from prime_rl.trainer.memory_plan import resolve_memory
     from prime_rl.trainer.model import build_training_model
     from prime_rl.trainer.optim import build_optimizer, clip_grad_norm
@@ -154,21 +164,14 @@ def profile_step(argv: list[str], warmup: int = 4, profiled: int = 2) -> None:
         for i in range(warmup, warmup + profiled):
             step(i)
         sync()
-    per_cat: dict[str, float] = defaultdict(float)
-    per_kernel: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        # GPU-side user annotations (Optimizer.step#..., FSDP::...) span kernels that are counted already
-        if ev.device_type == torch.autograd.DeviceType.CUDA and not getattr(ev, "is_user_annotation", False):
-            us = ev.time_range.elapsed_us() / profiled  # per step
-            per_cat[_category(ev.name)] += us
-            per_kernel[ev.name] += us
+    per_kernel, per_cat = per_step_ms(kernel_times(prof, wall_s=0.0, steps=profiled))
     total = sum(per_cat.values())
     print(json.dumps(dict(kind="step_times_s", warmup_steps=[round(t, 4) for t in times])), flush=True)
-    print(json.dumps(dict(kind="gpu_time_per_step_ms", total=round(total / 1e3, 2),
-                          **{k: round(v / 1e3, 2) for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])})),
+    print(json.dumps(dict(kind="gpu_time_per_step_ms", total=round(total, 2),
+                          **{k: round(v, 2) for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])})),
           flush=True)  # fmt: skip
-    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]:
-        print(json.dumps(dict(kind="kernel", ms=round(us / 1e3, 3), cat=_category(name), name=name[:140])), flush=True)
+    for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]:
+        print(json.dumps(dict(kind="kernel", ms=round(ms, 3), cat=_category(name), name=name[:140])), flush=True)
     close_world()
 
 
@@ -180,10 +183,7 @@ def compare(dirs: list[str], top: int = 15) -> None:
     for d in dirs:
         data = json.loads((Path(d) / "kernels.json").read_text())
         steps = data["steps"]
-        per_kernel = {name: k["us"] / 1e3 / steps for name, k in data["kernels"].items()}
-        per_cat: dict[str, float] = defaultdict(float)
-        for name, ms in per_kernel.items():
-            per_cat[_category(name)] += ms
+        per_kernel, per_cat = per_step_ms(data)
         runs.append(per_kernel)
         print(json.dumps(dict(kind="profile_dir", dir=d, steps=steps, wall_ms=round(data["wall_s"] * 1e3 / steps, 2),
                               device_ms=round(sum(per_kernel.values()), 2),
