@@ -81,9 +81,12 @@ def test_announcements_load_newest_filesystem_version_and_retag(tmp_path):
         assert not await updater.update_once() and policy.version == 0
         trainer.announce(1, tmp_path / "step_1")
         trainer.announce(2, tmp_path / "step_2")
-        await _until(
-            lambda: updater.listener.poll() or updater.listener.latest and updater.listener.latest.version == 2
-        )
+
+        def saw_version_2() -> bool:  # poll drains what arrived; version 1 alone must not end the wait (CI, load 2+)
+            updater.listener.poll()
+            return updater.listener.latest is not None and updater.listener.latest.version == 2
+
+        await _until(saw_version_2)
         assert await updater.update_once()
         assert not await updater.update_once()  # nothing newer
         assert policy.version == 2 and policy.is_open
