@@ -82,6 +82,23 @@ def test_bool_flags_and_none(tmp_path):
     assert load_config(Config, ["@", toml, "--model.ac.mode", "selective"]).model.ac.mode == "selective"
 
 
+def test_a_boolean_with_an_auto_choice_takes_every_flag_form():
+    """`trainer.model.reshard_after_forward` is `bool | "auto"`: the seed's bare and `--no-` forms still work."""
+    from prime_rl.common.config.trainer import SFTConfig
+
+    def reshard(*argv: str):
+        base = ["--model.name", "m", "--data.type", "fake"]
+        return load_config(SFTConfig, [*base, *argv]).model.reshard_after_forward
+
+    assert reshard() == "auto"
+    assert reshard("--no-model.reshard-after-forward") is False
+    assert reshard("--model.reshard-after-forward") is True
+    assert reshard("--model.reshard-after-forward", "--max-steps", "3") is True
+    assert reshard("--model.reshard-after-forward", "false") is False
+    assert reshard("--model.reshard-after-forward", "auto") == "auto"
+    assert reshard("--model.reshard-after-forward=true") is True
+
+
 def test_discriminated_union_switch(tmp_path):
     cfg = load_config(Config, ["--optim.type", "sign_sgd", "--optim.lr", "3e-6"])
     assert isinstance(cfg.optim, SignSGD) and cfg.optim.lr == 3e-6

@@ -101,9 +101,20 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return [a for a in _union_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
 
 
-def _is_bool(annotation: Any) -> bool:
+def _bool_words(annotation: Any) -> set[str] | None:
+    """The words a boolean option takes as its value: "true", "false", "none", and the choices of a Literal beside
+    the bool (`reshard_after_forward: bool | Literal["auto"]` takes "auto" too). None: not a boolean option, so no
+    bare `--flag` / `--no-flag` form."""
     args = [a for a in _union_args(annotation) if a is not type(None)]
-    return bool(args) and all(a is bool for a in args)
+    if bool not in args:
+        return None
+    words = {"true", "false", "none"}
+    for a in args:
+        if typing.get_origin(a) is typing.Literal:
+            words |= {str(v).lower() for v in typing.get_args(a)}
+        elif a is not bool:
+            return None
+    return words
 
 
 def _is_optional_model(annotation: Any) -> bool:
@@ -322,14 +333,14 @@ def _split_argv(cls: type[BaseModel], argv: list[str]) -> tuple[list[str], dict,
         path = dotted.split(".")
         has_value = bool(eq) or (i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] != "@")
         if negated:
-            if not (_is_bool(annotation) or _is_optional_model(annotation) or annotation is _Extra):
+            if not (_bool_words(annotation) or _is_optional_model(annotation) or annotation is _Extra):
                 raise ConfigError(f"--no-{path[-1]} only applies to booleans and optional sections (command line)")
             value: Any = None if _is_optional_model(annotation) else False
             i += 1
         elif annotation is _Extra and not has_value:
             value = True
             i += 1
-        elif _is_bool(annotation) and not eq and not (has_value and argv[i + 1].lower() in ("true", "false", "none")):
+        elif (words := _bool_words(annotation)) and not eq and not (has_value and argv[i + 1].lower() in words):
             value = True
             i += 1
         elif _is_optional_model(annotation) and not has_value:

@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from prime_rl.common.config.base import _is_bool, _is_optional_model, _models_in, _union_args, _variants
+from prime_rl.common.config.base import _bool_words, _is_optional_model, _models_in, _union_args, _variants
 from prime_rl.common.help_cache import help_width
 
 OPTION_COLUMN = 34
@@ -170,8 +170,10 @@ def _shown(value: Any) -> str:
 
 def _option(path: str, info: FieldInfo, doc: str, default: Any, indent: int, width: int) -> list[str]:
     annotation = info.annotation
-    if _is_bool(annotation):
-        head = f"{_flag(path)}, --no-{_flag(path)[2:]}"
+    if words := _bool_words(annotation):
+        choices = sorted(words - {"true", "false", "none"})  # a Literal beside the bool: `--flag auto`
+        value = f" [{'|'.join(choices)}]" if choices else ""
+        head = f"{_flag(path)}{value}, --no-{_flag(path)[2:]}"
     else:
         head = f"{_flag(path)} {_metavar(annotation)}"
     state = "(required)" if info.is_required() else f"(default: {_shown(default)})"
