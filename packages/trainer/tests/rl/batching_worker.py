@@ -104,7 +104,14 @@ def main(policy_dir: str, reference_dir: str, out: str, budget: str, broken: boo
     if broken:  # control: one position run per forward, so attention crosses samples and rows
         for mb in forwards:
             mb.position_ids = torch.arange(mb.position_ids.shape[-1])[None]
-    plain = dict(ac=None, ac_offloading=None, offload="none", fused_lm_head_token_chunk_size=16, attn="sdpa")
+    plain = dict(
+        ac=None,
+        ac_offloading=None,
+        offload="none",
+        reshard_after_forward=True,
+        fused_lm_head_token_chunk_size=16,
+        attn="sdpa",
+    )
     results = {
         "num_forwards": len(forwards),
         "local_forwards": local,

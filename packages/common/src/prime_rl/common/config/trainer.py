@@ -193,9 +193,11 @@ class TrainerModelConfig(BaseConfig):
     dp_replicate: int = Field(1, ge=1)
     """Data-parallel replicas (HSDP): the world is a (dp_replicate, dp_shard) mesh; FSDP shards within a replica."""
 
-    reshard_after_forward: bool = True
-    """Free gathered parameters after forward (re-gathered in backward); false keeps them: faster, more memory. False
-    also keeps them from a step's first forward to its last backward (one gather a step, not one per micro-batch)."""
+    reshard_after_forward: bool | Literal["auto"] = "auto"
+    """True frees the gathered parameters after each forward (backward gathers them again); false keeps them from a
+    step's first forward to its last backward (one gather a step, not two per micro-batch): faster, 2 bytes a
+    parameter more memory. "auto" keeps them where the memory plan (`model.offload = "auto"`) fits: false unless
+    memory is tight or the optimizer is offloaded."""
 
     offload: Literal["auto", "none", "optimizer", "full"] = "auto"
     """CPU offload: "optimizer" keeps optimizer state on CPU between steps; "full" keeps fp32 masters, gradients
