@@ -95,6 +95,9 @@ ITEMS=(
   # #29's like-for-like rollout rate on any card (the split share, 0.35, queues the 256 sequences on an 80 GB one)
   "rlcoloc|560|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --baseline-timeout 200 --name rl_coloc"
   "rlsamples|400|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_samples --extra --orchestrator.model.client.api samples"
+  # the colocated rlsamples run with the weights resharded after every forward: the A/B for `reshard_after_forward
+  # = "auto"` (kept gathered once a step) in the whole RL step
+  "rlsamplesresh|400|$PY benchmarks/rl_system.py --colocated yes --steps 3 --warmup 1 --no-baseline --name rl_samples_resh --extra --orchestrator.model.client.api samples --trainer.model.reshard-after-forward true"
   "rl8b|560|$PY benchmarks/rl_system.py --shape qwen3-8b --colocated yes --steps 3 --warmup 1 --no-baseline --name rl8b"
   "trainer|300|$PY benchmarks/trainer.py --shape qwen3-1.7b && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b"
   # packed-document rows (random sample lengths 2..seq_len/2 in 8192-token rows), RL and SFT alike (#31 item 3)
@@ -102,9 +105,9 @@ ITEMS=(
   # the real loops profiled (steps 4-5): sft and the RL trainer on the same fake rows, kernels side by side (#31:
   # the RL trainer runs 0.81-0.86x sft on the same rows; is the gap device work or idle time?)
   "trainerprof|300|PRIME_RL_PROFILE_DIR=$OUT/prof_sft $PY benchmarks/trainer.py --shape qwen3-1.7b --steps 6 && PRIME_RL_PROFILE_DIR=$OUT/prof_rl $PY benchmarks/rl_trainer.py --shape qwen3-1.7b --steps 6 && rm -f $OUT/prof_*/trace.json && $PY benchmarks/trainer_profile.py compare $OUT/prof_sft $OUT/prof_rl"
-  # real-shaped RL batches (256 rollouts, ~32 forwards of 8k tokens a step) at defaults, then with the weights gathered
-  # once a step (`reshard_after_forward = false`: no gather per forward since 2026-12-05; #29 item 4, #31)
-  "reshard|360|$PY benchmarks/rl_trainer.py --shape qwen3-1.7b --seq-len 2048 --rollouts 256 --defaults --steps 6 --warmup 2 && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b --seq-len 2048 --rollouts 256 --defaults --steps 6 --warmup 2 --extra --model.reshard-after-forward false"
+  # real-shaped RL batches (256 rollouts, ~32 forwards of 8k tokens a step) at defaults (`reshard_after_forward =
+  # "auto"`: kept gathered once a step where the plan fits, since 2026-12-05), then resharded after every forward
+  "reshard|360|$PY benchmarks/rl_trainer.py --shape qwen3-1.7b --seq-len 2048 --rollouts 256 --defaults --steps 6 --warmup 2 && $PY benchmarks/rl_trainer.py --shape qwen3-1.7b --seq-len 2048 --rollouts 256 --defaults --steps 6 --warmup 2 --extra --model.reshard-after-forward true"
   # the LoRA RL loop's publish (0.41 s blocked on 12-02; the adapter's copy goes through HostStaging since 12-05)
   "lora|240|$PY benchmarks/rl_trainer.py --steps 10 --extra --model.offload none --model.ac-offloading None --model.lora.rank 16"
   "torchtitan|330|$PY .bench_anchor/anchor_torchtitan.py --config qwen3-1.7b"
@@ -114,6 +117,12 @@ ITEMS=(
   "respcost|300|$PY benchmarks/response_cost.py --shape qwen3-1.7b --concurrent 32 --gpu-memory-utilization 0.35 --reps 3"
   # exact-size pinned host memory; the offload test's sft runs need pydantic and tomli_w (install, anchors)
   "pinned|240|$PYTEST packages/common/tests/test_weight_sync_pinned.py packages/trainer/tests/test_offload_gpu.py && $PY benchmarks/pinned_host_memory.py"
+  # vLLM's MoE ops (left out of the bundle): staged as /tmp/stage/moe_C.so.xz by a call carrying .gpu/c (40 MB:
+  #   python3 -c "import zipfile; zipfile.ZipFile('vllm-0.26.0-...whl').extract('vllm/_moe_C_stable_libtorch.abi3.so')"
+  #   xz -9 -c vllm/_moe_C_stable_libtorch.abi3.so > .gpu/c/moe_C.so.xz), needed by MoE serving (router replay)
+  "moeops|60|xz -d -c /tmp/stage/moe_C.so.xz > /tmp/site/vllm/_moe_C_stable_libtorch.abi3.so && $PY -c 'import torch, vllm._moe_C_stable_libtorch'"
+  # #32: a tiny Qwen3-MoE in rl on one GPU: mismatch_kl and the fraction of tokens routed differently, then replayed
+  "moemismatch|420|$PY benchmarks/moe_mismatch.py --gpu --routed-experts --steps 6 && $PY benchmarks/moe_mismatch.py --gpu --router-replay --steps 6"
   "moe|240|$PY benchmarks/grouped_gemm.py && $PY benchmarks/grouped_gemm.py --experts 16 --tokens 2048"
 )
 
@@ -149,7 +158,7 @@ save_bench_files() {
   return 0
 }
 
-needs_vllm() { case "$1" in gputests | ipctests | vllmalone | pinned | gpue2e | gputests_more | rlsystem | rlchat | rlsplit | rlcoloc | rlsamples | rl8b | respcost) return 0 ;; *) return 1 ;; esac; }
+needs_vllm() { case "$1" in gputests | ipctests | vllmalone | pinned | gpue2e | gputests_more | rlsystem | rlchat | rlsplit | rlcoloc | rlsamples | rlsamplesresh | rl8b | respcost | moeops | moemismatch) return 0 ;; *) return 1 ;; esac; }
 
 status=0
 for name in "$@"; do
