@@ -146,6 +146,13 @@ TRANSPORTS: dict[str, Transport] = {
 }
 
 
+FILESYSTEM = TRANSPORTS["filesystem"]
+NCCL = TRANSPORTS["nccl"]
+NIXL = TRANSPORTS["nixl"]
+IPC = TRANSPORTS["ipc"]
+"""Each transport's row by name, for the module that implements it (the requests it sends or answers)."""
+
+
 def refuse_version(transport: str, version: int, served: int) -> str | None:
     """Why an inference server serving ``served`` refuses ``version`` under ``transport``; None if it may load it."""
     if TRANSPORTS[transport].versions_increase and version <= served:
