@@ -67,14 +67,16 @@ class Heartbeat:
         min_interval_s: float = 1.0,
         log: str = "",
     ) -> None:
-        self.component = component
-        self.rank = rank
-        self.default_deadline_s = default_deadline_s
-        self.min_interval_s = min_interval_s
-        self.log = log
         self.path = None if directory is None else Path(directory) / f"{component}-{rank}.json"
+        """This process's heartbeat file; None makes every beat a no-op."""
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.component, self.rank, self.log = component, rank, log
+        """Written into every beat: who beats, and the log the watchdog quotes when it stalls."""
+        self.default_deadline_s = default_deadline_s
+        """A beat's deadline when it names none."""
+        self.min_interval_s = min_interval_s
+        """Unchanged beats closer together than this are not written (``beat`` in a hot loop stays cheap)."""
         self._key: tuple | None = None
         self._since = 0.0
         self._last_write = -float("inf")

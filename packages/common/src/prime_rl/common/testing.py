@@ -112,6 +112,10 @@ def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, np.ndarra
             f.write(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
 
 
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+"""config.json's architecture for each ``tiny_config`` kind (the kind is its model_type)."""
+
+
 def tiny_config(
     kind: ModelKind = "qwen3",
     *,
@@ -130,9 +134,11 @@ def tiny_config(
     max_position_embeddings: int = 4096,
 ) -> dict[str, Any]:
     """config.json content for a tiny Qwen3 / Qwen3-MoE (ids: 0 <|endoftext|>, 2 <|im_end|>)."""
+    if kind not in _ARCHITECTURES:
+        raise ValueError(f"kind={kind!r} is not supported; use 'qwen3', 'qwen3_moe' or 'glm4_moe'")
     config: dict[str, Any] = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+        "architectures": [_ARCHITECTURES[kind]],
+        "model_type": kind,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
@@ -158,39 +164,31 @@ def tiny_config(
         "pad_token_id": 0,
         "torch_dtype": dtype,
     }
+    if kind != "qwen3":  # what both MoE layouts name alike; the expert count's name differs
+        config.update(
+            num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True
+        )
     if kind == "qwen3_moe":
         config.update(
-            architectures=["Qwen3MoeForCausalLM"],
-            model_type="qwen3_moe",
             num_experts=num_experts,
-            num_experts_per_tok=num_experts_per_tok,
-            moe_intermediate_size=moe_intermediate_size,
             decoder_sparse_step=1,
             mlp_only_layers=[],
-            norm_topk_prob=True,
             output_router_logits=False,
             router_aux_loss_coef=0.001,
         )
     elif kind == "glm4_moe":  # GLM-4.5-Air's layout, tiny: layer 0 dense, grouped sigmoid routing, a shared expert
         config.update(
-            architectures=["Glm4MoeForCausalLM"],
-            model_type="glm4_moe",
             n_routed_experts=num_experts,
-            num_experts_per_tok=num_experts_per_tok,
-            moe_intermediate_size=moe_intermediate_size,
             n_group=2,
             topk_group=1,
             n_shared_experts=1,
             first_k_dense_replace=1,
             routed_scaling_factor=2.0,
-            norm_topk_prob=True,
             partial_rotary_factor=0.5,
             attention_bias=True,
             use_qk_norm=False,
             num_nextn_predict_layers=0,
         )
-    elif kind != "qwen3":
-        raise ValueError(f"kind={kind!r} is not supported; use 'qwen3', 'qwen3_moe' or 'glm4_moe'")
     return config
 
 

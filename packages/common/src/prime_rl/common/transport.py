@@ -72,6 +72,12 @@ class _Unset(enum.Enum):
 
 _UNSET = _Unset.UNSET  # "use the default": the instance's timeout_s, the environment's run secret (None means none)
 
+Arrays = Mapping[str, np.ndarray]
+"""Named arrays that travel beside a message as extra frames (zero-copy)."""
+CallTimeout = float | None | _Unset
+"""One call's ``timeout_s``: seconds, None to wait forever, or ``_UNSET`` (left out) for the instance's ``timeout_s``;
+one alias so that every send, receive and request states the rule the same way (``_timeout`` applies it)."""
+
 
 class Received(NamedTuple):
     """A received message and its arrays (views over the received frames, no copy)."""
@@ -143,7 +149,7 @@ class BufferPool:
 
 def encode_frames(
     message: Message,
-    arrays: Mapping[str, np.ndarray] | None = None,
+    arrays: Arrays | None = None,
     allocate: Callable[[int], np.ndarray] | None = None,
 ) -> list[bytes | memoryview]:
     """Multipart frames for ``message`` and its named arrays.
@@ -240,7 +246,7 @@ def decode_frames(frames: Sequence[zmq.Frame | bytes], types: Sequence[type[Mess
     return Received(message, arrays)
 
 
-def _timeout(timeout_s: float | None | _Unset, default: float | None) -> float | None:
+def _timeout(timeout_s: CallTimeout, default: float | None) -> float | None:
     """A call's ``timeout_s``: the instance's ``default`` unless the call names one (None: wait forever)."""
     return default if timeout_s is _UNSET else timeout_s
 
@@ -359,12 +365,7 @@ class Sender(_Socket):
         if not self.queue_without_peer:
             socket.setsockopt(zmq.IMMEDIATE, 1)  # no peer => block (and time out), don't queue blindly
 
-    def send(
-        self,
-        message: Message,
-        arrays: Mapping[str, np.ndarray] | None = None,
-        timeout_s: float | None | _Unset = _UNSET,
-    ) -> None:
+    def send(self, message: Message, arrays: Arrays | None = None, timeout_s: CallTimeout = _UNSET) -> None:
         """Send ``message`` with ``arrays``; raise ``TimeoutError`` if no peer takes it in time.
 
         Large arrays are not copied: ZeroMQ's I/O thread reads them after ``send`` returns, so do not
@@ -420,7 +421,7 @@ class Receiver(_Socket):
         """Why the last refused message was refused."""
         super().__init__(zmq.PULL, endpoint, bind, context, linger_s, secret)
 
-    def recv(self, timeout_s: float | None | _Unset = _UNSET) -> Received:
+    def recv(self, timeout_s: CallTimeout = _UNSET) -> Received:
         """Next well-formed message; raises ``TimeoutError`` when none arrives within the timeout."""
         timeout = _timeout(timeout_s, self.timeout_s)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -604,12 +605,7 @@ class ControlClient(_Socket):
                 self._reopen()
                 raise _no_reply(message, self.endpoint, timeout)
 
-    def request(
-        self,
-        message: Message,
-        arrays: Mapping[str, np.ndarray] | None = None,
-        timeout_s: float | None | _Unset = _UNSET,
-    ) -> Message:
+    def request(self, message: Message, arrays: Arrays | None = None, timeout_s: CallTimeout = _UNSET) -> Message:
         """Send a request and wait for its reply; ``TimeoutError`` if the server does not answer in time."""
         timeout = _timeout(timeout_s, self.timeout_s)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -672,12 +668,7 @@ class AsyncControlClient:
         socket.connect(self.endpoint)
         return socket
 
-    async def request(
-        self,
-        message: Message,
-        arrays: Mapping[str, np.ndarray] | None = None,
-        timeout_s: float | None | _Unset = _UNSET,
-    ) -> Message:
+    async def request(self, message: Message, arrays: Arrays | None = None, timeout_s: CallTimeout = _UNSET) -> Message:
         """Send a request and await its reply; ``TimeoutError`` if none arrives within the timeout."""
         timeout = _timeout(timeout_s, self.timeout_s)
         frames = encode_frames(message, arrays)

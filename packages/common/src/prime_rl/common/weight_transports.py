@@ -82,6 +82,32 @@ class Transport:
         return tuple(request(version=version) for request in self.update[1:])
 
 
+def _pushed(
+    name: Literal["nccl", "nixl", "ipc"],
+    serves: str,
+    *,
+    setup: type[Message],
+    first: type[Message],
+    sending_ranks: Literal["rank 0", "every rank"] = "rank 0",
+    versions_increase: bool = False,
+) -> Transport:
+    """A push transport's row: trainer rank 0 drives the load (``setup`` once per session, then ``first`` per
+    version), ``AwaitWeightsRequest`` ends every version, and the version is announced without a path once every
+    server answered it. What the three push transports share lives here once; their rows state only how they
+    differ."""
+    return Transport(
+        name=name,
+        serves=serves,
+        sending_ranks=sending_ranks,
+        announced_when="every inference server answered AwaitWeightsRequest: it serves version n",
+        announces_path=False,
+        loads="trainer",
+        setup=(setup,),
+        update=(first, AwaitWeightsRequest),
+        versions_increase=versions_increase,
+    )
+
+
 TRANSPORTS: dict[str, Transport] = {
     t.name: t
     for t in (
@@ -96,41 +122,35 @@ TRANSPORTS: dict[str, Transport] = {
             update=(LoadWeightsRequest,),
             versions_increase=False,
         ),
-        Transport(
-            name="nccl",
-            serves="trainer rank 0: broadcasts byte buckets into a group it hosts (NCCL on GPU, gloo on CPU)",
-            sending_ranks="rank 0",
-            announced_when="every inference server answered AwaitWeightsRequest: it serves version n",
-            announces_path=False,
-            loads="trainer",
-            setup=(InitBroadcastRequest,),
-            update=(BroadcastWeightsRequest, AwaitWeightsRequest),
-            versions_increase=False,
+        _pushed(
+            "nccl",
+            "trainer rank 0: broadcasts byte buckets into a group it hosts (NCCL on GPU, gloo on CPU)",
+            setup=InitBroadcastRequest,
+            first=BroadcastWeightsRequest,
         ),
-        Transport(
-            name="nixl",
-            serves="every trainer rank: its slice of each transfer group in registered slots the workers read",
+        _pushed(
+            "nixl",
+            "every trainer rank: its slice of each transfer group in registered slots the workers read",
+            setup=InitNixlRequest,
+            first=NixlWeightsRequest,
             sending_ranks="every rank",
-            announced_when="every inference server answered AwaitWeightsRequest: it serves version n",
-            announces_path=False,
-            loads="trainer",
-            setup=(InitNixlRequest,),
-            update=(NixlWeightsRequest, AwaitWeightsRequest),
             versions_increase=True,
         ),
-        Transport(
-            name="ipc",
-            serves="trainer rank 0: a ring of shared buckets on its GPU (CUDA IPC) or in /dev/shm, refilled as read",
-            sending_ranks="rank 0",
-            announced_when="every inference server answered AwaitWeightsRequest: it serves version n",
-            announces_path=False,
-            loads="trainer",
-            setup=(InitIpcRequest,),
-            update=(IpcWeightsRequest, AwaitWeightsRequest),
-            versions_increase=False,
+        _pushed(
+            "ipc",
+            "trainer rank 0: a ring of shared buckets on its GPU (CUDA IPC) or in /dev/shm, refilled as read",
+            setup=InitIpcRequest,
+            first=IpcWeightsRequest,
         ),
     )
 }
+
+
+FILESYSTEM = TRANSPORTS["filesystem"]
+NCCL = TRANSPORTS["nccl"]
+NIXL = TRANSPORTS["nixl"]
+IPC = TRANSPORTS["ipc"]
+"""Each transport's row by name, for the module that implements it (the requests it sends or answers)."""
 
 
 def refuse_version(transport: str, version: int, served: int) -> str | None:

@@ -42,18 +42,11 @@ from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.rundir import BROADCAST_MARKER
 from prime_rl.common.transport import ControlServer, ServerThread
 from prime_rl.common.wire import (
-    AwaitWeightsRequest,
-    BroadcastWeightsRequest,
     ControlReply,
     HealthReply,
     HealthRequest,
-    InitBroadcastRequest,
-    InitIpcRequest,
-    InitNixlRequest,
-    IpcWeightsRequest,
     LoadWeightsRequest,
     Message,
-    NixlWeightsRequest,
     PauseRequest,
     ResumeRequest,
     SleepRequest,
@@ -70,13 +63,7 @@ PAUSE_MODES = ("abort", "wait", "keep")
 
 WEIGHT_UPDATES: dict[type[Message], Callable[[Any, Any], Awaitable[ControlReply]]] = {
     LoadWeightsRequest: load_checkpoint,
-    InitBroadcastRequest: push.init_broadcast,
-    BroadcastWeightsRequest: push.begin_broadcast,
-    AwaitWeightsRequest: push.await_update,
-    InitNixlRequest: push.init_nixl,
-    NixlWeightsRequest: push.begin_nixl,
-    InitIpcRequest: push.init_ipc,
-    IpcWeightsRequest: push.begin_ipc,
+    **push.HANDLERS,
 }
 """Weight-update requests -> their handlers (``handler(controller, request)``): the filesystem transport's load
 (``weights.load``) and the push transports' requests (``weights.push``); which transport sends which is the table

@@ -51,6 +51,16 @@ class VLLMLauncher:
     """``AsyncLLM.update_weight_version`` exists (the controller labels tokens with the served version)."""
 
 
+_BLOCKS = (
+    ("make_arg_parser", "cli_args"),
+    ("validate_parsed_serve_args", "cli_args"),
+    ("setup_server", "setup_server"),
+    ("build_async_engine_client", "entry"),
+    ("build_and_serve", "entry"),
+)
+"""Each ``VLLMLauncher`` callable (imported under its own name) -> the ``LauncherLayout`` field naming its module."""
+
+
 def apply_engine_env() -> None:
     """``vllm_compat.engine_env_defaults`` into this process's environment (engine processes inherit it)."""
     for key, value in vc.engine_env_defaults(importlib.util.find_spec("flashinfer") is not None).items():
@@ -63,18 +73,8 @@ def load_launcher() -> VLLMLauncher:
     errors = []
     for layout in vc.launcher_layouts(version):
         try:
-            cli_args = importlib.import_module(layout.cli_args)
-            server = importlib.import_module(layout.setup_server)
-            entry = importlib.import_module(layout.entry)
-            return VLLMLauncher(
-                version=version,
-                make_arg_parser=cli_args.make_arg_parser,
-                validate_parsed_serve_args=cli_args.validate_parsed_serve_args,
-                setup_server=server.setup_server,
-                build_async_engine_client=entry.build_async_engine_client,
-                build_and_serve=entry.build_and_serve,
-                weight_version_label=layout.weight_version_label,
-            )
+            blocks = {name: getattr(importlib.import_module(getattr(layout, module)), name) for name, module in _BLOCKS}
+            return VLLMLauncher(version=version, weight_version_label=layout.weight_version_label, **blocks)
         except (ImportError, AttributeError) as e:
             errors.append(f"{layout.entry}: {e}")
     raise UnsupportedVLLM(f"vLLM {version}: none of the known server layouts imports ({'; '.join(errors)})")

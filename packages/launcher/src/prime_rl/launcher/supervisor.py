@@ -188,13 +188,12 @@ class Supervisor:
     def _spawn(self, comp: Component) -> _Running:
         comp.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(comp.log_path, "ab", buffering=0)
-        env = {**os.environ, **comp.env, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
             comp.cmd,
+            env={**os.environ, **comp.env, "PYTHONUNBUFFERED": "1"},  # unbuffered: the log shows output as it comes
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=env,
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )

@@ -39,7 +39,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from prime_rl.common.config.orchestrator import ClientModelConfig, SamplingConfig
+from prime_rl.common.config.orchestrator import ClientConfig, ClientModelConfig, SamplingConfig
 from prime_rl.common.vllm_compat import ROUTED_EXPERTS_FIELD
 from prime_rl.common.wire import SAMPLES_PATH, SAMPLING_KNOBS, SamplesRequest, SamplesResponse
 from prime_rl.orchestrator.envs.base import Messages
@@ -147,6 +147,12 @@ def resolve_api(api: str, metrics_urls: list[str], routed_experts: bool) -> str:
     return "samples" if len(metrics_urls) <= 1 and not routed_experts else "chat"
 
 
+def _config_default(name: str) -> Any:
+    """``[model.client]``'s default for ``name`` (``ClientConfig``): a client built without a config (tests,
+    tools) gets the settings a run gets, stated once. Read from the field, so no validator is built at import."""
+    return ClientConfig.model_fields[name].default
+
+
 class InferenceClient:
     """`await client.sample(messages, n, sampling)` -> prompt token ids + n completions."""
 
@@ -155,11 +161,11 @@ class InferenceClient:
         base_url: str,
         model: str,
         *,
-        api_key: str = "EMPTY",
-        timeout: float = 1800.0,
-        max_retries: int = 6,
-        retry_backoff: float = 0.5,
-        max_backoff: float = 10.0,
+        api_key: str = _config_default("api_key"),
+        timeout: float = _config_default("timeout"),
+        max_retries: int = _config_default("max_retries"),
+        retry_backoff: float = _config_default("retry_backoff"),
+        max_backoff: float = _config_default("max_backoff"),
         max_connections: int = 1024,
         metrics_urls: list[str] | None = None,
         watch: InferenceWatch | None = None,

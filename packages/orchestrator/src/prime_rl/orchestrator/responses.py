@@ -30,12 +30,18 @@ class ChatLogprobs(msgspec.Struct):
     content: list[LogprobEntry] | None = None
 
 
-class ChatChoice(msgspec.Struct):
+class _Choice(msgspec.Struct):
+    """What the orchestrator reads of a choice from either API: its place in ``n``, why it stopped and its
+    token ids (vLLM's ``return_token_ids``)."""
+
     index: int = 0
-    message: Message | None = None
-    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None
+
+
+class ChatChoice(_Choice):
+    message: Message | None = None
+    logprobs: ChatLogprobs | None = None
     routed_experts: str | None = msgspec.field(default=None, name=ROUTED_EXPERTS_FIELD)
 
 
@@ -67,12 +73,9 @@ class CompletionLogprobs(msgspec.Struct):
     token_logprobs: list[float] | None = None
 
 
-class CompletionChoice(msgspec.Struct):
-    index: int = 0
+class CompletionChoice(_Choice):
     text: str | None = None
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
 
 

@@ -293,8 +293,8 @@ class RolloutScheduler:
         if self.teacher is not None:
             advantages = advantages * np.float32(self.teacher.reward_weight)
             token_advantages = await self.teacher.token_advantages(result.prompt_ids, result.completions)
-        if adv.overlong_window > 0:
-            self._length_penalties.extend(float(p) for p in penalties)
+        length_penalties = [float(p) for p in penalties] if adv.overlong_window > 0 else []
+        self._length_penalties.extend(length_penalties)
         return Group(
             env=env.name,
             task=task,
@@ -305,7 +305,7 @@ class RolloutScheduler:
             num_failed=num_failed,
             advantages=[float(a) for a in advantages],
             token_advantages=token_advantages,
-            length_penalties=[float(p) for p in penalties] if adv.overlong_window > 0 else [],
+            length_penalties=length_penalties,
             task_index=task_index,
         )
 

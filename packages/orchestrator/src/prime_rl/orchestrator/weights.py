@@ -42,7 +42,7 @@ from prime_rl.common.heartbeat import Heartbeat
 from prime_rl.common.rundir import BROADCAST_MARKER, RunDir
 from prime_rl.common.servers import ServerSet
 from prime_rl.common.transport import ControlClient, PeerLostError, Receiver
-from prime_rl.common.weight_transports import TRANSPORTS
+from prime_rl.common.weight_transports import FILESYSTEM
 from prime_rl.common.wire import (
     ControlReply,
     HealthReply,
@@ -57,10 +57,6 @@ from prime_rl.common.wire import (
 from prime_rl.orchestrator.policy import PolicyState
 
 logger = logging.getLogger(__name__)
-
-
-FILESYSTEM = TRANSPORTS["filesystem"]
-"""This transport's row: the control requests that load a version."""
 
 
 class InferenceControl(Protocol):

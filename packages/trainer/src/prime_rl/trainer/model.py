@@ -12,15 +12,15 @@ and keeps its own shard).
 """
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from prime_rl.common.config.trainer import TrainerModelConfig
-from prime_rl.kernels import TokenLoss
 from prime_rl.trainer.lora import apply_lora, init_lora_weights, is_lora_param
 from prime_rl.trainer.memory_plan import require_resolved
-from prime_rl.trainer.models import PackedSeqs, build_model, load_hf_weights
+from prime_rl.trainer.models import build_model, load_hf_weights
 from prime_rl.trainer.parallel import ParallelDims, WorldMesh, parallelize_model
 
 
@@ -41,23 +41,16 @@ class CausalLM(nn.Module):
         position_ids: torch.Tensor,
         targets: torch.Tensor,
         temperature: float = 1.0,
-        seqs: PackedSeqs | None = None,
-        nll_sum: bool = False,
-        token_loss: TokenLoss | None = None,
+        **options: Any,
     ) -> tuple[torch.Tensor, ...] | torch.Tensor:
-        """(1, T) ids, positions, targets -> (logprobs, entropy), each (T,) fp32; targets < 0 give logprob 0.
-        ``seqs``: the document boundaries built on the host (``PackedSeqs``), which saves a device sync.
-
-        ``nll_sum=True`` returns one fp32 scalar instead, -sum of the non-ignored targets' logprobs (SFT's
-        loss), through the cross-entropy-only head ``fused_nll_sum``: no entropy, and three LM-head
-        matmuls instead of four because the gradient is computed in the forward. ``token_loss`` (RL's token-level
-        loss of the logprobs) returns (loss, logprobs, entropy) the same way (`Transformer.token_outputs`)."""
-        # The same arguments as `Transformer.token_outputs` but chunk_size (the run's): this forward is the FSDP
+        """`Transformer.token_outputs` with this run's ``chunk_size``; ``options`` are its keywords (``seqs``,
+        ``nll_sum``, ``token_loss``), documented there once. (1, T) ids, positions, targets -> (logprobs, entropy),
+        or SFT's -sum of logprobs (``nll_sum=True``), or RL's (loss, logprobs, entropy) (``token_loss``)."""
+        # The model's own method, not a copy of its signature: this forward exists only because it is the FSDP
         # root's, which must take the micro-batch itself so that its unit stays gathered for the whole head.
         return self.model.token_outputs(
-            input_ids, position_ids, targets, temperature, seqs=seqs, chunk_size=self.chunk_size, nll_sum=nll_sum,
-            token_loss=token_loss,
-        )  # fmt: skip
+            input_ids, position_ids, targets, temperature, chunk_size=self.chunk_size, **options
+        )
 
 
 def build_training_model(

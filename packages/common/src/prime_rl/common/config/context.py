@@ -50,12 +50,10 @@ class ModelContext:
 def read_model_context(name: str | Path) -> ModelContext | None:
     """The context of the local model directory ``name``; None when config.json is unreadable or has no
     max_position_embeddings."""
-    hf = read_hf_config(name)
+    hf = read_hf_config(name, requires="max_position_embeddings")
     if hf is None:
         return None
-    positions = hf.get("max_position_embeddings")
-    if not isinstance(positions, int):
-        return None
+    positions = hf["max_position_embeddings"]
     max_len, source = positions, f"max_position_embeddings={positions}"
     rope = hf.get("rope_scaling") or hf.get("rope_parameters")
     if isinstance(rope, dict) and "gemma3" not in str(hf.get("model_type", "")):

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_rl.common.config.base import MAX_PORT, BaseConfig
 
@@ -239,8 +239,9 @@ class SlurmConfig(BaseConfig):
             )
         return self
 
-    @model_validator(mode="after")
-    def _template_exists(self) -> SlurmConfig:
-        if self.template_path is not None and not Path(self.template_path).is_file():
-            raise ValueError(f"template_path={str(self.template_path)!r} is not a file; give a Jinja2 sbatch template")
-        return self
+    @field_validator("template_path")
+    @classmethod
+    def _template_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"template_path={str(value)!r} is not a file; give a Jinja2 sbatch template")
+        return value

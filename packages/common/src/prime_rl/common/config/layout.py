@@ -40,24 +40,26 @@ class ModelShape:
     """Has Mamba-2 layers (Nemotron-H), which context parallelism does not cover"""
 
 
-def read_hf_config(name: str | Path) -> dict | None:
+def read_hf_config(name: str | Path, requires: str | None = None) -> dict | None:
     """The text model's part of ``name``/config.json, read as JSON (no transformers import on the dry-run
-    path); None when there is no readable config.json."""
+    path); None when there is no readable config.json, or when it has no whole number under ``requires`` (the
+    key a reader cannot do without: it then knows nothing about the model, as with no config.json)."""
     try:
         hf = json.loads((Path(name) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return hf.get("text_config", hf) if isinstance(hf, dict) else None
+    hf = hf.get("text_config", hf) if isinstance(hf, dict) else None
+    if hf is None or (requires is not None and not isinstance(hf.get(requires), int)):
+        return None
+    return hf
 
 
 def read_model_shape(name: str | Path) -> ModelShape | None:
     """The shape of the model in local directory ``name``; None when there is no readable config.json."""
-    hf = read_hf_config(name)
+    hf = read_hf_config(name, requires="num_attention_heads")
     if hf is None:
         return None
-    heads = hf.get("num_attention_heads")
-    if not isinstance(heads, int):
-        return None
+    heads = hf["num_attention_heads"]
     experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
     return ModelShape(heads, hf.get("num_key_value_heads") or heads, int(experts), _has_mamba(hf))
 

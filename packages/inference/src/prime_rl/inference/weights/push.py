@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from prime_rl.common.weight_transports import refuse_version
@@ -26,6 +27,7 @@ from prime_rl.common.wire import (
     InitIpcRequest,
     InitNixlRequest,
     IpcWeightsRequest,
+    Message,
     NixlWeightsRequest,
     encode,
 )
@@ -241,3 +243,16 @@ async def init_ipc(controller: Controller, request: InitIpcRequest) -> ControlRe
 async def begin_ipc(controller: Controller, request: IpcWeightsRequest) -> ControlReply:
     """Validate the layout, then load it from the slots in a task; answered before the trainer fills them."""
     return await begin_streamed(controller, request, "ipc", "prime_receive_ipc", "IPC update")
+
+
+HANDLERS: dict[type[Message], Callable[[Controller, Any], Awaitable[ControlReply]]] = {
+    InitBroadcastRequest: init_broadcast,
+    BroadcastWeightsRequest: begin_broadcast,
+    AwaitWeightsRequest: await_update,
+    InitNixlRequest: init_nixl,
+    NixlWeightsRequest: begin_nixl,
+    InitIpcRequest: init_ipc,
+    IpcWeightsRequest: begin_ipc,
+}
+"""The push transports' control requests -> their handlers here (``handler(controller, request)``); kept beside
+the handlers so a push request is added in one module (``control.WEIGHT_UPDATES`` adds the filesystem load)."""

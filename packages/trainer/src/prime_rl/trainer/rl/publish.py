@@ -207,8 +207,7 @@ class BroadcastPublisher(PushPublisher):
                 host=cfg.host,
                 port=cfg.port,
                 backend=backend,
-                timeout_s=cfg.timeout,
-                keep_rollback_copy=cfg.keep_rollback_copy,
+                **self.sender_options(),
             )
             self.sender.connect()
 

@@ -12,7 +12,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -136,6 +136,11 @@ class PushPublisher(Publisher):
         super().__init__(cfg, model, world, job_name)
         if world.is_main:  # rank 0 sends the control requests, so it alone needs the addresses
             require_inference_addresses(cfg)
+
+    def sender_options(self) -> dict[str, Any]:
+        """What every push sender takes from the shared push config (``_PushConfig``), under the sender's keyword
+        names (the config's ``timeout`` is ``timeout_s``); a transport passes its own settings beside these."""
+        return {"timeout_s": self.cfg.timeout, "keep_rollback_copy": self.cfg.keep_rollback_copy}
 
     def close(self) -> None:
         try:

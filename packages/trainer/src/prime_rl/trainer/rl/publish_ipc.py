@@ -70,8 +70,7 @@ class IpcPublisher(PushPublisher):
                 memory=cfg.memory,
                 device=world.device,
                 bucket_bytes=cfg.bucket_bytes,
-                timeout_s=cfg.timeout,
-                keep_rollback_copy=cfg.keep_rollback_copy,
+                **self.sender_options(),
             )
 
     def publish(self, version: int) -> float:

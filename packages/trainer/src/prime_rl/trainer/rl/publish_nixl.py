@@ -41,9 +41,8 @@ class NixlPublisher(PushPublisher):
             session=session[0],
             group_bytes=cfg.group_bytes,
             overlap=cfg.overlap_transfer_and_replay,
-            keep_rollback_copy=cfg.keep_rollback_copy,
-            timeout_s=cfg.timeout,
             device=world.device,
+            **self.sender_options(),
         )
 
     def publish(self, version: int) -> float:

@@ -24,12 +24,9 @@ from prime_rl.common.weight_sync.broadcast import (
     build_weight_group,
     pack_bucket,
 )
-from prime_rl.common.weight_transports import TRANSPORTS
+from prime_rl.common.weight_transports import NCCL
 from prime_rl.common.wire import InitBroadcastRequest
 from prime_rl.trainer.weights.streamed_sender import StreamedSender
-
-NCCL = TRANSPORTS["nccl"]
-"""This transport's row: the control requests that load a version."""
 
 
 class WeightBroadcastError(RuntimeError):

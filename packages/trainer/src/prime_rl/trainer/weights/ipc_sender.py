@@ -28,16 +28,13 @@ from prime_rl.common.weight_sync.ipc import (
     new_session,
     remove_slots,
 )
-from prime_rl.common.weight_transports import TRANSPORTS
+from prime_rl.common.weight_transports import IPC
 from prime_rl.common.wire import (
     InitIpcRequest,
     IpcSlot,
     WakeUpRequest,
 )
 from prime_rl.trainer.weights.streamed_sender import StreamedSender
-
-IPC = TRANSPORTS["ipc"]
-"""This transport's row: the control requests that load a version."""
 
 
 class IpcWeightError(RuntimeError):

@@ -48,7 +48,7 @@ from prime_rl.common.nixl_metadata import MetadataClient, MetadataService, is_se
 from prime_rl.common.servers import ServerSet
 from prime_rl.common.weight_layout import dtype_name
 from prime_rl.common.weight_sync.nixl_agent import Backoff, allocate_buffers, make_agent, mem_type, release_agent
-from prime_rl.common.weight_transports import TRANSPORTS
+from prime_rl.common.weight_transports import NIXL
 from prime_rl.common.wire import (
     InitNixlRequest,
     NixlLayout,
@@ -57,10 +57,6 @@ from prime_rl.common.wire import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-NIXL = TRANSPORTS["nixl"]
-"""This transport's row: the control requests that load a version."""
 
 
 class NixlSendError(RuntimeError):
