@@ -23,9 +23,13 @@
 # 12-05, fourth session (H100, `nvidia-h100-x1`, no refusal): 1a, 1b, `install anchors rlcoloc` (432 s: rlcoloc 388),
 # `gputests lmhead trainer torchtitan` (296 s: 136, 49, 75, 36), `gpue2e` (500 s), `rlsplit` (217 s), `packed` (82 s):
 # 1,620 s of device time with the start. Results: rl_system.md, lm_head.md, trainer.md, rl_trainer.md.
-# Next session: `install anchors reshard trainerprof` (#31/#29: the RL trainer on real batches with the weights gathered
-# once a step, then where its fake-row steps lose 0.81-0.86x to sft), `lmhead` (--repeats 3, Liger's chunk rule),
-# then `trainer torchtitan packed` if a lever changed a default, `gputests_more lora`, `moe` (#32).
+# 12-05, fifth session (H100, no refusal, three machine starts): 1a, 1b, 1c (carry .gpu/c: vLLM's MoE ops), then
+# `install anchors moeops trainerprof reshard` (339 s), later `install anchors moeops reshard moemismatch` (305 s),
+# `gputests_more lmhead` (109 s), `rlsamples` (151 s), and on a third start `install anchors rlsamplesresh rlsamples`
+# (455 s): 1,675 s with the starts. Results: rl_trainer.md, rl_system.md, moe_mismatch.md, lm_head.md.
+# Next session: #32's routed experts through `rl` (none reached the trainer in `moemismatch`: log the orchestrator's
+# completions with experts, then `moeops moemismatch`), `kernels` (the grouped GEMM and Mamba-2 GPU tests), then
+# `trainer torchtitan packed` (#31: one call for the anchor and both row kinds at the new defaults).
 # Before (12-05, third session's plan): `rlsplit vllmalone` then `rlsamples` on an H200 (the issue's 1.2x is against vLLM alone with the
 # same share, which the H100's 80 GB does not give), `gputests` (GPU parity through the samples route), then
 # `trainer torchtitan packed` (#31, with the token-loss head) and `gputests_more lora`.
