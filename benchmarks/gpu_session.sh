@@ -27,8 +27,8 @@
 # `install anchors moeops trainerprof reshard` (339 s), later `install anchors moeops reshard moemismatch` (305 s),
 # `gputests_more lmhead` (109 s), `rlsamples` (151 s), and on a third start `install anchors rlsamplesresh rlsamples`
 # (455 s): 1,675 s with the starts. Results: rl_trainer.md, rl_system.md, moe_mismatch.md, lm_head.md.
-# Next session: #32's routed experts through `rl` (none reached the trainer in `moemismatch`: log the orchestrator's
-# completions with experts, then `moeops moemismatch`), `kernels` (the grouped GEMM and Mamba-2 GPU tests), then
+# Next session: `moeops moemismatch` (#32: router/* was absent in `rl` because compiled blocks skipped the
+# comparison; moe_mismatch.py --gpu now runs eager blocks), `kernels` (the grouped GEMM and Mamba-2 GPU tests), then
 # `trainer torchtitan packed` (#31: one call for the anchor and both row kinds at the new defaults).
 # Before (12-05, third session's plan): `rlsplit vllmalone` then `rlsamples` on an H200 (the issue's 1.2x is against vLLM alone with the
 # same share, which the H100's 80 GB does not give), `gputests` (GPU parity through the samples route), then

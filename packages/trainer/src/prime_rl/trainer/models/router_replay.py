@@ -65,12 +65,20 @@ def set_router_replay(model: nn.Module, routed_experts: torch.Tensor | None, rou
         router.replay_stats = None
 
 
-def replay_mismatch(model: nn.Module, device: torch.device) -> torch.Tensor:
+def replay_mismatch(model: nn.Module, device: torch.device, routed_experts: torch.Tensor | None) -> torch.Tensor:
     """(4,) float64 of the last forward: tokens whose experts differ from inference's at some MoE layer, tokens
-    inference reported, (token, layer) pairs that differ, (token, layer) pairs reported. Zeros without replay."""
-    stats = [r.replay_stats for r in moe_routers(model).values() if r.replay_stats is not None]
-    if not stats:
+    inference reported, (token, layer) pairs that differ, (token, layer) pairs reported. The reported counts come
+    from the micro-batch's ``routed_experts``; the differing ones from the routers' comparison, which only eager
+    blocks make (a compiled block cannot hand tensors out through module attributes): NaN there, so the metric is
+    left out rather than logged as 0. Zeros without routed experts."""
+    routers = moe_routers(model)
+    if routed_experts is None or not routers:
         return torch.zeros(4, dtype=torch.float64, device=device)
+    reported = (routed_experts[:, sorted(routers)] >= 0).all(dim=-1)  # (N, L): inference reported this layer
+    counts = [reported.any(dim=-1).sum(), reported.sum()]
+    stats = [r.replay_stats for r in routers.values()]
+    if any(s is None for s in stats):  # compiled blocks: not measured
+        nan = torch.tensor(float("nan"), device=device)
+        return torch.stack([nan, counts[0].double().to(device), nan, counts[1].double().to(device)])
     differ = torch.stack([d for d, _ in stats])  # (L, N)
-    valid = torch.stack([v for _, v in stats])  # (L, N)
-    return torch.stack([differ.any(0).sum(), valid.any(0).sum(), differ.sum(), valid.sum()]).double()
+    return torch.stack([differ.any(0).sum(), counts[0].to(device), differ.sum(), counts[1].to(device)]).double()

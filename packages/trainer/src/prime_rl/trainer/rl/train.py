@@ -23,6 +23,7 @@ sums each token on the one rank that holds it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -73,6 +74,7 @@ class RLObjective:
         ref_model: CausalLM | None = None,
         router_replay: bool = False,
         cp_group: dist.ProcessGroup | None = None,
+        logger: logging.Logger | None = None,
     ):
         if dims.cp_enabled and cp_group is None:
             raise ValueError(
@@ -84,6 +86,8 @@ class RLObjective:
         """Route by the experts inference reported (rows' ``routed_experts``); False: only measure the mismatch."""
         self.norm, self.max_len, self.ref_model = norm, max_len, ref_model
         self.cp_group = cp_group
+        self.logger = logger
+        self._said_unmeasured = False  # the compiled-blocks warning, once a run
 
     def _token_loss_forward(
         self,
@@ -187,7 +191,7 @@ class RLObjective:
                     cp_group=self.cp_group,
                 )  # fmt: skip
             loss.backward()
-            sums[6:] += replay_mismatch(model, world.device)
+            sums[6:] += replay_mismatch(model, world.device, mb.routed_experts)
             masked_entropy = torch.where(mb.loss_mask, entropy.detach(), torch.zeros_like(entropy)).sum()
             sums[:6] += torch.stack(
                 [
@@ -222,12 +226,23 @@ class RLObjective:
         return out
 
     def metrics(self, stats: dict[str, float]) -> dict[str, float]:
-        # router/*: only when inference reported routed experts (orchestrator.routed_experts)
+        # router/*: only when inference reported routed experts (orchestrator.routed_experts), and the mismatch
+        # only where the blocks measured it (eager: `replay_mismatch`)
         no_experts = not stats.get("router/reported_tokens")
+        unmeasured = not no_experts and math.isnan(stats.get("router/expert_mismatch", 0.0))
+        if unmeasured and not self._said_unmeasured and self.logger is not None:
+            self._said_unmeasured = True
+            self.logger.warning(
+                "router/expert_mismatch is not measured: inference reports routed experts, but compiled MoE blocks "
+                "skip the comparison (router replay itself still routes by them); set trainer.model.compile = "
+                '"None" to measure it'
+            )
         return {
             k: v
             for k, v in stats.items()
-            if k not in ("tokens", "optim/grad_norm") and not (no_experts and k.startswith("router/"))
+            if k not in ("tokens", "optim/grad_norm")
+            and not (no_experts and k.startswith("router/"))
+            and not (unmeasured and k.startswith("router/expert_mismatch"))
         }
 
     def summary(self, m: dict[str, float]) -> str:
@@ -262,7 +277,9 @@ def build_objective(
             ref_model = build_training_model(model_cfg, dims, mesh, world.device).requires_grad_(False)
         logger.info(f"KL control: {loss.kl.estimator} x {loss.kl.coef} against a frozen copy of {model_cfg.name}")
     cp_group = mesh["cp"].get_group() if dims.cp_enabled else None  # the cp ranks of one sequence
-    return RLObjective(dims, world, settings, loss.norm, loss.max_len, ref_model, model_cfg.moe.router_replay, cp_group)
+    return RLObjective(
+        dims, world, settings, loss.norm, loss.max_len, ref_model, model_cfg.moe.router_replay, cp_group, logger
+    )
 
 
 def apply_env_vars(env_vars: dict[str, str]) -> None:
