@@ -116,6 +116,21 @@ def test_weight_spec_sizes_include_bfloat16():
     assert TensorSpec(name="w", dtype="float32", shape=[3]).num_bytes == 12
 
 
+def test_tensor_bytes_is_the_one_size_rule():
+    """TensorSpec, the broadcast layout's Spec and the NIXL layout all size a tensor with wire.tensor_bytes."""
+    from prime_rl.common.nixl_layout import num_bytes
+    from prime_rl.common.weight_sync.broadcast import Spec
+    from prime_rl.common.wire import TensorSpec, tensor_bytes
+
+    assert tensor_bytes("bfloat16", (3, 4)) == 24
+    assert tensor_bytes("int64", ()) == 8  # a scalar
+    assert tensor_bytes("uint16", [5]) == 10  # outside the table: numpy's itemsize
+    spec = TensorSpec(name="w", dtype="float16", shape=[2, 3])
+    assert spec.num_bytes == num_bytes(spec) == Spec("w", "float16", (2, 3)).num_bytes == 12
+    with pytest.raises(ValueError, match="supported"):  # NIXL carries only the table's dtypes
+        num_bytes(TensorSpec(name="w", dtype="uint16", shape=[5]))
+
+
 def test_routed_experts_travel_as_an_optional_int16_frame():
     experts = np.arange(4 * 2 * 3).reshape(4, 2, 3) % 7
     plain, routed = _micro_batch(4), {**_micro_batch(4), "routed_experts": experts}

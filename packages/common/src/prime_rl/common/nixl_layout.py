@@ -18,12 +18,11 @@ they never disagree about where a byte lives:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from prime_rl.common.weight_layout import ALIGNMENT, align_up, pack_aligned
-from prime_rl.common.wire import DTYPE_ITEMSIZE, NixlLayout, TensorSpec
+from prime_rl.common.wire import DTYPE_ITEMSIZE, NixlLayout, TensorSpec, tensor_bytes
 
 DEFAULT_GROUP_BYTES = 256 << 20
 
@@ -40,7 +39,7 @@ class NixlProtocolError(RuntimeError):
 def num_bytes(spec: TensorSpec) -> int:
     if spec.dtype not in ITEMSIZE:
         raise ValueError(f"tensor {spec.name} has dtype {spec.dtype!r}; supported: {sorted(ITEMSIZE)}")
-    return math.prod(spec.shape) * ITEMSIZE[spec.dtype]
+    return tensor_bytes(spec.dtype, spec.shape)
 
 
 def plan_layout(

@@ -51,6 +51,14 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 """Bytes per element of every dtype name a ``TensorSpec`` may carry (torch names; numpy has no bfloat16)."""
 
 
+def tensor_bytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a dense tensor of dtype name ``dtype`` and ``shape``: the one size rule of every spec and transport.
+    A name outside ``DTYPE_ITEMSIZE`` takes numpy's itemsize (TypeError where numpy has no such dtype); the
+    transports that carry only the table's dtypes (NIXL, the inference server's checks) refuse others first."""
+    itemsize = DTYPE_ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
+    return math.prod(shape) * itemsize  # math.prod: 50x faster than np.prod here
+
+
 class WireError(ValueError):
     """A message could not be decoded: malformed bytes, unknown tag, wrong frames."""
 
@@ -98,8 +106,7 @@ class TensorSpec(_Struct):
 
     @property
     def num_bytes(self) -> int:
-        itemsize = DTYPE_ITEMSIZE.get(self.dtype) or np.dtype(self.dtype).itemsize
-        return math.prod(self.shape) * itemsize  # math.prod: 50x faster than np.prod here
+        return tensor_bytes(self.dtype, self.shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from prime_rl.common.weight_layout import ALIGNMENT as BUCKET_ALIGNMENT
 from prime_rl.common.weight_layout import dtype_name, pack_aligned
-from prime_rl.common.wire import TensorSpec
+from prime_rl.common.wire import TensorSpec, tensor_bytes
 
 STORE_PREFIX = "prime_rl/weight_broadcast"
 """Keys in the TCP store are namespaced so the store could be shared with other rendezvous users."""
@@ -107,10 +107,7 @@ class Spec:
 
     @property
     def num_bytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * getattr(torch, self.dtype).itemsize
+        return tensor_bytes(self.dtype, self.shape)
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> Spec:

@@ -9,7 +9,6 @@ refused update never touches the workers.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 from prime_rl.common.weight_checksum import safetensors_layout
 from prime_rl.common.weight_layout import ALIGNMENT as BUCKET_ALIGNMENT
 from prime_rl.common.weight_layout import SAFETENSORS_DTYPES  # codes -> wire.TensorSpec dtype names
-from prime_rl.common.wire import DTYPE_ITEMSIZE, TensorSpec
+from prime_rl.common.wire import DTYPE_ITEMSIZE, TensorSpec, tensor_bytes
 
 ITEMSIZE = DTYPE_ITEMSIZE  # one table for every transport, in prime_rl.common.wire
 FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16"}
@@ -35,12 +34,10 @@ class WeightUpdateError(ValueError):
 
 @dataclass(frozen=True)
 class Spec:
+    """One tensor's dtype name (a key of ``ITEMSIZE``) and shape; its size is ``wire.tensor_bytes``."""
+
     dtype: str
     shape: tuple[int, ...]
-
-    @property
-    def num_bytes(self) -> int:
-        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
 def read_safetensors_header(file: Path) -> dict[str, Spec]:
@@ -180,10 +177,11 @@ def check_bucket_layout(
             raise WeightUpdateError(
                 f"tensor {name} is in bucket {b}; buckets must be 0..{len(bucket_sizes) - 1}, in non-decreasing order"
             )
-        if off % BUCKET_ALIGNMENT or off < end_of[b] or off + spec.num_bytes > bucket_sizes[b]:
+        size = tensor_bytes(spec.dtype, spec.shape)
+        if off % BUCKET_ALIGNMENT or off < end_of[b] or off + size > bucket_sizes[b]:
             raise WeightUpdateError(
-                f"tensor {name} at byte {off} of bucket {b} ({spec.num_bytes} bytes, bucket {bucket_sizes[b]} bytes) "
+                f"tensor {name} at byte {off} of bucket {b} ({size} bytes, bucket {bucket_sizes[b]} bytes) "
                 f"overlaps the previous tensor, is not {BUCKET_ALIGNMENT}-byte aligned or does not fit"
             )
-        end_of[b] = off + spec.num_bytes
+        end_of[b] = off + size
         last_bucket = b

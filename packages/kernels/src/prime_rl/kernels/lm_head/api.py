@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 
+from prime_rl.kernels.lm_head.math import DEFAULT_CHUNK_SIZE
 from prime_rl.kernels.lm_head.torch_impl import fused_logprobs_entropy_torch
 
 Backend = Literal["auto", "triton", "torch"]
@@ -39,7 +40,7 @@ def fused_logprobs_entropy(
     weight: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 8192,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token logprobs and entropy of the LM head without a [T, V] float32 logits tensor.

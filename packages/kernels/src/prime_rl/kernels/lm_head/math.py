@@ -17,6 +17,8 @@ import torch
 
 IGNORE_INDEX = -100
 """Conventional ignore target; every negative target is treated the same way."""
+DEFAULT_CHUNK_SIZE = 8192
+"""Tokens per logits chunk of ``fused_logprobs_entropy`` and its two backends when the caller gives none."""
 
 
 def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float) -> None:

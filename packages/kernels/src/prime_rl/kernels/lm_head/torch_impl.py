@@ -13,7 +13,13 @@ import functools
 import torch
 
 from prime_rl.kernels.lm_head.function import BackwardInputs, LMHeadFunction
-from prime_rl.kernels.lm_head.math import check_inputs, finalize_stats, logit_grad, merge_lse_stats
+from prime_rl.kernels.lm_head.math import (
+    DEFAULT_CHUNK_SIZE,
+    check_inputs,
+    finalize_stats,
+    logit_grad,
+    merge_lse_stats,
+)
 
 DEFAULT_VOCAB_BLOCK = 8192
 
@@ -105,7 +111,7 @@ def fused_logprobs_entropy_torch(
     weight: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 8192,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     vocab_block: int = DEFAULT_VOCAB_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked torch LM head. Returns (logprobs [T] fp32, entropy [T] fp32); negative targets get logprob 0.

@@ -16,7 +16,7 @@ import torch
 import triton
 
 from prime_rl.kernels.lm_head.function import BackwardInputs, LMHeadFunction
-from prime_rl.kernels.lm_head.math import check_inputs, finalize_stats
+from prime_rl.kernels.lm_head.math import DEFAULT_CHUNK_SIZE, check_inputs, finalize_stats
 from prime_rl.kernels.lm_head.triton_kernels import lm_head_dlogits_kernel, lm_head_fwd_kernel
 
 # Elements of one dL/dlogits buffer (2^27 = 256 MiB in bf16).
@@ -147,7 +147,7 @@ def fused_logprobs_entropy_triton(
     weight: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 8192,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton LM head. Same contract as fused_logprobs_entropy_torch; target ids >= V are not checked."""
     check_inputs(hidden, weight, targets, temperature)
