@@ -481,3 +481,18 @@ def test_missing_moe_dispatch_kernels_are_one_line_exit_2_before_anything_starts
     assert e.value.code == 2 and err.startswith("rl: error: [trainer.model.moe.dispatch] type = "), err
     assert err.count("\n") == 1 and needs in err and 'use type = "torch"' in err
     assert not out.exists()  # no config written, nothing launched
+
+
+def test_an_expert_precision_that_cannot_run_is_one_line_exit_2_before_anything_starts(tmp_path, capsys):
+    """`[trainer.model.moe.compute] type = "mxfp8"` is not wired in: refused before inference or torchrun start."""
+    from prime_rl.launcher.rl import main
+
+    model_dir = make_tiny_model(tmp_path / "moe", kind="qwen3_moe", dtype="float32")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(["--model.name", str(model_dir), "--output-dir", str(out), "--trainer.model.moe.compute.type", "mxfp8",
+              "--dry-run"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith('rl: error: [trainer.model.moe.compute] type = "mxfp8"'), err
+    assert err.count("\n") == 1 and 'use type = "bf16"' in err
+    assert not out.exists()

@@ -1,12 +1,13 @@
-"""A `[model.moe.dispatch]` backend without its kernels ends `sft` and `trainer` with one line and exit 2
-before torchrun starts, in `--dry-run` too (issue 32's bad input), instead of a traceback from every rank."""
+"""A `[model.moe.dispatch]` backend without its kernels, or a `[model.moe.compute]` precision this trainer cannot
+run, ends `sft` and `trainer` with one line and exit 2 before torchrun starts, in `--dry-run` too (issue 32's bad
+input), instead of a traceback from every rank."""
 
 import subprocess
 import sys
 
 import pytest
 
-from prime_rl.common.dispatch_kernels import dispatch_kernels_error
+from prime_rl.common.dispatch_kernels import compute_kernels_error, dispatch_kernels_error
 from prime_rl.trainer.rl.train import main as trainer_main
 from prime_rl.trainer.sft.entrypoint import main as sft_main
 
@@ -32,8 +33,25 @@ def test_missing_dispatch_kernels_exit_2_in_one_line_before_torchrun(
     assert not (tmp_path / "rl").exists() and not any(tmp_path.iterdir())  # nothing written, nothing launched
 
 
-def test_torch_dispatch_imports_nothing(no_kernels):
-    assert dispatch_kernels_error("torch") is None
+@pytest.mark.parametrize(
+    "compute,needs", [("deepgemm_fp8", "deep_gemm.m_grouped_fp8_gemm_nt_contiguous"), ("mxfp8", "SM100")]
+)
+@pytest.mark.parametrize("prog", ["sft", "trainer"])
+def test_an_expert_precision_that_cannot_run_exits_2_in_one_line_before_torchrun(
+    no_kernels, tmp_path, capsys, prog, compute, needs
+):
+    main = sft_main if prog == "sft" else trainer_main
+    args = ["--model.name", "m", "--output-dir", str(tmp_path), "--model.moe.compute.type", compute, "--dry-run"]
+    with pytest.raises(SystemExit) as e:
+        main(args + (["--data.type", "fake"] if prog == "sft" else []))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"{prog}: error: [model.moe.compute] ") and err.count("\n") == 1, err
+    assert needs in err and 'use type = "bf16"' in err
+    assert not any(tmp_path.iterdir())  # nothing written, nothing launched
+
+
+def test_torch_dispatch_and_bf16_compute_import_nothing(no_kernels):
+    assert dispatch_kernels_error("torch") is None and compute_kernels_error("bf16") is None
 
 
 def test_the_check_keeps_sft_start_up_free_of_torch():

@@ -47,7 +47,7 @@ from prime_rl.common.config.deployment import (
 )
 from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl import RLConfig
-from prime_rl.common.dispatch_kernels import exit_if_dispatch_kernels_missing
+from prime_rl.common.dispatch_kernels import exit_if_moe_kernels_missing
 from prime_rl.common.env import (
     HEARTBEAT_DIR_ENV,
     SECRET_FILE_ENV,
@@ -382,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         sys.exit(2)
     # here, not in the SLURM job's submit step above: that host need not have the GPU nodes' kernels
-    exit_if_dispatch_kernels_missing(cfg.trainer.model.moe.dispatch.type, "rl", "trainer.model.moe.dispatch")
+    moe = cfg.trainer.model.moe
+    exit_if_moe_kernels_missing(moe.dispatch.type, moe.compute.type, "rl", "trainer.model.moe")
     try:
         infer_gpus, train_gpus = place(cfg.deployment, visible_gpus())
         facts = gather_local(cfg, run_dir)

@@ -35,7 +35,7 @@ from prime_rl.common.config import ConfigError, parse_config
 from prime_rl.common.config.layout import LayoutError, check_layout, read_model_shape
 from prime_rl.common.config.rl_trainer import RLTrainerConfig, SequenceLossConfig, TokenLossConfig
 from prime_rl.common.config.trainer import TrainerModelConfig
-from prime_rl.common.dispatch_kernels import exit_if_dispatch_kernels_missing
+from prime_rl.common.dispatch_kernels import exit_if_moe_kernels_missing
 from prime_rl.common.rundir import RunDir
 from prime_rl.common.wire import DTYPE_ITEMSIZE
 from prime_rl.trainer.colocate import StepOffload
@@ -375,7 +375,7 @@ def check_dry_run(cfg: RLTrainerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.captureWarnings(True)
     cfg = parse_config(RLTrainerConfig, argv, prog="trainer", check=check_dry_run)
-    exit_if_dispatch_kernels_missing(cfg.model.moe.dispatch.type, "trainer")  # also in --dry-run
+    exit_if_moe_kernels_missing(cfg.model.moe.dispatch.type, cfg.model.moe.compute.type, "trainer")  # --dry-run too
     if cfg.dry_run:
         from prime_rl.common.config import write_toml
 

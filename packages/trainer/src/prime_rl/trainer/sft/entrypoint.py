@@ -17,7 +17,7 @@ from prime_rl.common import commands
 from prime_rl.common.config import parse_config, write_toml
 from prime_rl.common.config.slurm_route import run_through_slurm, wants_slurm
 from prime_rl.common.config.trainer import SFTConfig
-from prime_rl.common.dispatch_kernels import exit_if_dispatch_kernels_missing
+from prime_rl.common.dispatch_kernels import exit_if_moe_kernels_missing
 from prime_rl.common.env import TRAINER_LOG_DIR_ENV
 from prime_rl.common.rundir import RunDir
 
@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     if wants_slurm(argv):  # multi-node: the launcher writes and submits sft.sbatch
         raise SystemExit(run_through_slurm("sft", argv, PROG))
     cfg = parse_config(SFTConfig, argv, prog=PROG)
-    exit_if_dispatch_kernels_missing(cfg.model.moe.dispatch.type, PROG)  # one line here, not one traceback per rank
+    moe = cfg.model.moe  # one line here, not one traceback per rank
+    exit_if_moe_kernels_missing(moe.dispatch.type, moe.compute.type, PROG)
     run_dir = RunDir(cfg.output_dir, cfg.run_name)
     if cfg.dry_run:
         path = write_toml(cfg.model_copy(update={"dry_run": False}), run_dir.config_path("trainer"))
