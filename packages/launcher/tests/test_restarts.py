@@ -78,11 +78,14 @@ def _components(tmp_path: Path, mode: str, max_restarts: int, trainer_s: float) 
     ]
 
 
-def _kill_server(tmp_path: Path, nth_start: int) -> None:
-    """SIGKILL the API-server stand-in of start ``nth_start`` (not its engine: the supervisor must find it)."""
+def _kill_server(tmp_path: Path, nth_start: int, sup: Supervisor) -> None:
+    """SIGKILL the API-server stand-in of start ``nth_start`` (not its engine: the supervisor must find it), once
+    ``sup`` has seen that start ready (a death before that is a start-up failure, which is not restarted)."""
     _wait(lambda: len(_starts(tmp_path / "starts")) >= nth_start, what=f"start {nth_start}")
     _wait(lambda: (tmp_path / "ready").exists(), what="ready")
-    time.sleep(0.5)  # let the supervisor see it ready first
+    # not a fixed pause: under CI load (2 cores, 2 xdist workers) 0.5 s was once too short, and the kill of a
+    # server the supervisor had not yet seen ready stopped the run instead of restarting it
+    _wait(lambda: any(r.component.name == "inference" and r.was_ready for r in sup.running), what="seen ready")
     (tmp_path / "ready").unlink()
     os.kill(_starts(tmp_path / "starts")[nth_start - 1][0], signal.SIGKILL)
 
@@ -134,7 +137,7 @@ def test_a_killed_server_is_restarted_while_the_trainer_runs_on(tmp_path, caplog
         stop_timeout_s=5,
         on_restart=lambda event, n: events.append((event, n)),
     )
-    thread = threading.Thread(target=_kill_server, args=(tmp_path, 1))
+    thread = threading.Thread(target=_kill_server, args=(tmp_path, 1, sup))
     thread.start()
     with caplog.at_level(logging.INFO, logger="prime_rl.launcher"):
         assert sup.run() == 0, sup.reason
@@ -155,7 +158,7 @@ def test_a_killed_server_is_restarted_while_the_trainer_runs_on(tmp_path, caplog
 def test_a_restart_that_dies_during_start_up_stops_the_run_naming_both_causes(tmp_path):
     sup = Supervisor(_components(tmp_path, "fail-after-first", max_restarts=1, trainer_s=60.0), poll_s=0.05,
                      stop_timeout_s=5)  # fmt: skip
-    thread = threading.Thread(target=_kill_server, args=(tmp_path, 1))
+    thread = threading.Thread(target=_kill_server, args=(tmp_path, 1, sup))
     thread.start()
     start = time.monotonic()
     assert sup.run() == 1
@@ -171,8 +174,8 @@ def test_no_restart_left_stops_the_run_naming_the_earlier_death(tmp_path):
     sup = Supervisor(_components(tmp_path, "ok", max_restarts=1, trainer_s=60.0), poll_s=0.05, stop_timeout_s=5)
 
     def kill_twice() -> None:
-        _kill_server(tmp_path, 1)
-        _kill_server(tmp_path, 2)
+        _kill_server(tmp_path, 1, sup)
+        _kill_server(tmp_path, 2, sup)
 
     thread = threading.Thread(target=kill_twice)
     thread.start()
@@ -185,7 +188,7 @@ def test_no_restart_left_stops_the_run_naming_the_earlier_death(tmp_path):
 @pytest.mark.chaos
 def test_zero_restarts_stops_the_run_naming_the_server(tmp_path):
     sup = Supervisor(_components(tmp_path, "ok", max_restarts=0, trainer_s=60.0), poll_s=0.05, stop_timeout_s=5)
-    thread = threading.Thread(target=_kill_server, args=(tmp_path, 1))
+    thread = threading.Thread(target=_kill_server, args=(tmp_path, 1, sup))
     thread.start()
     assert sup.run() == 1
     thread.join()
