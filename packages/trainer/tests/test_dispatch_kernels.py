@@ -18,35 +18,26 @@ def no_kernels(monkeypatch):
         monkeypatch.setitem(sys.modules, module, None)
 
 
-@pytest.mark.parametrize("dispatch,needs", [("mega_moe", "deep_gemm.mega_moe_dispatch"), ("deepep", "`deep_ep`")])
-@pytest.mark.parametrize("prog", ["sft", "trainer"])
-def test_missing_dispatch_kernels_exit_2_in_one_line_before_torchrun(
-    no_kernels, tmp_path, capsys, prog, dispatch, needs
-):
-    main = sft_main if prog == "sft" else trainer_main
-    args = ["--model.name", "m", "--output-dir", str(tmp_path), "--model.moe.dispatch.type", dispatch, "--dry-run"]
-    with pytest.raises(SystemExit) as e:
-        main(args + (["--data.type", "fake"] if prog == "sft" else []))
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith(f"{prog}: error: ") and err.count("\n") == 1, err
-    assert needs in err and 'use type = "torch"' in err
-    assert not (tmp_path / "rl").exists() and not any(tmp_path.iterdir())  # nothing written, nothing launched
-
-
 @pytest.mark.parametrize(
-    "compute,needs", [("deepgemm_fp8", "deep_gemm.m_grouped_fp8_gemm_nt_contiguous"), ("mxfp8", "SM100")]
+    "table,value,needs,fix",
+    [
+        ("dispatch", "mega_moe", "deep_gemm.mega_moe_dispatch", 'use type = "torch"'),
+        ("dispatch", "deepep", "`deep_ep`", 'use type = "torch"'),
+        ("compute", "deepgemm_fp8", "deep_gemm.m_grouped_fp8_gemm_nt_contiguous", 'use type = "bf16"'),
+        ("compute", "mxfp8", "SM100", 'use type = "bf16"'),
+    ],
 )
 @pytest.mark.parametrize("prog", ["sft", "trainer"])
-def test_an_expert_precision_that_cannot_run_exits_2_in_one_line_before_torchrun(
-    no_kernels, tmp_path, capsys, prog, compute, needs
+def test_a_moe_setting_that_cannot_run_exits_2_in_one_line_before_torchrun(
+    no_kernels, tmp_path, capsys, prog, table, value, needs, fix
 ):
     main = sft_main if prog == "sft" else trainer_main
-    args = ["--model.name", "m", "--output-dir", str(tmp_path), "--model.moe.compute.type", compute, "--dry-run"]
+    args = ["--model.name", "m", "--output-dir", str(tmp_path), f"--model.moe.{table}.type", value, "--dry-run"]
     with pytest.raises(SystemExit) as e:
         main(args + (["--data.type", "fake"] if prog == "sft" else []))
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith(f"{prog}: error: [model.moe.compute] ") and err.count("\n") == 1, err
-    assert needs in err and 'use type = "bf16"' in err
+    assert e.value.code == 2 and err.startswith(f"{prog}: error: [model.moe.{table}] ") and err.count("\n") == 1, err
+    assert needs in err and fix in err
     assert not any(tmp_path.iterdir())  # nothing written, nothing launched
 
 

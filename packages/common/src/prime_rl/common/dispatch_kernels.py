@@ -61,8 +61,9 @@ def exit_if_moe_kernels_missing(dispatch_type: str, compute_type: str, prog: str
     """Before torchrun (and in --dry-run): `<prog>: error: <line>` on stderr and exit 2 when the MoE dispatch's
     kernels are missing or the routed-expert precision cannot run; ``prefix`` is where the command's config keeps
     the MoE tables (``rl``: ``trainer.model.moe``). The "torch" dispatch and "bf16" compute import nothing."""
-    error = dispatch_kernels_error(dispatch_type, f"{prefix}.dispatch") if dispatch_type != "torch" else None
-    error = error or compute_kernels_error(compute_type, f"{prefix}.compute")
+    error = dispatch_kernels_error(dispatch_type, f"{prefix}.dispatch") or compute_kernels_error(
+        compute_type, f"{prefix}.compute"
+    )
     if error:
         sys.stderr.write(f"{prog}: error: {error}\n")
         raise SystemExit(2)

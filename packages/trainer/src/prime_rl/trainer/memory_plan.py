@@ -11,9 +11,10 @@ them runs a 4B model out of memory on a small one. So "auto" estimates the peak 
 `model.reshard_after_forward = "auto"` is a lever too: each plan but full offload is tried first with the bf16
 weights gathered once a step and kept to its last backward (false: no re-gather in backward, none per
 micro-batch), then resharded after every forward (true). A colocated trainer (optimizer offload, planned for the
-GPU while inference sleeps) keeps them too: they are freed after the step's last backward, before inference wakes. The RL trainer on real-shaped batches (256 rollouts of
-up to 2,048 tokens, 8,192 tokens a forward, one H100, 2026-12-05) ran 37,000 tok/s kept against 34,036
-resharded (1.087x) for 46.1 against 43.6 GiB: 2 bytes a parameter bought back ~8% of the step.
+GPU while inference sleeps) keeps them too: they are freed after the step's last backward, before inference
+wakes. The RL trainer on real-shaped batches (256 rollouts of up to 2,048 tokens, 8,192 tokens a forward, one
+H100, 2026-12-05) ran 37,000 tok/s kept against 34,036 resharded (1.087x) for 46.1 against 43.6 GiB: 2 bytes a
+parameter bought back ~8% of the step.
 
 The estimate (bytes on one rank), with N parameters (T trainable), FSDP shard count S, t tokens per forward:
 - state: fp32 master + fp32 gradient + optimizer state (AdamW 8 bytes, SignSGD 0) per trainable parameter,

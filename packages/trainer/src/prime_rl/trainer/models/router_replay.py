@@ -75,10 +75,11 @@ def replay_mismatch(model: nn.Module, device: torch.device, routed_experts: torc
     if routed_experts is None or not routers:
         return torch.zeros(4, dtype=torch.float64, device=device)
     reported = (routed_experts[:, sorted(routers)] >= 0).all(dim=-1)  # (N, L): inference reported this layer
-    counts = [reported.any(dim=-1).sum(), reported.sum()]
     stats = [r.replay_stats for r in routers.values()]
     if any(s is None for s in stats):  # compiled blocks: not measured
-        nan = torch.tensor(float("nan"), device=device)
-        return torch.stack([nan, counts[0].double().to(device), nan, counts[1].double().to(device)])
-    differ = torch.stack([d for d, _ in stats])  # (L, N)
-    return torch.stack([differ.any(0).sum(), counts[0].to(device), differ.sum(), counts[1].to(device)]).double()
+        differ_tokens = differ_pairs = torch.tensor(float("nan"), device=device)
+    else:
+        differ = torch.stack([d for d, _ in stats])  # (L, N)
+        differ_tokens, differ_pairs = differ.any(0).sum(), differ.sum()
+    counts = [differ_tokens, reported.any(dim=-1).sum(), differ_pairs, reported.sum()]
+    return torch.stack([c.double().to(device) for c in counts])
